@@ -1,0 +1,39 @@
+"""What every `python -m paisoar_jax.*` entrypoint shares: argument parsing and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from paisoar_jax.config import Config, load_config
+from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def config_parser(program: str, description: str) -> argparse.ArgumentParser:
+    """A parser for `[--config FILE.yaml] [section.key=value ...]`."""
+    parser = argparse.ArgumentParser(prog=program, description=description)
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file, or the name of a shipped config (default: the embedded tiny GPT)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="e.g. optim.lr=1e-3 mesh.fsdp=2"
+    )
+    return parser
+
+
+def run(
+    main: Callable[[Config], object],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Parses the config and runs `main`; bad input becomes one line and exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        main(load_config(args.config, args.overrides))
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    return 0

@@ -1,0 +1,337 @@
+"""Run configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
+
+A YAML file holds sections named after the fields of `Config` (mesh, model, data, ...); each
+section lists only what differs from the dataclass defaults, so the defaults alone are the
+embedded CPU-friendly run. Command-line overrides look like `optim.lr=3e-4`. Unknown keys,
+wrong types and values outside a field's choices raise `UserError` with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from paisoar_jax.errors import UserError
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh with axes (data, fsdp, tensor); -1 fills the remaining devices."""
+
+    data: int = -1  # pure data parallelism within a host (ici)
+    fsdp: int = 1  # params sharded over this axis, gathered per layer (FSDP)
+    tensor: int = 1  # Megatron tensor parallelism: heads and MLP hidden split
+    dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
+    dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
+    zero: int = 0  # 0 replicate over data; 1 (=2) shard optimizer state; 3 params too
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model choice (a name in the registry) and its shape."""
+
+    name: str = "gpt"
+    vocab_size: int = 256  # the embedded corpus is read byte-level
+    seq_len: int = 128
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    mlp_width: int = 0  # MLP hidden width; 0 means 4 * width
+    position: Literal["learned", "rotary"] = "learned"
+    tie_embeddings: bool = True
+    scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
+    attention: Literal["auto", "xla", "cudnn"] = "auto"  # jax.nn.dot_product_attention backend
+    init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are loaded."""
+
+    source: str = "embedded"  # embedded | synthetic
+    workers: int = 0  # grain worker processes (0: read in the main process)
+    prefetch: int = 2  # global batches in flight on the devices
+    eval_fraction: float = 0.05  # share of the embedded corpus held out for eval
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule, clipping and weight decay."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 30
+    final_lr_fraction: float = 0.1  # cosine/linear decay ends at lr * this
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    weight_decay: float = 0.1  # decoupled; never applied to norms and biases
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    nesterov: bool = False  # sgd only
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # rescale lr for the global batch
+    base_batch: int = 0  # the global batch `lr` was tuned for (needed when lr_scaling != none)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed-precision policy: params stay fp32, compute runs in the policy's dtype."""
+
+    policy: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    """Activation checkpointing per transformer block (names in paisoar_jax.remat)."""
+
+    policy: Literal["none", "full", "dots", "dots_no_batch", "minimal"] = "none"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under run.dir/checkpoints (or `dir`)."""
+
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 0  # save every N steps (0: only at the end); needs checkpointing support
+    keep: int = 3
+    resume: str = "auto"  # auto | never | <step>
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Length, batch and cadence of the training loop."""
+
+    steps: int = 400
+    global_batch: int = 16  # sequences per optimizer step, over all devices and micro-batches
+    grad_accum: int = 1  # micro-batches per optimizer step, accumulated inside the step
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables eval
+    eval_batches: int = 4
+    sample_bytes: int = 160  # length of the text sample generated at the end (0: none)
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 looks the device kind up
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where the run writes and what it shows."""
+
+    name: str = "default"
+    dir: str = ""  # empty: runs/<name>
+    tensorboard: bool = True
+    progress: bool = True  # tqdm progress bar
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run: one section per concern."""
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        """The directory that holds everything this run writes."""
+        return pathlib.Path(self.run.dir or f"runs/{self.run.name}")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    """Returns `value` as type `kind`, accepting strings from the command line."""
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise UserError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+    raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> Any:
+    """Builds one section dataclass from a dict, rejecting unknown keys and wrong types."""
+    if not isinstance(values, dict):
+        raise UserError(f"{prefix}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(section_type)
+    known = {f.name for f in dataclasses.fields(section_type)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise UserError(
+                f"unknown config key {prefix}.{key} (known: {', '.join(sorted(known))})"
+            )
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
+    return section_type(**kwargs)
+
+
+def resolve_config_path(path_or_name: str) -> pathlib.Path:
+    """Finds a config by path, or by name among the shipped configs (`gpt2_124m`)."""
+    path = pathlib.Path(path_or_name)
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{path.stem}.yaml"
+    if len(path.parts) == 1 and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise UserError(f"config file not found: {path_or_name} (shipped configs: {names})")
+
+
+def _parse_override(text: str) -> tuple[str, str, str]:
+    """Splits `section.key=value` into its three parts."""
+    if "=" not in text:
+        raise UserError(f"override {text!r} is not of the form section.key=value")
+    dotted, value = text.split("=", 1)
+    if dotted.count(".") != 1:
+        raise UserError(f"override key {dotted!r} is not of the form section.key")
+    section, key = dotted.split(".")
+    return section, key, value
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Loads a YAML config (or the defaults when `path` is None) and applies overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        config_path = resolve_config_path(path)
+        try:
+            raw = yaml.safe_load(config_path.read_text()) or {}
+        except yaml.YAMLError as error:
+            first_line = str(error).splitlines()[0]
+            raise UserError(f"{config_path}: not valid YAML ({first_line})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{config_path}: expected a mapping of sections at the top level")
+        raw.setdefault("run", {}).setdefault("name", config_path.stem)
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        if section not in sections:
+            raise UserError(f"unknown config section {section!r} in override {text!r}")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise UserError(f"{section}: expected a mapping of keys")
+        raw[section][key] = value
+    for name in raw:
+        if name not in sections:
+            raise UserError(f"unknown config section {name!r} (known: {', '.join(sections)})")
+    config = Config(
+        **{
+            name: _build_section(_section_type(section_field), raw.get(name) or {}, name)
+            for name, section_field in sections.items()
+        }
+    )
+    validate(config)
+    return config
+
+
+def _section_type(section_field: dataclasses.Field) -> type:
+    """The dataclass type of one `Config` field."""
+    return typing.get_type_hints(Config)[section_field.name]
+
+
+def validate(config: Config) -> None:
+    """Checks what one section cannot check alone; mesh-size checks live in sharding.py."""
+    model, train, optim, mesh = config.model, config.train, config.optim, config.mesh
+    positive = {
+        "model.vocab_size": model.vocab_size,
+        "model.seq_len": model.seq_len,
+        "model.layers": model.layers,
+        "model.width": model.width,
+        "model.heads": model.heads,
+        "train.steps": train.steps,
+        "train.global_batch": train.global_batch,
+        "train.grad_accum": train.grad_accum,
+        "train.log_every": train.log_every,
+        "data.prefetch": config.data.prefetch,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise UserError(f"{key} must be >= 1, got {value}")
+    if model.mlp_width < 0:
+        raise UserError(f"model.mlp_width must be >= 0 (0 means 4 * width), got {model.mlp_width}")
+    if model.width % model.heads:
+        raise UserError(f"model.width={model.width} is not divisible by model.heads={model.heads}")
+    if model.position == "rotary" and (model.width // model.heads) % 2:
+        raise UserError("model.position=rotary needs an even head width (width / heads)")
+    if train.global_batch % train.grad_accum:
+        raise UserError(
+            f"train.global_batch={train.global_batch} is not divisible by "
+            f"train.grad_accum={train.grad_accum}"
+        )
+    if mesh.zero not in (0, 1, 2, 3):
+        raise UserError(f"mesh.zero must be 0, 1, 2 or 3, got {mesh.zero}")
+    for key in ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp"):
+        size = getattr(mesh, key)
+        if size == 0 or size < -1:
+            raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
+    if optim.lr_scaling != "none" and optim.base_batch < 1:
+        raise UserError(f"optim.lr_scaling={optim.lr_scaling} needs optim.base_batch >= 1")
+    if optim.lr <= 0:
+        raise UserError(f"optim.lr must be > 0, got {optim.lr}")
+    if not 0 <= config.data.eval_fraction < 1:
+        raise UserError(f"data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The resolved config as plain dicts, for config.yaml in the run directory."""
+    return dataclasses.asdict(config)
+
+
+def dump_yaml(config: Config) -> str:
+    """The resolved config as YAML text that load_config reads back to the same Config."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+__all__ = [
+    "CONFIG_DIR",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "RematConfig",
+    "RunConfig",
+    "TrainConfig",
+    "dump_yaml",
+    "load_config",
+    "resolve_config_path",
+    "validate",
+]

@@ -1,0 +1,1 @@
+"""The input pipeline: token sources, the grain pipeline and device prefetch."""

@@ -1,0 +1,12 @@
+"""The one exception type for bad user input.
+
+Anything a user can get wrong (a config key, a mesh shape, a data path) raises `UserError`
+with one line naming the culprit. Entrypoints print that line and exit with status 2
+instead of a traceback; everything else is a bug and keeps its traceback.
+"""
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""

@@ -1,0 +1,216 @@
+"""The training loop: one straight path from config to a trained model, no hook framework.
+
+mesh -> sharded state -> grain batches prefetched to the devices -> the compiled step, with
+explicit `if step % k == 0` actions for logging and eval. The host reads device values only
+at log and eval steps, so the step loop never stalls on a device sync otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from paisoar_jax import sharding
+from paisoar_jax.config import Config, dump_yaml
+from paisoar_jax.data.pipeline import batch_dataset
+from paisoar_jax.data.prefetch import DevicePrefetcher
+from paisoar_jax.data.sources import open_source
+from paisoar_jax.errors import UserError
+from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
+from paisoar_jax.models import model_class
+from paisoar_jax.optim import build_optimizer
+from paisoar_jax.sample import generate
+from paisoar_jax.state import init_state, plan_state
+from paisoar_jax.step import jit_eval_step, jit_train_step
+
+SAMPLE_PROMPT = b"def "
+
+
+def evaluate(eval_step, params, eval_source, config: Config, mesh) -> float:
+    """Mean loss over the first train.eval_batches batches of the held-out split."""
+    batches = iter(
+        batch_dataset(
+            eval_source,
+            batch_per_process=config.train.global_batch // jax.process_count(),
+            seed=config.train.seed,
+            shuffle=False,
+        )
+    )
+    losses = []
+    for _ in range(config.train.eval_batches):
+        batch = jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), next(batches))
+        losses.append(eval_step(params, batch))
+    return float(np.mean(jax.device_get(losses)))
+
+
+class IntervalTimer:
+    """Wall time, input wait and throughput between two log steps."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.restart(step=0)
+
+    def restart(self, step: int) -> None:
+        """Starts a new interval after `step` (also after eval, whose time is not step time)."""
+        self.start_time, self.start_step, self.wait_s = time.perf_counter(), step, 0.0
+
+    def timings(self, step: int) -> dict[str, Any]:
+        """step_time_s, tokens_per_s, mfu and data_wait_frac of the interval ending at `step`."""
+        elapsed = time.perf_counter() - self.start_time
+        step_time_s = elapsed / (step - self.start_step)
+        tokens_per_s = self.tokens_per_step / step_time_s
+        return {
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops),
+            "data_wait_frac": self.wait_s / elapsed,
+        }
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Trains as configured and returns the run's summary (also printed as one line)."""
+    train_config = config.train
+    if config.checkpoint.every > 0:
+        raise UserError("checkpoint.every: checkpoint saving is not available in this version yet")
+    mesh = sharding.build_mesh(config.mesh)
+    sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
+    train_source, eval_source = open_source(config.data, config.model, train_config.seed)
+    optimizer, schedule = build_optimizer(
+        config.optim, train_config.steps, train_config.global_batch
+    )
+    run_dir, is_main = config.run_dir, jax.process_index() == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(config))
+
+    with jax.set_mesh(mesh):
+        layout = plan_state(config, mesh, optimizer)
+        state = init_state(config, layout)
+        host_batches = batch_dataset(
+            train_source,
+            batch_per_process=train_config.global_batch // jax.process_count(),
+            seed=train_config.seed,
+            workers=config.data.workers,
+        )
+        batches = DevicePrefetcher(
+            iter(host_batches), sharding.batch_sharding(mesh), config.data.prefetch
+        )
+        first_batch = next(batches)
+        compile_start = time.perf_counter()
+        train_step = (
+            jit_train_step(layout, schedule, train_config.grad_accum, mesh)
+            .lower(state, first_batch)
+            .compile()
+        )
+        compile_s = time.perf_counter() - compile_start
+        eval_step = jit_eval_step(layout, mesh)
+        if is_main:
+            print(
+                f"paisoar_jax: {layout.param_count / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
+                f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+                f"compiled in {compile_s:.1f}s",
+                flush=True,
+            )
+        timer = IntervalTimer(
+            tokens_per_step=train_config.global_batch * config.model.seq_len,
+            flops_per_token=model_class(config.model.name).flops_per_token(
+                config.model, layout.param_count
+            ),
+            peak_tflops=device_peak_tflops(train_config.peak_tflops),
+        )
+        writer = MetricsWriter(run_dir, config.run.tensorboard)
+        progress = tqdm(
+            total=train_config.steps,
+            desc="train",
+            disable=not (config.run.progress and is_main),
+            mininterval=1.0,
+        )
+
+        losses: list[float] = []
+        eval_loss = None
+        train_start = time.perf_counter()
+        timer.restart(step=0)
+        for step in range(1, train_config.steps + 1):
+            wait_start = time.perf_counter()
+            batch = first_batch if step == 1 else next(batches)
+            timer.wait_s += time.perf_counter() - wait_start
+            state, metrics = train_step(state, batch)
+            progress.update(1)
+            is_last = step == train_config.steps
+
+            if step % train_config.log_every == 0 or is_last:
+                values = jax.device_get(metrics)  # the only host sync between logs
+                record = {
+                    "step": step,
+                    "loss": float(values["loss"]),
+                    "lr": float(values["lr"]),
+                    "grad_norm": float(values["grad_norm"]),
+                    "loss_scale": 1.0,  # no loss scaling under the fp32 and bf16 policies
+                    "skipped_steps": 0,
+                    **timer.timings(step),
+                }
+                if not losses:
+                    record["compile_s"] = compile_s
+                losses.append(record["loss"])
+                writer.write(record)
+                progress.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
+                )
+                timer.restart(step)
+
+            if train_config.eval_every and (step % train_config.eval_every == 0 or is_last):
+                eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
+                writer.write({"step": step, "eval_loss": eval_loss})
+                if is_main:
+                    progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+                timer.restart(step)
+
+        batches.close()
+        progress.close()
+        writer.close()
+        train_s = time.perf_counter() - train_start
+        summary = {
+            "steps": train_config.steps,
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "eval_loss": eval_loss,
+            "tokens_per_s": timer.tokens_per_step * train_config.steps / train_s,
+            "compile_s": compile_s,
+            "train_s": train_s,
+            "run_dir": str(run_dir),
+        }
+        if train_config.sample_bytes and config.data.source == "embedded":
+            text = generate(
+                layout,
+                state.params,
+                mesh,
+                SAMPLE_PROMPT,
+                train_config.sample_bytes,
+                config.model.seq_len,
+                seed=train_config.seed,
+            )
+            summary["sample"] = text.decode("utf-8", errors="replace")
+    if is_main:
+        _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    """The sample, if any, then the one-line summary that closes every run."""
+    if "sample" in summary:
+        print(f"sample:\n{summary['sample']}\n", flush=True)
+    eval_loss = summary["eval_loss"]
+    eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+    print(
+        f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, loss "
+        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{eval_text}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, compile {summary['compile_s']:.1f}s, "
+        f"run dir {summary['run_dir']}",
+        flush=True,
+    )

@@ -1,0 +1,72 @@
+"""Run metrics: metrics.jsonl, TensorBoard scalars and the MFU arithmetic.
+
+Only process 0 writes. Each metrics.jsonl line is one JSON object with at least step, loss,
+lr, grad_norm, loss_scale, skipped_steps, step_time_s, tokens_per_s, mfu (null where the
+device's peak is unknown) and data_wait_frac.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+
+# Dense bf16 peak TFLOP/s per device, by jax device_kind prefix (datasheet figures).
+PEAK_TFLOPS = {
+    "NVIDIA H200": 989.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA A100": 312.0,
+    "NVIDIA L4": 121.0,
+}
+
+
+def device_peak_tflops(configured: float = 0.0) -> float | None:
+    """The per-device peak for MFU: the configured value, else the table's, else None."""
+    if configured > 0:
+        return configured
+    kind = jax.devices()[0].device_kind
+    return next((peak for prefix, peak in PEAK_TFLOPS.items() if kind.startswith(prefix)), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    if not peak_tflops:
+        return None
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * jax.device_count())
+
+
+class MetricsWriter:
+    """Appends metric records to run_dir/metrics.jsonl and TensorBoard (process 0 only)."""
+
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True):
+        self.enabled = jax.process_index() == 0
+        self._file = None
+        self._tensorboard = None
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics.jsonl").open("w")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
+
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Writes one record (it must hold `step`); numeric fields also go to TensorBoard."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tensorboard.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        """Flushes and closes the files."""
+        if self._file is not None:
+            self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,194 @@
+"""A GPT decoder in Flax NNX: pre-LN blocks, learned or rotary positions, tied embeddings.
+
+Every parameter carries logical axis names (see sharding.py for where they go). Attention runs
+through jax.nn.dot_product_attention, so cuDNN flash attention serves on GPU. Layers are
+either stacked and scanned (one block compiled once; fast compile for deep models) or
+unrolled. Shape suffixes: B batch, T time, D width, H heads, E head width, F MLP width,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from paisoar_jax.config import ModelConfig
+from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.remat import remat_block
+from paisoar_jax.sharding import constrain
+
+ATTENTION_IMPLEMENTATIONS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
+
+
+def _param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple) -> nnx.Param:
+    """A parameter initialised by `initializer` and annotated with logical axis names."""
+    return nnx.Param(nnx.with_partitioning(initializer, names)(rngs.params(), shape))
+
+
+def _layer_norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis."""
+    return nnx.LayerNorm(
+        width,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
+        rngs=rngs,
+    )
+
+
+def mlp_width(config: ModelConfig) -> int:
+    """The MLP hidden width: model.mlp_width, or 4 x width when that is 0."""
+    return config.mlp_width or 4 * config.width
+
+
+def rotary_tables(seq_len: int, head_width: int) -> tuple[jax.Array, jax.Array]:
+    """Sine and cosine tables (T x E/2) for rotary position embeddings."""
+    inverse_frequency = 1.0 / (10000.0 ** (jnp.arange(0, head_width, 2) / head_width))
+    angles_TxE2 = jnp.arange(seq_len)[:, None] * inverse_frequency[None, :]
+    return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+
+
+def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
+    """Rotates pairs of features by position-dependent angles (computed in fp32)."""
+    x = float32_island(x_BxTxHxE)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    sin, cos = sin_TxE2[None, :, None, :], cos_TxE2[None, :, None, :]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x_BxTxHxE.dtype)
+
+
+class Block(nnx.Module):
+    """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, policy: Policy, rngs: nnx.Rngs):
+        D, H, F = config.width, config.heads, mlp_width(config)
+        E = D // H
+        normal = nnx.initializers.normal(config.init_std)
+        # GPT-2: residual projections scaled down by depth, so the stream's variance stays put.
+        residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
+        zeros = nnx.initializers.zeros
+        self.policy = policy
+        self.attention_impl = ATTENTION_IMPLEMENTATIONS[config.attention]
+        self.attention_norm = _layer_norm(D, rngs)
+        self.qkv_kernel = _param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
+        self.qkv_bias = _param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
+        self.out_kernel = _param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
+        self.out_bias = _param(rngs, zeros, (D,), ("embed",))
+        self.mlp_norm = _layer_norm(D, rngs)
+        self.mlp_in_kernel = _param(rngs, normal, (D, F), ("embed", "mlp"))
+        self.mlp_in_bias = _param(rngs, zeros, (F,), ("mlp",))
+        self.mlp_out_kernel = _param(rngs, residual, (F, D), ("mlp", "embed"))
+        self.mlp_out_bias = _param(rngs, zeros, (D,), ("embed",))
+
+    def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
+        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
+        cast = self.policy.cast_to_compute
+        h_BxTxD = cast(self.attention_norm(x_BxTxD))
+        qkv_BxTx3xHxE = jnp.einsum("btd,dkhe->btkhe", h_BxTxD, cast(self.qkv_kernel[...]))
+        qkv_BxTx3xHxE = qkv_BxTx3xHxE + cast(self.qkv_bias[...])
+        heads = ("batch", "length", "act_heads", "head_dim")
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = (
+            constrain(qkv_BxTx3xHxE[:, :, i], heads) for i in range(3)
+        )
+        if rotary is not None:
+            q_BxTxHxE = apply_rotary(q_BxTxHxE, *rotary)
+            k_BxTxHxE = apply_rotary(k_BxTxHxE, *rotary)
+        # The logits and softmax inside run in fp32 on every backend.
+        attention_BxTxHxE = jax.nn.dot_product_attention(
+            q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, is_causal=True, implementation=self.attention_impl
+        )
+        attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
+        out_BxTxD = jnp.einsum("bthe,hed->btd", attention_BxTxHxE, cast(self.out_kernel[...]))
+        x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
+        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
+
+        h_BxTxD = cast(self.mlp_norm(x_BxTxD))
+        hidden_BxTxF = h_BxTxD @ cast(self.mlp_in_kernel[...]) + cast(self.mlp_in_bias[...])
+        hidden_BxTxF = constrain(jax.nn.gelu(hidden_BxTxF), ("batch", "length", "act_mlp"))
+        hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
+        out_BxTxD = hidden_BxTxF @ cast(self.mlp_out_kernel[...]) + cast(self.mlp_out_bias[...])
+        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer language model returning fp32 logits (B x T x V)."""
+
+    def __init__(self, config: ModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs):
+        self.config, self.policy, self.remat_policy = config, policy, remat_policy
+        normal = nnx.initializers.normal(config.init_std)
+        D, V = config.width, config.vocab_size
+        self.token_embedding = _param(rngs, normal, (V, D), ("vocab", "embed"))
+        if config.position == "learned":
+            self.position_embedding = _param(rngs, normal, (config.seq_len, D), ("length", "embed"))
+        if config.scan_layers:
+            self.blocks = _stacked_blocks(config, policy, rngs)
+        else:
+            self.blocks = nnx.List([Block(config, policy, rngs) for _ in range(config.layers)])
+        self.final_norm = _layer_norm(D, rngs)
+        if not config.tie_embeddings:
+            self.head = _param(rngs, normal, (D, V), ("embed", "vocab"))
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        """Next-token logits for each position of `tokens_BxT` (fp32)."""
+        cast = self.policy.cast_to_compute
+        T = tokens_BxT.shape[1]
+        # Gather the (cast) table whole before the lookup: a lookup into a table split over
+        # vocab and embed makes XLA replicate it the slow way (SPMD full rematerialization).
+        table_VxD = constrain(cast(self.token_embedding[...]), (None, None))
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+        rotary = None
+        if self.config.position == "learned":
+            x_BxTxD = x_BxTxD + cast(self.position_embedding[:T])
+        else:
+            rotary = rotary_tables(T, self.config.width // self.config.heads)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
+
+        scanned = self.config.scan_layers
+        if scanned:
+            graphdef, stacked_state = nnx.split(self.blocks)
+            step = functools.partial(_block_step, graphdef, rotary)
+            x_BxTxD, _ = jax.lax.scan(
+                remat_block(step, self.remat_policy, scanned), x_BxTxD, stacked_state
+            )
+        else:
+            for block in self.blocks:
+                graphdef, block_state = nnx.split(block)
+                step = functools.partial(_block_step, graphdef, rotary)
+                x_BxTxD, _ = remat_block(step, self.remat_policy, scanned)(x_BxTxD, block_state)
+
+        h_BxTxD = cast(self.final_norm(x_BxTxD))
+        if self.config.tie_embeddings:
+            head_DxV = self.token_embedding[...].T
+        else:
+            head_DxV = self.head[...]
+        logits_BxTxV = jnp.einsum(
+            "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=jnp.float32
+        )
+        return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
+
+    @staticmethod
+    def flops_per_token(config: ModelConfig, param_count: int) -> float:
+        """Training FLOPs per token: 6 N for the matmuls plus 12 L D T for attention."""
+        return 6 * param_count + 12 * config.layers * config.width * config.seq_len
+
+
+def _block_step(graphdef, rotary, x_BxTxD, block_state):
+    """One block as a pure function of its state, shaped for jax.lax.scan (carry, output)."""
+    return nnx.merge(graphdef, block_state)(x_BxTxD, rotary), None
+
+
+def _stacked_blocks(config: ModelConfig, policy: Policy, rngs: nnx.Rngs) -> Block:
+    """`layers` blocks with their params stacked on a leading `layers` axis, for scan."""
+
+    @nnx.split_rngs(splits=config.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(block_rngs: nnx.Rngs) -> Block:
+        return Block(config, policy, block_rngs)
+
+    return create(rngs)

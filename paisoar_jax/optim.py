@@ -1,0 +1,82 @@
+"""The optax chain: clipping, then AdamW or SGD with a warmup-then-decay schedule.
+
+Weight decay is masked off norms and biases. The learning rate can be rescaled for the global
+batch (linear or sqrt against `optim.base_batch`), so a recipe tuned at one batch size moves
+to another. Gradient accumulation is not an optax wrapper here: step.py accumulates the
+micro-batches inside the one jitted step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import optax
+
+from paisoar_jax.config import OptimConfig
+
+NO_DECAY_NAMES = ("bias", "scale")  # layer-norm scales and every bias
+
+
+def scaled_lr(optim_config: OptimConfig, global_batch: int) -> float:
+    """The peak learning rate after the global-batch scaling rule."""
+    if optim_config.lr_scaling == "none":
+        return optim_config.lr
+    ratio = global_batch / optim_config.base_batch
+    return optim_config.lr * (ratio if optim_config.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def build_schedule(
+    optim_config: OptimConfig, total_steps: int, global_batch: int
+) -> optax.Schedule:
+    """Linear warmup to the (scaled) peak lr, then cosine, linear or constant."""
+    peak = scaled_lr(optim_config, global_batch)
+    warmup = min(optim_config.warmup_steps, total_steps)
+    final = peak * optim_config.final_lr_fraction
+    decay_steps = max(total_steps - warmup, 1)
+    if optim_config.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=optim_config.final_lr_fraction)
+    elif optim_config.schedule == "linear":
+        decay = optax.linear_schedule(peak, final, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    if warmup == 0:
+        return decay
+    # Warmup starts at peak / warmup rather than 0, so the first step already learns.
+    ramp = optax.linear_schedule(peak / warmup, peak, warmup)
+    return optax.join_schedules([ramp, decay], [warmup])
+
+
+def decay_mask(params) -> object:
+    """True for every parameter that gets weight decay (not norms, not biases)."""
+
+    def decays(path, _) -> bool:
+        last = path[-1]
+        name = getattr(last, "key", getattr(last, "name", str(last)))
+        return not any(str(name).endswith(suffix) for suffix in NO_DECAY_NAMES)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def build_optimizer(
+    optim_config: OptimConfig, total_steps: int, global_batch: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer chain and its learning-rate schedule (for logging)."""
+    schedule = build_schedule(optim_config, total_steps, global_batch)
+    if optim_config.name == "adamw":
+        optimizer = optax.adamw(
+            schedule,
+            b1=optim_config.b1,
+            b2=optim_config.b2,
+            eps=optim_config.eps,
+            weight_decay=optim_config.weight_decay,
+            mask=decay_mask,
+        )
+    else:
+        optimizer = optax.chain(
+            optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
+            optax.sgd(schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
+        )
+    if optim_config.clip_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(optim_config.clip_norm), optimizer)
+    return optimizer, schedule

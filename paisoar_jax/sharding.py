@@ -1,0 +1,202 @@
+"""The device mesh, the logical-axis rules and the shardings they give.
+
+Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...). One short
+table maps them to the mesh axes (data, fsdp, tensor); the ZeRO stage only changes where
+`embed` goes:
+
+    stage   parameters embed ->   optimizer state embed ->
+    0       fsdp                  fsdp                      (replicated over data)
+    1, 2    fsdp                  data+fsdp                 (ZeRO-1/2: state and grads split)
+    3       data+fsdp             data+fsdp                 (ZeRO-3 / FSDP over all of them)
+
+Heads, MLP hidden and vocab go over `tensor` (Megatron style). The batch is split over
+(data, fsdp). ZeRO-2 is the same program as ZeRO-1 here: XLA reduce-scatters the gradients
+straight into the optimizer-state layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from paisoar_jax.config import MeshConfig
+from paisoar_jax.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical activation axes -> mesh axes. Used by `constrain` inside the model so XLA keeps
+# the batch split over (data, fsdp) instead of inventing a layout from the weights.
+ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+    "head_dim": None,
+}
+
+
+def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple[str, ...]]:
+    """Logical parameter axis -> mesh axes, for params or for optimizer state."""
+    split_over_data = zero >= 3 or (optimizer_state and zero >= 1)
+    return {
+        "embed": ("data", "fsdp") if split_over_data else ("fsdp",),
+        "vocab": ("tensor",),
+        "heads": ("tensor",),
+        "mlp": ("tensor",),
+        "qkv": (),
+        "head_dim": (),
+        "length": (),
+        "layers": (),
+    }
+
+
+def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], list[int]]:
+    """Resolves -1 in the ici sizes and checks that ici x dcn covers every device."""
+    ici = [mesh_config.data, mesh_config.fsdp, mesh_config.tensor]
+    dcn = [mesh_config.dcn_data, mesh_config.dcn_fsdp, 1]
+    if ici.count(-1) > 1:
+        raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    if -1 in dcn:
+        raise UserError("mesh.dcn_data and mesh.dcn_fsdp must be explicit sizes, not -1")
+    fixed = math.prod(size for size in ici if size != -1) * math.prod(dcn)
+    if -1 in ici:
+        if device_count % fixed:
+            raise UserError(
+                f"mesh sizes {_describe(mesh_config)} do not divide the {device_count} devices"
+            )
+        ici[ici.index(-1)] = device_count // fixed
+    elif fixed != device_count:
+        raise UserError(
+            f"mesh {_describe(mesh_config)} needs {fixed} devices, but {device_count} are present"
+        )
+    return ici, dcn
+
+
+def _describe(mesh_config: MeshConfig) -> str:
+    """The mesh sizes as `data=2,fsdp=2,tensor=2` (dcn sizes only when set)."""
+    parts = [f"{axis}={getattr(mesh_config, axis)}" for axis in MESH_AXES]
+    parts += [
+        f"{key}={getattr(mesh_config, key)}"
+        for key in ("dcn_data", "dcn_fsdp")
+        if getattr(mesh_config, key) != 1
+    ]
+    return ",".join(parts)
+
+
+def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor); a hybrid ici x dcn mesh across processes."""
+    devices = list(devices if devices is not None else jax.devices())
+    ici, dcn = _mesh_sizes(mesh_config, len(devices))
+    if math.prod(dcn) > 1 and math.prod(dcn) != jax.process_count():
+        raise UserError(
+            f"mesh.dcn_data x mesh.dcn_fsdp = {math.prod(dcn)} must equal the number of "
+            f"processes ({jax.process_count()}): the dcn axes span processes"
+        )
+    if math.prod(dcn) > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True
+        )
+    elif len(devices) == 1:
+        device_array = np.array(devices).reshape(1, 1, 1)
+    else:
+        device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    # Auto axes: XLA propagates shardings, and stock flax layers work under FSDP.
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways the batch is split: the product of the (data, fsdp) axes."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
+    """Raises UserError unless every micro-batch splits evenly over the batch axes."""
+    shards = batch_shards(mesh)
+    micro_batch = global_batch // grad_accum
+    if micro_batch % shards:
+        detail = f" (micro-batch {micro_batch} with grad_accum={grad_accum})" * (grad_accum > 1)
+        raise UserError(
+            f"train.global_batch={global_batch}{detail} is not divisible by the {shards} "
+            f"batch shards (mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})"
+        )
+    if micro_batch % jax.process_count():
+        raise UserError(
+            f"train.global_batch={global_batch} does not split over {jax.process_count()} processes"
+        )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a batch: leading dimension over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Sharding of a value every device holds whole (step counters, scalars)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def logical_to_sharding(
+    logical_spec: PartitionSpec,
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: dict[str, tuple[str, ...]],
+    name: str,
+) -> NamedSharding:
+    """Maps one parameter's logical axis names to a NamedSharding, checking divisibility."""
+    mesh_spec = []
+    for dim, (logical, size) in enumerate(zip(tuple(logical_spec), shape, strict=False)):
+        if logical is None:
+            mesh_spec.append(None)
+            continue
+        if logical not in rules:
+            raise ValueError(f"parameter {name}: logical axis {logical!r} has no sharding rule")
+        axes = tuple(axis for axis in rules[logical] if mesh.shape[axis] > 1)
+        ways = math.prod(mesh.shape[axis] for axis in axes)
+        if size % ways:
+            split = " x ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+            raise UserError(
+                f"parameter {name}: dimension {dim} ({logical}, size {size}) is not divisible "
+                f"by mesh {split}"
+            )
+        mesh_spec.append(axes or None)
+    return NamedSharding(mesh, PartitionSpec(*mesh_spec))
+
+
+def tree_shardings(logical_specs, abstract_values, mesh: Mesh, rules) -> object:
+    """Shardings for a tree of parameters from their logical specs (same tree structure)."""
+
+    def one(path, spec, value):
+        name = ".".join(str(getattr(key, "key", key)) for key in path)
+        return logical_to_sharding(spec, value.shape, mesh, rules, name)
+
+    return jax.tree_util.tree_map_with_path(
+        one, logical_specs, abstract_values, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's layout by logical axis names; a no-op outside a mesh context.
+
+    A None axis stays unsharded.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    spec = PartitionSpec(*(ACTIVATION_RULES[axis] if axis else None for axis in logical_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of jax.Arrays (the largest share of any device)."""
+    totals: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values(), default=0)

@@ -1,0 +1,111 @@
+"""The train state and its sharded initialisation.
+
+Nothing full-size is ever built on one device: the model is first traced abstractly
+(`nnx.eval_shape`), its logical axis names give every parameter a sharding, the optimizer
+state's sharding follows from the parameters', and only then does `jax.jit(init,
+out_shardings=...)` create the real arrays, each device computing just its own shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from paisoar_jax import sharding
+from paisoar_jax.config import Config
+from paisoar_jax.models import build_model
+from paisoar_jax.precision import get_policy
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training, as one pytree of arrays."""
+
+    step: jax.Array
+    params: dict[str, Any]  # nnx.Param values as a pure nested dict
+    opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """The static half of the state: the model's graph, the optimizer and the shardings."""
+
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    shardings: TrainState  # a TrainState of NamedShardings
+    gradient_shardings: dict[str, Any]  # where gradients go before the update (ZeRO >= 1)
+    param_count: int
+
+
+def _model_factory(config: Config):
+    """A zero-argument function that builds the configured model from the run's seed."""
+    policy = get_policy(config.precision.policy)
+
+    def create() -> nnx.Module:
+        # Eager sharding off: shardings are given to jit below, not attached at creation.
+        with nnx.use_eager_sharding(False):
+            return build_model(
+                config.model, policy, config.remat.policy, nnx.Rngs(params=config.train.seed)
+            )
+
+    return create
+
+
+def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation) -> StateLayout:
+    """Traces model and optimizer abstractly and derives every sharding from the rules."""
+    create_model = _model_factory(config)
+    graphdefs = []
+
+    def split_model():
+        graphdef, state = nnx.split(create_model())
+        graphdefs.append(graphdef)  # static: the same for the abstract and the real model
+        return state
+
+    # jax.eval_shape rather than nnx.eval_shape: the latter would resolve the logical names
+    # against the active mesh, and `layers`, `embed`, ... are not mesh axes.
+    abstract_state = jax.eval_shape(split_model)
+    graphdef = graphdefs[0]
+    abstract_params = nnx.to_pure_dict(abstract_state)
+    logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+    param_shardings = sharding.tree_shardings(
+        logical_specs, abstract_params, mesh, sharding.parameter_rules(config.mesh.zero)
+    )
+    state_param_shardings = sharding.tree_shardings(
+        logical_specs,
+        abstract_params,
+        mesh,
+        sharding.parameter_rules(config.mesh.zero, optimizer_state=True),
+    )
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, param_sharding: param_sharding,
+        abstract_opt_state,
+        state_param_shardings,
+        transform_non_params=lambda _: sharding.replicated(mesh),
+    )
+    shardings = TrainState(
+        step=sharding.replicated(mesh), params=param_shardings, opt_state=opt_shardings
+    )
+    param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    return StateLayout(graphdef, optimizer, shardings, state_param_shardings, param_count)
+
+
+def init_state(config: Config, layout: StateLayout) -> TrainState:
+    """Creates the train state directly in its shardings (jit with out_shardings)."""
+    create_model = _model_factory(config)
+
+    def init() -> TrainState:
+        params = nnx.to_pure_dict(nnx.state(create_model()))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.optimizer.init(params)
+        )
+
+    return jax.jit(init, out_shardings=layout.shardings)()

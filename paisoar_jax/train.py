@@ -1,0 +1,25 @@
+"""`python -m paisoar_jax.train [--config FILE.yaml] [section.key=value ...]`.
+
+With no arguments it trains the embedded default: a tiny GPT on the Python standard
+library's source, byte-level, on whatever devices jax sees.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from paisoar_jax import cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = cli.config_parser("paisoar_jax.train", "Train a model as one YAML config says.")
+    # Imported here so that `--help` and config errors answer before jax starts up.
+    from paisoar_jax.loop import train
+
+    return cli.run(train, parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and shared helpers."""
+
+import os
+import pathlib
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile once per machine: repeated test runs reuse the compiled programs.
+CACHE_DIR = pathlib.Path(os.environ.get("PAISOAR_TEST_CACHE", "/tmp/paisoar_jax_test_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import absl.flags  # noqa: E402
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# grain worker processes read absl flags; they must count as parsed once jax is imported.
+absl.flags.FLAGS.mark_as_parsed()
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A model small enough to compile in seconds, big enough for every mesh in the tests
+# (width and MLP divide by 8, heads by 2).
+TINY = [
+    "model.seq_len=32",
+    "model.layers=2",
+    "model.width=64",
+    "model.heads=4",
+    "train.global_batch=16",
+    "train.sample_bytes=0",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for `python -m paisoar_jax.*` children: 8 CPU devices, shared cache."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devices = jax.devices()
+    assert len(devices) == 8, "tests expect 8 simulated CPU devices"
+    return devices
+
+
+PYTHON = sys.executable
+
+
+def build_run(overrides, devices):
+    """(config, mesh, layout, state, train_step, schedule) for TINY + overrides on `devices`."""
+    from paisoar_jax import sharding
+    from paisoar_jax.config import load_config
+    from paisoar_jax.optim import build_optimizer
+    from paisoar_jax.state import init_state, plan_state
+    from paisoar_jax.step import jit_train_step
+
+    config = load_config(None, TINY + list(overrides))
+    mesh = sharding.build_mesh(config.mesh, devices)
+    optimizer, schedule = build_optimizer(
+        config.optim, config.train.steps, config.train.global_batch
+    )
+    with jax.set_mesh(mesh):
+        layout = plan_state(config, mesh, optimizer)
+        state = init_state(config, layout)
+        train_step = jit_train_step(layout, schedule, config.train.grad_accum, mesh)
+    return config, mesh, layout, state, train_step
+
+
+def token_batches(count, batch=16, seq_len=32, seed=0):
+    """Fixed random int32 token batches of shape (batch, seq_len + 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (batch, seq_len + 1), dtype=np.int32) for _ in range(count)]

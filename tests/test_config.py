@@ -1,0 +1,119 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from paisoar_jax.config import CONFIG_DIR, Config, dump_yaml, load_config, resolve_config_path
+from paisoar_jax.errors import UserError
+
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def test_configs_are_shipped():
+    names = {path.stem for path in SHIPPED}
+    assert {"default", "gpt2_124m", "gpt_1b"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_parses(path):
+    config = load_config(str(path))
+    assert isinstance(config, Config)
+    assert config.run.name == path.stem
+    # Every key in the file made it into the config (nothing silently dropped).
+    raw = yaml.safe_load(path.read_text())
+    for section, values in raw.items():
+        for key, value in values.items():
+            assert getattr(getattr(config, section), key) == pytest.approx(value)
+
+
+def test_shipped_shapes():
+    gpt2 = load_config("gpt2_124m").model
+    assert (gpt2.layers, gpt2.width, gpt2.heads, gpt2.vocab_size, gpt2.seq_len) == (
+        12,
+        768,
+        12,
+        50304,
+        1024,
+    )
+    big = load_config("gpt_1b").model
+    assert (big.layers, big.width, big.heads, big.seq_len) == (24, 2048, 16, 2048)
+
+
+def test_default_file_equals_builtin_defaults():
+    assert load_config("default") == load_config(None, ["run.name=default"])
+
+
+def test_overrides_are_typed():
+    config = load_config(
+        None, ["optim.lr=1e-3", "train.steps=7", "model.tie_embeddings=false", "mesh.fsdp=2"]
+    )
+    assert config.optim.lr == 1e-3 and isinstance(config.optim.lr, float)
+    assert config.train.steps == 7
+    assert config.model.tie_embeddings is False
+    assert config.mesh.fsdp == 2
+
+
+def test_yaml_scientific_notation_and_ints_become_floats(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n  weight_decay: 0\n")
+    config = load_config(str(path))
+    assert config.optim.lr == 3e-4 and config.optim.weight_decay == 0.0
+    assert config.run.name == "run"
+
+
+def test_dump_yaml_round_trips(tmp_path):
+    config = load_config("gpt_1b", ["optim.lr=1e-5"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_yaml(config))
+    assert load_config(str(path)) == config
+
+
+def test_sections_are_frozen():
+    config = load_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 3
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.stepz=3"], "unknown config key train.stepz"),
+        (["nosection.key=1"], "unknown config section 'nosection'"),
+        (["train.steps=three"], "train.steps: expected int, got 'three'"),
+        (["optim.lr=fast"], "optim.lr: expected float"),
+        (["model.tie_embeddings=maybe"], "model.tie_embeddings: expected bool"),
+        (["optim.name=adagrad"], "optim.name: 'adagrad' is not one of adamw, sgd"),
+        (["trainsteps=3"], "is not of the form section.key"),
+        (["train.steps"], "is not of the form section.key=value"),
+        (["model.width=100", "model.heads=3"], "model.width=100 is not divisible by model.heads=3"),
+        (["train.global_batch=10", "train.grad_accum=4"], "not divisible by train.grad_accum=4"),
+        (["mesh.zero=4"], "mesh.zero must be 0, 1, 2 or 3"),
+        (["mesh.data=0"], "mesh.data must be a positive size or -1"),
+        (["train.steps=0"], "train.steps must be >= 1"),
+        (["optim.lr_scaling=linear"], "needs optim.base_batch >= 1"),
+    ],
+)
+def test_bad_overrides_raise_one_clear_line(overrides, message):
+    with pytest.raises(UserError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_yaml_types(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: [1, 2]\n")
+    with pytest.raises(UserError, match="train.steps: expected int"):
+        load_config(str(path))
+    path.write_text("train: 3\n")
+    with pytest.raises(UserError, match="train: expected a mapping"):
+        load_config(str(path))
+    path.write_text("bogus:\n  a: 1\n")
+    with pytest.raises(UserError, match="unknown config section 'bogus'"):
+        load_config(str(path))
+
+
+def test_missing_config_file():
+    with pytest.raises(UserError, match="config file not found: nowhere.yaml"):
+        resolve_config_path("nowhere.yaml")
+    assert resolve_config_path("gpt2_124m") == CONFIG_DIR / "gpt2_124m.yaml"

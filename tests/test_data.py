@@ -1,0 +1,112 @@
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from paisoar_jax import sharding
+from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
+from paisoar_jax.data.pipeline import batch_dataset
+from paisoar_jax.data.prefetch import DevicePrefetcher
+from paisoar_jax.data.sources import TokenWindows, embedded_corpus, open_source
+from paisoar_jax.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return embedded_corpus(0.05)
+
+
+def test_embedded_corpus_is_real_python_and_split_stably(corpus):
+    train, held_out = corpus
+    assert train.dtype == np.uint8 and len(train) > 1_000_000
+    assert 0.01 < len(held_out) / (len(train) + len(held_out)) < 0.15
+    assert b"def " in train[:100_000].tobytes() and b"import" in held_out.tobytes()
+    again_train, again_eval = embedded_corpus(0.05)
+    assert np.array_equal(again_train, train) and np.array_equal(again_eval, held_out)
+
+
+def test_windows_are_inputs_plus_shifted_targets():
+    windows = TokenWindows(np.arange(100, dtype=np.uint8), seq_len=8)
+    assert len(windows) == 12
+    np.testing.assert_array_equal(windows[1], np.arange(8, 17))
+    assert windows[1].dtype == np.int32
+
+
+def first_batches(source, count, **kwargs):
+    return [batch for batch in itertools.islice(iter(batch_dataset(source, **kwargs)), count)]
+
+
+def test_same_seed_same_batches_and_new_order_each_epoch():
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)  # 40 windows
+    one = first_batches(source, 20, batch_per_process=4, seed=3)
+    two = first_batches(source, 20, batch_per_process=4, seed=3)
+    other = first_batches(source, 20, batch_per_process=4, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(one, two, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(one, other, strict=True))
+    epoch_one, epoch_two = np.concatenate(one[:10]), np.concatenate(one[10:])
+    starts = lambda batches: sorted(int(row[0]) for row in batches)
+    assert starts(epoch_one) == starts(epoch_two) == list(range(0, 320, 8))  # each once
+    assert not np.array_equal(epoch_one[:, 0], epoch_two[:, 0])  # but reshuffled
+
+
+def test_processes_read_disjoint_shares_covering_the_epoch():
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    seen = []
+    for process in range(2):
+        batches = first_batches(
+            source, 5, batch_per_process=4, seed=0, process_index=process, process_count=2
+        )
+        seen.append({int(row[0]) for batch in batches for row in batch})
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == set(range(0, 320, 8))
+
+
+def test_workers_give_the_same_batches():
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    plain = first_batches(source, 6, batch_per_process=4, seed=1)
+    workers = first_batches(source, 6, batch_per_process=4, seed=1, workers=1)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, workers, strict=True))
+
+
+def test_prefetched_arrays_carry_the_batch_sharding(devices):
+    mesh = sharding.build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), devices)
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    host = first_batches(source, 3, batch_per_process=8, seed=0)
+    prefetcher = DevicePrefetcher(iter(host), sharding.batch_sharding(mesh), depth=2)
+    arrays = list(prefetcher)
+    assert len(arrays) == 3
+    for array, expected in zip(arrays, host, strict=True):
+        assert array.sharding.is_equivalent_to(sharding.batch_sharding(mesh), 2)
+        assert array.addressable_shards[0].data.shape == (2, 9)  # 8 rows over 4 batch shards
+        np.testing.assert_array_equal(jax.device_get(array), expected)
+    prefetcher.close()
+
+
+def test_prefetcher_reraises_producer_errors(devices):
+    mesh = sharding.build_mesh(MeshConfig(data=1), devices[:1])
+
+    def broken():
+        yield np.zeros((2, 3), np.int32)
+        raise RuntimeError("disk on fire")
+
+    prefetcher = DevicePrefetcher(broken(), sharding.batch_sharding(mesh), depth=1)
+    next(prefetcher)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        next(prefetcher)
+
+
+def test_source_errors():
+    with pytest.raises(UserError, match="data.source='arrayrecord:/x' is not available"):
+        open_source(DataConfig(source="arrayrecord:/x"), ModelConfig(), 0)
+    with pytest.raises(UserError, match="needs model.vocab_size >= 256"):
+        open_source(DataConfig(), ModelConfig(vocab_size=100), 0)
+    with pytest.raises(UserError, match="longer than the embedded eval split"):
+        open_source(DataConfig(eval_fraction=0.0001), ModelConfig(seq_len=1 << 22), 0)
+
+
+def test_synthetic_source_is_reproducible():
+    train, held_out = open_source(DataConfig(source="synthetic"), ModelConfig(vocab_size=1000), 5)
+    np.testing.assert_array_equal(train[7], train[7])
+    assert train[7].max() < 1000 and train[7].shape == (129,)
+    assert not np.array_equal(train[7], held_out[7])

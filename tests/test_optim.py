@@ -1,0 +1,75 @@
+import jax
+import numpy as np
+import pytest
+
+from paisoar_jax.config import OptimConfig
+from paisoar_jax.optim import build_optimizer, build_schedule, decay_mask, scaled_lr
+
+
+def test_warmup_then_cosine_to_final_fraction():
+    config = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", final_lr_fraction=0.1)
+    schedule = build_schedule(config, total_steps=110, global_batch=8)
+    assert float(schedule(0)) == pytest.approx(0.1)  # peak / warmup: the first step learns
+    assert float(schedule(10)) == pytest.approx(1.0)
+    assert float(schedule(60)) == pytest.approx(0.55, rel=1e-3)  # half way down the cosine
+    assert float(schedule(110)) == pytest.approx(0.1)
+
+
+def test_linear_and_constant_schedules():
+    linear = build_schedule(
+        OptimConfig(lr=2.0, warmup_steps=0, schedule="linear", final_lr_fraction=0.0), 100, 8
+    )
+    assert float(linear(50)) == pytest.approx(1.0)
+    constant = build_schedule(OptimConfig(lr=2.0, warmup_steps=0, schedule="constant"), 100, 8)
+    assert float(constant(99)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("rule, expected", [("none", 0.1), ("linear", 0.4), ("sqrt", 0.2)])
+def test_lr_scaling_for_the_global_batch(rule, expected):
+    config = OptimConfig(lr=0.1, lr_scaling=rule, base_batch=256)
+    assert scaled_lr(config, global_batch=1024) == pytest.approx(expected)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    params = {
+        "blocks": {
+            "attention_norm": {"scale": 1.0, "bias": 0.0},
+            "qkv_kernel": 1.0,
+            "qkv_bias": 0.0,
+        },
+        "token_embedding": 1.0,
+    }
+    mask = decay_mask(params)
+    assert mask == {
+        "blocks": {
+            "attention_norm": {"scale": False, "bias": False},
+            "qkv_kernel": True,
+            "qkv_bias": False,
+        },
+        "token_embedding": True,
+    }
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_optimizers_decay_only_masked_params_and_clip(name):
+    config = OptimConfig(
+        name=name,
+        lr=0.5,
+        warmup_steps=0,
+        schedule="constant",
+        weight_decay=0.5,
+        clip_norm=1.0,
+        momentum=0.0,
+    )
+    optimizer, _ = build_optimizer(config, total_steps=10, global_batch=8)
+    params = {"kernel": np.ones(3, np.float32), "bias": np.ones(3, np.float32)}
+    zero_grads = jax.tree.map(np.zeros_like, params)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+    assert np.all(np.asarray(updates["bias"]) == 0)  # no gradient, no decay
+    assert np.all(np.asarray(updates["kernel"]) < 0)  # decayed towards zero
+    huge = {"kernel": np.full(3, 1e6, np.float32), "bias": np.zeros(3, np.float32)}
+    if name == "sgd":
+        updates, _ = optimizer.update(
+            huge, optimizer.init(params), jax.tree.map(np.zeros_like, params)
+        )
+        assert float(np.linalg.norm(np.asarray(updates["kernel"]))) == pytest.approx(0.5, rel=1e-5)

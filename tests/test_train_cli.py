@@ -1,0 +1,98 @@
+"""End to end through `python -m paisoar_jax.train`, as a user runs it."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+from conftest import PYTHON, TINY, subprocess_env
+
+from paisoar_jax.config import load_config
+
+FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "skipped_steps",
+    "step_time_s",
+    "tokens_per_s",
+    "mfu",
+    "data_wait_frac",
+}
+
+
+def run_train(*args, cwd, timeout=300):
+    return subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.train", *args],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_sharded_training_run_writes_its_run_directory(tmp_path):
+    result = run_train(
+        *TINY,
+        "run.tensorboard=true",
+        "train.sample_bytes=20",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "train.steps=60",
+        "train.log_every=10",
+        "train.eval_every=30",
+        "optim.warmup_steps=5",
+        "run.dir=out",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "out"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [10, 20, 30, 40, 50, 60]
+    for record in train_records:
+        assert FIELDS <= record.keys()
+        assert 0 <= record["data_wait_frac"] <= 1 and record["tokens_per_s"] > 0
+        assert record["mfu"] is None  # no known peak for CPU devices
+    assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.3
+    assert train_records[0]["compile_s"] > 0
+    assert [r["step"] for r in records if "eval_loss" in r] == [30, 60]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["mesh"]["tensor"] == 2
+    assert load_config(str(run_dir / "config.yaml")).train.steps == 60
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("paisoar_jax: done: 60 steps") and "eval_loss" in last_line
+    assert "sample:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.stepz=3"], "unknown config key train.stepz"),
+        (["train.steps=many"], "train.steps: expected int, got 'many'"),
+        (["mesh.data=3"], "mesh data=3,fsdp=1,tensor=1 needs 3 devices, but 8 are present"),
+        (
+            ["mesh.data=8", "train.global_batch=12"],
+            "train.global_batch=12 is not divisible by the 8 batch shards",
+        ),
+        (["mesh.data=1", "mesh.tensor=8"], "(heads, size 4) is not divisible by mesh tensor=8"),
+        (
+            ["mesh.data=1", "mesh.tensor=8", "model.heads=8", "model.mlp_width=100"],
+            "(mlp, size 100) is not divisible by mesh tensor=8",
+        ),
+        (["--config", "missing.yaml"], "config file not found: missing.yaml"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_2(args, message, tmp_path):
+    result = run_train(*TINY, *args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("paisoar_jax.train: error: ")
+    assert message in lines[0]
