@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from paisoar_jax.config import Config, load_config
-from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.errors import USER_ERROR_EXIT_CODE, DivergenceError, UserError
 
 
 def config_parser(program: str, description: str) -> argparse.ArgumentParser:
@@ -36,4 +36,7 @@ def run(
     except UserError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except DivergenceError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -85,7 +85,13 @@ class OptimConfig:
 class PrecisionConfig:
     """Mixed-precision policy: params stay fp32, compute runs in the policy's dtype."""
 
-    policy: Literal["fp32", "bf16"] = "fp32"
+    policy: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: str = "auto"  # auto (dynamic for fp16, else none) | dynamic | none | static:<v>
+    initial_scale: float = 2.0**15
+    growth_interval: int = 2000  # finite steps in a row before the scale doubles
+    hysteresis: int = 1  # non-finite steps in a row before the scale halves
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
 
 
 @dataclass(frozen=True)
@@ -300,6 +306,9 @@ def validate(config: Config) -> None:
         size = getattr(mesh, key)
         if size == 0 or size < -1:
             raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
+    from paisoar_jax.loss_scale import parse_mode  # late: keeps `--help` free of jax
+
+    parse_mode(config.precision.loss_scale, config.precision.policy)
     if optim.lr_scaling != "none" and optim.base_batch < 1:
         raise UserError(f"optim.lr_scaling={optim.lr_scaling} needs optim.base_batch >= 1")
     if optim.lr <= 0:

@@ -10,3 +10,7 @@ USER_ERROR_EXIT_CODE = 2
 
 class UserError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
+
+
+class DivergenceError(Exception):
+    """The loss became non-finite without a loss scaler to absorb it: the run stops."""

@@ -7,6 +7,7 @@ at log and eval steps, so the step loop never stalls on a device sync otherwise.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -19,7 +20,8 @@ from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.data.sources import open_source
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import DivergenceError, UserError
+from paisoar_jax.loss_scale import parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
 from paisoar_jax.models import model_class
 from paisoar_jax.optim import build_optimizer
@@ -28,6 +30,7 @@ from paisoar_jax.state import init_state, plan_state
 from paisoar_jax.step import jit_eval_step, jit_train_step
 
 SAMPLE_PROMPT = b"def "
+FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
 
 
 def evaluate(eval_step, params, eval_source, config: Config, mesh) -> float:
@@ -73,6 +76,31 @@ class IntervalTimer:
         }
 
 
+def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> None:
+    """Stops on a non-finite loss (unscaled runs); warns when the loss scale keeps falling.
+
+    With a loss scaler, an occasional overflow only halves the scale; a scale that falls at
+    every log step means the gradients themselves blow up: a real divergence.
+    """
+    step, loss = record["step"], record["loss"]
+    if not np.isfinite(loss) and not loss_scaled:
+        last = f" (last finite at step {history[-1][0]})" if history else ""
+        raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
+    if np.isfinite(loss):
+        history.append((step, record["loss_scale"]))
+    recent = history[-(FALLING_SCALE_LOGS + 1) :]
+    if len(recent) == FALLING_SCALE_LOGS + 1 and all(
+        later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
+    ):
+        print(
+            f"paisoar_jax: warning: the loss scale fell at each of the last {FALLING_SCALE_LOGS} "
+            f"log steps ({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
+            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def train(config: Config) -> dict[str, Any]:
     """Trains as configured and returns the run's summary (also printed as one line)."""
     train_config = config.train
@@ -82,7 +110,7 @@ def train(config: Config) -> dict[str, Any]:
     sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
     train_source, eval_source = open_source(config.data, config.model, train_config.seed)
     optimizer, schedule = build_optimizer(
-        config.optim, train_config.steps, train_config.global_batch
+        config.optim, train_config.steps, train_config.global_batch, config.precision
     )
     run_dir, is_main = config.run_dir, jax.process_index() == 0
     if is_main:
@@ -133,6 +161,8 @@ def train(config: Config) -> dict[str, Any]:
         )
 
         losses: list[float] = []
+        scale_history: list[tuple[int, float]] = []
+        scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
         eval_loss = None
         train_start = time.perf_counter()
         timer.restart(step=0)
@@ -151,12 +181,13 @@ def train(config: Config) -> dict[str, Any]:
                     "loss": float(values["loss"]),
                     "lr": float(values["lr"]),
                     "grad_norm": float(values["grad_norm"]),
-                    "loss_scale": 1.0,  # no loss scaling under the fp32 and bf16 policies
-                    "skipped_steps": 0,
+                    "loss_scale": float(values["loss_scale"]),
+                    "skipped_steps": int(values["skipped_steps"]),
                     **timer.timings(step),
                 }
                 if not losses:
                     record["compile_s"] = compile_s
+                check_health(record, scaled, scale_history)
                 losses.append(record["loss"])
                 writer.write(record)
                 progress.set_postfix(

@@ -13,7 +13,8 @@ import math
 import jax
 import optax
 
-from paisoar_jax.config import OptimConfig
+from paisoar_jax import loss_scale
+from paisoar_jax.config import OptimConfig, PrecisionConfig
 
 NO_DECAY_NAMES = ("bias", "scale")  # layer-norm scales and every bias
 
@@ -59,9 +60,12 @@ def decay_mask(params) -> object:
 
 
 def build_optimizer(
-    optim_config: OptimConfig, total_steps: int, global_batch: int
+    optim_config: OptimConfig,
+    total_steps: int,
+    global_batch: int,
+    precision: PrecisionConfig | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer chain and its learning-rate schedule (for logging)."""
+    """The optimizer chain (loss-scaled where the precision asks) and its lr schedule."""
     schedule = build_schedule(optim_config, total_steps, global_batch)
     if optim_config.name == "adamw":
         optimizer = optax.adamw(
@@ -79,4 +83,17 @@ def build_optimizer(
         )
     if optim_config.clip_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(optim_config.clip_norm), optimizer)
+    if precision is not None:
+        mode, static_scale = loss_scale.parse_mode(precision.loss_scale, precision.policy)
+        if mode != "none":
+            # Outermost, so clipping and the optimizer see unscaled gradients.
+            optimizer = loss_scale.loss_scaled(
+                optimizer,
+                dynamic=mode == "dynamic",
+                initial_scale=precision.initial_scale if mode == "dynamic" else static_scale,
+                growth_interval=precision.growth_interval,
+                hysteresis=precision.hysteresis,
+                min_scale=min(precision.min_scale, static_scale),
+                max_scale=max(precision.max_scale, static_scale),
+            )
     return optimizer, schedule

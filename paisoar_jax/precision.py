@@ -1,16 +1,24 @@
 """Mixed-precision policies: which dtype params are stored in and which dtype math runs in.
 
 Params stay fp32 (the master weights); a module casts them to `compute_dtype` where it uses
-them. Layer norm, attention softmax, the final logits and the loss run in fp32 whatever the
-policy (the model does that explicitly with `float32_island`).
+them. Layer norm, attention logits and softmax, the final logits and the loss run in fp32
+whatever the policy. To keep more in fp32 (what PyTorch's autocast(enabled=False) or
+custom_fwd do):
+
+- a function: decorate it with `@fp32_function`; its floating inputs arrive in fp32;
+- a submodule: `force_policy(model.blocks, "fp32")` before training; every module under it
+  that follows a policy computes in fp32 from then on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from paisoar_jax.errors import UserError
 
@@ -31,14 +39,38 @@ class Policy:
 PRESETS = {
     "fp32": Policy(),
     "bf16": Policy(compute_dtype=jnp.bfloat16),
+    "fp16": Policy(compute_dtype=jnp.float16),
 }
 
 
 def get_policy(name: str) -> Policy:
-    """The preset policy called `name` (fp32, bf16)."""
+    """The preset policy called `name` (fp32, bf16, fp16)."""
     if name not in PRESETS:
         raise UserError(f"precision.policy={name!r} is not one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def fp32_function(function: Callable) -> Callable:
+    """Decorator: runs `function` with every floating array argument cast to fp32."""
+
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        cast = lambda x: float32_island(x) if _is_floating_array(x) else x
+        return function(*jax.tree.map(cast, args), **jax.tree.map(cast, kwargs))
+
+    return wrapped
+
+
+def _is_floating_array(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def force_policy(module, name: str) -> None:
+    """Makes `module` and every module under it compute with the preset policy `name`."""
+    policy = get_policy(name)
+    for _, submodule in nnx.iter_modules(module):
+        if isinstance(getattr(submodule, "policy", None), Policy):
+            submodule.policy = policy
 
 
 def float32_island(x: jax.Array) -> jax.Array:

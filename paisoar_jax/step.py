@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import sharding
+from paisoar_jax import loss_scale, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
 
@@ -40,15 +40,33 @@ def _split_micro_batches(tokens_BxT1: jax.Array, count: int) -> jax.Array:
     return sharding.constrain(micro, (None, "batch", None))
 
 
-def loss_and_grads(params, graphdef: nnx.GraphDef, tokens_BxT1: jax.Array, grad_accum: int):
-    """Loss and gradients of the whole batch, accumulated over `grad_accum` micro-batches."""
-    grad_fn = jax.value_and_grad(loss_fn)
+def loss_and_grads(
+    params,
+    graphdef: nnx.GraphDef,
+    tokens_BxT1: jax.Array,
+    grad_accum: int,
+    scale: jax.Array | float = 1.0,
+):
+    """Loss and gradients of `scale` x loss of the whole batch, over `grad_accum` micro-batches.
+
+    The returned loss is unscaled; the gradients stay scaled (loss_scale.py unscales them once
+    per optimizer step).
+    """
+
+    def scaled_loss(params, tokens):
+        loss = loss_fn(params, graphdef, tokens)
+        return loss * scale, loss
+
+    def grad_fn(params, tokens):
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params, tokens)
+        return loss, grads
+
     if grad_accum == 1:
-        return grad_fn(params, graphdef, tokens_BxT1)
+        return grad_fn(params, tokens_BxT1)
 
     def accumulate(carry, micro_tokens):
         loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, graphdef, micro_tokens)
+        loss, grads = grad_fn(params, micro_tokens)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -66,15 +84,17 @@ def train_step(
     grad_accum: int,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
-    loss, grads = loss_and_grads(state.params, layout.graphdef, tokens_BxT1, grad_accum)
+    scale = loss_scale.current_scale(state.opt_state)
+    loss, grads = loss_and_grads(state.params, layout.graphdef, tokens_BxT1, grad_accum, scale)
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
     updates, opt_state = layout.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": optax.tree.norm(grads) / scale,
         "lr": schedule(state.step),
+        **loss_scale.scale_metrics(opt_state),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

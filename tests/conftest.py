@@ -65,7 +65,7 @@ def build_run(overrides, devices):
     config = load_config(None, TINY + list(overrides))
     mesh = sharding.build_mesh(config.mesh, devices)
     optimizer, schedule = build_optimizer(
-        config.optim, config.train.steps, config.train.global_batch
+        config.optim, config.train.steps, config.train.global_batch, config.precision
     )
     with jax.set_mesh(mesh):
         layout = plan_state(config, mesh, optimizer)

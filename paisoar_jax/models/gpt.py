@@ -63,6 +63,21 @@ def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array)
     return rotated.reshape(x.shape).astype(x_BxTxHxE.dtype)
 
 
+def attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str | None) -> jax.Array:
+    """Causal attention via jax.nn.dot_product_attention; logits and softmax in fp32.
+
+    XLA on CPU has no fp16 matmul with fp32 accumulation, which jax's fp16 attention asks
+    for, so fp16 attention on CPU runs in fp32 (GPUs keep fp16).
+    """
+    dtype = q_BxTxHxE.dtype
+    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = map(float32_island, (q_BxTxHxE, k_BxTxHxE, v_BxTxHxE))
+    out_BxTxHxE = jax.nn.dot_product_attention(
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, is_causal=True, implementation=implementation
+    )
+    return out_BxTxHxE.astype(dtype)
+
+
 class Block(nnx.Module):
     """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -99,10 +114,7 @@ class Block(nnx.Module):
         if rotary is not None:
             q_BxTxHxE = apply_rotary(q_BxTxHxE, *rotary)
             k_BxTxHxE = apply_rotary(k_BxTxHxE, *rotary)
-        # The logits and softmax inside run in fp32 on every backend.
-        attention_BxTxHxE = jax.nn.dot_product_attention(
-            q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, is_causal=True, implementation=self.attention_impl
-        )
+        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, self.attention_impl)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         out_BxTxD = jnp.einsum("bthe,hed->btd", attention_BxTxHxE, cast(self.out_kernel[...]))
         x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
@@ -180,7 +192,8 @@ class GPT(nnx.Module):
 
 def _block_step(graphdef, rotary, x_BxTxD, block_state):
     """One block as a pure function of its state, shaped for jax.lax.scan (carry, output)."""
-    return nnx.merge(graphdef, block_state)(x_BxTxD, rotary), None
+    # Back to the stream's dtype: a block forced to another policy stays a drop-in.
+    return nnx.merge(graphdef, block_state)(x_BxTxD, rotary).astype(x_BxTxD.dtype), None
 
 
 def _stacked_blocks(config: ModelConfig, policy: Policy, rngs: nnx.Rngs) -> Block:
