@@ -31,6 +31,10 @@ def run(
 ) -> int:
     """Parses the config and runs `main`; bad input becomes one line and exit status 2."""
     args = parser.parse_args(argv)
+    # grain's worker processes read absl flags, which count as unparsed once jax is imported.
+    import absl.flags
+
+    absl.flags.FLAGS.mark_as_parsed()
     try:
         main(load_config(args.config, args.overrides))
     except UserError as error:

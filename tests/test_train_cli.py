@@ -96,3 +96,11 @@ def test_bad_input_gets_one_line_and_exit_2(args, message, tmp_path):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("paisoar_jax.train: error: ")
     assert message in lines[0]
+
+
+def test_grain_workers_from_the_command_line(tmp_path):
+    result = run_train(
+        *TINY, "data.workers=1", "train.steps=3", "train.eval_every=0", "mesh.data=8", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "done: 3 steps" in result.stdout
