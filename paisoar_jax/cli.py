@@ -35,12 +35,17 @@ def run(
     import absl.flags
 
     absl.flags.FLAGS.mark_as_parsed()
+    return exit_status(parser.prog, lambda: main(load_config(args.config, args.overrides)))
+
+
+def exit_status(program: str, work: Callable[[], object]) -> int:
+    """Runs `work`; a UserError is one line and status 2, a divergence one line and status 1."""
     try:
-        main(load_config(args.config, args.overrides))
+        work()
     except UserError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        print(f"{program}: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except DivergenceError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        print(f"{program}: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,7 @@ wrong types and values outside a field's choices raise `UserError` with one line
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -55,7 +56,8 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from and how they are loaded."""
 
-    source: str = "embedded"  # embedded | synthetic
+    source: str = "embedded"  # embedded | synthetic | arrayrecord:<dir or glob> | images:<dir>
+    tokenizer: str = ""  # when set, must match the tokenizer of an arrayrecord dataset
     workers: int = 0  # grain worker processes (0: read in the main process)
     prefetch: int = 2  # global batches in flight on the devices
     eval_fraction: float = 0.05  # share of the embedded corpus held out for eval
@@ -103,12 +105,16 @@ class RematConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints under run.dir/checkpoints (or `dir`)."""
+    """Orbax checkpoints under run.dir/checkpoints (or `dir`): async, atomic, resumable."""
 
+    enabled: bool = True  # false: never save or resume (benchmarks)
     dir: str = ""  # empty: <run.dir>/checkpoints
-    every: int = 0  # save every N steps (0: only at the end); needs checkpointing support
-    keep: int = 3
-    resume: str = "auto"  # auto | never | <step>
+    every: int = 100  # save every N steps; 0 saves only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # the newest checkpoints kept
+    keep_period: int = 0  # also keep every step that is a multiple of this forever (0: none)
+    async_save: bool = True  # write in the background while training goes on
+    resume: str = "auto"  # auto (the newest readable checkpoint) | never | <step>
+    init_from: str = ""  # start from exported params (a params export or checkpoint step dir)
 
 
 @dataclass(frozen=True)
@@ -311,10 +317,44 @@ def validate(config: Config) -> None:
     parse_mode(config.precision.loss_scale, config.precision.policy)
     if optim.lr_scaling != "none" and optim.base_batch < 1:
         raise UserError(f"optim.lr_scaling={optim.lr_scaling} needs optim.base_batch >= 1")
-    if optim.lr <= 0:
+    if not optim.lr > 0:
         raise UserError(f"optim.lr must be > 0, got {optim.lr}")
     if not 0 <= config.data.eval_fraction < 1:
         raise UserError(f"data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
+    if config.data.eval_fraction == 0 and train.eval_every > 0:
+        raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
+    _validate_ranges(config)
+
+
+def _validate_ranges(config: Config) -> None:
+    """Non-negative counts, finite rates and the checkpoint.resume choices."""
+    train, optim, checkpoint = config.train, config.optim, config.checkpoint
+    at_least = {
+        "train.eval_every": (train.eval_every, 0),
+        "train.eval_batches": (train.eval_batches, 1),
+        "train.sample_bytes": (train.sample_bytes, 0),
+        "optim.warmup_steps": (optim.warmup_steps, 0),
+        "data.workers": (config.data.workers, 0),
+        "checkpoint.every": (checkpoint.every, 0),
+        "checkpoint.keep": (checkpoint.keep, 1),
+        "checkpoint.keep_period": (checkpoint.keep_period, 0),
+    }
+    for key, (value, minimum) in at_least.items():
+        if value < minimum:
+            raise UserError(f"{key} must be >= {minimum}, got {value}")
+    non_negative = {
+        "optim.clip_norm": optim.clip_norm,
+        "optim.weight_decay": optim.weight_decay,
+        "optim.final_lr_fraction": optim.final_lr_fraction,
+        "train.peak_tflops": train.peak_tflops,
+    }
+    for key, value in {**non_negative, "optim.lr": optim.lr}.items():
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"{key} must be a finite number >= 0, got {value}")
+    if checkpoint.resume not in ("auto", "never") and not checkpoint.resume.isdigit():
+        raise UserError(
+            f"checkpoint.resume must be auto, never or a step number, got {checkpoint.resume!r}"
+        )
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -7,26 +7,31 @@ at log and eval steps, so the step loop never stalls on a device sync otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
 import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from paisoar_jax import sharding
-from paisoar_jax.config import Config, dump_yaml
+from paisoar_jax import __version__, sharding
+from paisoar_jax.checkpoint import Checkpointer, load_params
+from paisoar_jax.config import Config, dump_yaml, to_dict
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import DivergenceError, UserError
-from paisoar_jax.loss_scale import parse_mode
+from paisoar_jax.loss_scale import all_finite, parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
 from paisoar_jax.models import model_class
 from paisoar_jax.optim import build_optimizer
+from paisoar_jax.preemption import StopRequest
 from paisoar_jax.sample import generate
-from paisoar_jax.state import init_state, plan_state
+from paisoar_jax.state import StateLayout, init_state, plan_state
 from paisoar_jax.step import jit_eval_step, jit_train_step
 
 SAMPLE_PROMPT = b"def "
@@ -101,11 +106,77 @@ def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> No
         )
 
 
+def _checkpointer(config: Config) -> Checkpointer | None:
+    """The run's checkpointer, or None when checkpointing is off."""
+    settings = config.checkpoint
+    if not settings.enabled:
+        return None
+    directory = pathlib.Path(settings.dir) if settings.dir else config.run_dir / "checkpoints"
+    return Checkpointer(directory, settings.keep, settings.keep_period, settings.async_save)
+
+
+def _starting_point(
+    config: Config, layout: StateLayout, checkpointer: Checkpointer | None
+) -> tuple[Any, int, dict | None]:
+    """(state, step, data iterator state): resumed, fine-tuned from params, or fresh."""
+    resume = config.checkpoint.resume
+    if checkpointer is not None and resume != "never":
+        if resume == "auto":
+            restored = checkpointer.restore_latest(layout.abstract_state)
+        elif int(resume) not in checkpointer.steps():
+            raise UserError(
+                f"checkpoint.resume={resume}: no such step in {checkpointer.directory} "
+                f"(steps: {checkpointer.steps() or 'none'})"
+            )
+        else:
+            checkpointer.set_aside_after(int(resume))
+            restored = checkpointer.restore(int(resume), layout.abstract_state)
+        if restored is not None:
+            return restored.state, restored.step, restored.data_state
+    elif checkpointer is not None and checkpointer.steps():
+        raise UserError(
+            f"checkpoint.resume=never but {checkpointer.directory} already holds steps "
+            f"{checkpointer.steps()}: use another run.dir or checkpoint.dir"
+        )
+    state = init_state(config, layout)
+    if config.checkpoint.init_from:
+        params = load_params(pathlib.Path(config.checkpoint.init_from), layout.abstract_state)
+        state = state.replace(params=params)
+    return state, 0, None
+
+
+def _stop_agreed(stop: StopRequest, is_log_step: bool) -> bool:
+    """Whether every process saw a stop signal (processes must save at the same step)."""
+    if jax.process_count() == 1:
+        return stop.requested
+    if not is_log_step:  # a collective per step would cost a host sync; log steps have one
+        return False
+    flags = multihost_utils.process_allgather(np.array(stop.requested))
+    return bool(np.any(flags))
+
+
+_params_finite = jax.jit(all_finite)
+
+
+def _save(checkpointer, step, state, batches, config, mesh) -> None:
+    """Starts an async save of `step`; params that are no longer finite are never saved."""
+    if not bool(_params_finite(state.params)):
+        raise DivergenceError(
+            f"the params are not finite after step {step}: training diverged; the "
+            f"checkpoints before it are kept in {checkpointer.directory}"
+        )
+    meta = {
+        "step": step,
+        "mesh": dict(mesh.shape),
+        "version": __version__,
+        "config": to_dict(config),
+    }
+    checkpointer.save(step, state, batches.consumed_state(), meta)
+
+
 def train(config: Config) -> dict[str, Any]:
     """Trains as configured and returns the run's summary (also printed as one line)."""
     train_config = config.train
-    if config.checkpoint.every > 0:
-        raise UserError("checkpoint.every: checkpoint saving is not available in this version yet")
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
     train_source, eval_source = open_source(config.data, config.model, train_config.seed)
@@ -114,121 +185,183 @@ def train(config: Config) -> dict[str, Any]:
     )
     run_dir, is_main = config.run_dir, jax.process_index() == 0
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(config))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"run.dir {run_dir} is not writable ({error})") from None
+    checkpointer = _checkpointer(config)
 
-    with jax.set_mesh(mesh):
+    with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
+        if checkpointer is not None:
+            cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
         layout = plan_state(config, mesh, optimizer)
-        state = init_state(config, layout)
-        host_batches = batch_dataset(
-            train_source,
-            batch_per_process=train_config.global_batch // jax.process_count(),
-            seed=train_config.seed,
-            workers=config.data.workers,
-        )
-        batches = DevicePrefetcher(
-            iter(host_batches), sharding.batch_sharding(mesh), config.data.prefetch
-        )
-        first_batch = next(batches)
-        compile_start = time.perf_counter()
-        train_step = (
-            jit_train_step(layout, schedule, train_config.grad_accum, mesh)
-            .lower(state, first_batch)
-            .compile()
-        )
-        compile_s = time.perf_counter() - compile_start
-        eval_step = jit_eval_step(layout, mesh)
-        if is_main:
+        state, start_step, data_state = _starting_point(config, layout, checkpointer)
+        if is_main:  # only now: a run refused above must not overwrite the config it had
+            (run_dir / "config.yaml").write_text(dump_yaml(config))
+        if start_step >= train_config.steps:
             print(
-                f"paisoar_jax: {layout.param_count / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
-                f"{jax.device_count()} {jax.devices()[0].platform} devices, "
-                f"compiled in {compile_s:.1f}s",
+                f"paisoar_jax: {run_dir} already finished {start_step} steps (train.steps="
+                f"{train_config.steps}); raise train.steps to go on, or use another run.dir",
                 flush=True,
             )
-        timer = IntervalTimer(
-            tokens_per_step=train_config.global_batch * config.model.seq_len,
-            flops_per_token=model_class(config.model.name).flops_per_token(
-                config.model, layout.param_count
-            ),
-            peak_tflops=device_peak_tflops(train_config.peak_tflops),
-        )
-        writer = MetricsWriter(run_dir, config.run.tensorboard)
-        progress = tqdm(
-            total=train_config.steps,
-            desc="train",
-            disable=not (config.run.progress and is_main),
-            mininterval=1.0,
-        )
-
-        losses: list[float] = []
-        scale_history: list[tuple[int, float]] = []
-        scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
-        eval_loss = None
-        train_start = time.perf_counter()
-        timer.restart(step=0)
-        for step in range(1, train_config.steps + 1):
-            wait_start = time.perf_counter()
-            batch = first_batch if step == 1 else next(batches)
-            timer.wait_s += time.perf_counter() - wait_start
-            state, metrics = train_step(state, batch)
-            progress.update(1)
-            is_last = step == train_config.steps
-
-            if step % train_config.log_every == 0 or is_last:
-                values = jax.device_get(metrics)  # the only host sync between logs
-                record = {
-                    "step": step,
-                    "loss": float(values["loss"]),
-                    "lr": float(values["lr"]),
-                    "grad_norm": float(values["grad_norm"]),
-                    "loss_scale": float(values["loss_scale"]),
-                    "skipped_steps": int(values["skipped_steps"]),
-                    **timer.timings(step),
-                }
-                if not losses:
-                    record["compile_s"] = compile_s
-                check_health(record, scaled, scale_history)
-                losses.append(record["loss"])
-                writer.write(record)
-                progress.set_postfix(
-                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
-                )
-                timer.restart(step)
-
-            if train_config.eval_every and (step % train_config.eval_every == 0 or is_last):
-                eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
-                writer.write({"step": step, "eval_loss": eval_loss})
-                if is_main:
-                    progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
-                timer.restart(step)
-
-        batches.close()
-        progress.close()
-        writer.close()
-        train_s = time.perf_counter() - train_start
-        summary = {
-            "steps": train_config.steps,
-            "first_loss": losses[0],
-            "final_loss": losses[-1],
-            "eval_loss": eval_loss,
-            "tokens_per_s": timer.tokens_per_step * train_config.steps / train_s,
-            "compile_s": compile_s,
-            "train_s": train_s,
-            "run_dir": str(run_dir),
-        }
-        if train_config.sample_bytes and config.data.source == "embedded":
-            text = generate(
-                layout,
-                state.params,
-                mesh,
-                SAMPLE_PROMPT,
-                train_config.sample_bytes,
-                config.model.seq_len,
-                seed=train_config.seed,
+            return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
+        host_iterator = iter(
+            batch_dataset(
+                train_source,
+                batch_per_process=train_config.global_batch // jax.process_count(),
+                # A resume with another process count cannot continue the saved order.
+                seed=train_config.seed + (start_step if data_state is None else 0),
+                workers=config.data.workers,
             )
-            summary["sample"] = text.decode("utf-8", errors="replace")
+        )
+        if data_state is not None:
+            host_iterator.set_state(data_state)
+        batches = DevicePrefetcher(
+            host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
+        )
+        cleanup.callback(batches.close)
+        stop = cleanup.enter_context(StopRequest())
+        summary = _run_loop(
+            config,
+            mesh,
+            layout,
+            state,
+            start_step,
+            batches,
+            schedule,
+            eval_source,
+            checkpointer,
+            stop,
+        )
     if is_main:
         _print_summary(summary)
+    return summary
+
+
+def _run_loop(
+    config, mesh, layout, state, start_step, batches, schedule, eval_source, checkpointer, stop
+) -> dict[str, Any]:
+    """Compiles the step and runs it from start_step + 1, logging, evaluating and saving."""
+    train_config, run_dir = config.train, config.run_dir
+    is_main = jax.process_index() == 0
+    first_batch = next(batches)
+    compile_start = time.perf_counter()
+    train_step = (
+        jit_train_step(layout, schedule, train_config.grad_accum, mesh)
+        .lower(state, first_batch)
+        .compile()
+    )
+    compile_s = time.perf_counter() - compile_start
+    eval_step = jit_eval_step(layout, mesh)
+    resumed = f", resumed from step {start_step}" if start_step else ""
+    if is_main:
+        print(
+            f"paisoar_jax: {layout.param_count / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+            f"compiled in {compile_s:.1f}s{resumed}",
+            flush=True,
+        )
+    timer = IntervalTimer(
+        tokens_per_step=train_config.global_batch * config.model.seq_len,
+        flops_per_token=model_class(config.model.name).flops_per_token(
+            config.model, layout.param_count
+        ),
+        peak_tflops=device_peak_tflops(train_config.peak_tflops),
+    )
+    writer = MetricsWriter(run_dir, config.run.tensorboard, resume_step=start_step)
+    progress = tqdm(
+        total=train_config.steps,
+        initial=start_step,
+        desc="train",
+        disable=not (config.run.progress and is_main),
+        mininterval=1.0,
+    )
+    every = config.checkpoint.every
+    losses: list[float] = []
+    scale_history: list[tuple[int, float]] = []
+    scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
+    eval_loss, stopped_by = None, None
+    train_start = time.perf_counter()
+    timer.restart(step=start_step)
+    step = start_step
+    for step in range(start_step + 1, train_config.steps + 1):
+        wait_start = time.perf_counter()
+        batch = first_batch if step == start_step + 1 else next(batches)
+        timer.wait_s += time.perf_counter() - wait_start
+        state, metrics = train_step(state, batch)
+        progress.update(1)
+        is_last = step == train_config.steps
+        is_log_step = step % train_config.log_every == 0 or is_last
+
+        if is_log_step:
+            values = jax.device_get(metrics)  # the only host sync between logs
+            record = {
+                "step": step,
+                "loss": float(values["loss"]),
+                "lr": float(values["lr"]),
+                "grad_norm": float(values["grad_norm"]),
+                "loss_scale": float(values["loss_scale"]),
+                "skipped_steps": int(values["skipped_steps"]),
+                **timer.timings(step),
+            }
+            if not losses:
+                record["compile_s"] = compile_s
+            check_health(record, scaled, scale_history)
+            losses.append(record["loss"])
+            writer.write(record)
+            progress.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
+            )
+            timer.restart(step)
+
+        if train_config.eval_every and (step % train_config.eval_every == 0 or is_last):
+            eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
+            writer.write({"step": step, "eval_loss": eval_loss})
+            if is_main:
+                progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+            timer.restart(step)
+
+        stop_now = _stop_agreed(stop, is_log_step)
+        if checkpointer is not None and ((every and step % every == 0) or is_last or stop_now):
+            save_start = time.perf_counter()
+            _save(checkpointer, step, state, batches, config, mesh)
+            timer.start_time += time.perf_counter() - save_start  # not step time
+        if stop_now:
+            stopped_by = stop.signal_name or "a stop signal on another process"
+            break
+
+    progress.close()
+    writer.close()
+    if checkpointer is not None:
+        checkpointer.wait()  # committed before we say it is saved
+    if stopped_by and is_main:
+        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
+        print(f"paisoar_jax: stopped by {stopped_by} after step {step}; {where}", flush=True)
+    train_s = time.perf_counter() - train_start
+    steps_run = step - start_step
+    summary = {
+        "steps": step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "eval_loss": eval_loss,
+        "tokens_per_s": timer.tokens_per_step * steps_run / train_s,
+        "compile_s": compile_s,
+        "train_s": train_s,
+        "run_dir": str(run_dir),
+        "resumed_from": start_step,
+        "stopped_by": stopped_by,
+    }
+    if train_config.sample_bytes and config.data.source == "embedded" and not stopped_by:
+        text = generate(
+            layout,
+            state.params,
+            mesh,
+            SAMPLE_PROMPT,
+            train_config.sample_bytes,
+            config.model.seq_len,
+            seed=train_config.seed,
+        )
+        summary["sample"] = text.decode("utf-8", errors="replace")
     return summary
 
 
@@ -236,11 +369,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     """The sample, if any, then the one-line summary that closes every run."""
     if "sample" in summary:
         print(f"sample:\n{summary['sample']}\n", flush=True)
-    eval_loss = summary["eval_loss"]
+    eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+    loss_text = (
+        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}" if first_loss else "no loss logged"
+    )
     print(
-        f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, loss "
-        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{eval_text}, "
+        f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, "
+        f"{loss_text}{eval_text}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, compile {summary['compile_s']:.1f}s, "
         f"run dir {summary['run_dir']}",
         flush=True,

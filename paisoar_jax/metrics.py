@@ -40,14 +40,25 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) 
 class MetricsWriter:
     """Appends metric records to run_dir/metrics.jsonl and TensorBoard (process 0 only)."""
 
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True):
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         self._file = None
         self._tensorboard = None
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("w")
+        path = run_dir / "metrics.jsonl"
+        # A resumed run continues the file as if uninterrupted: records past the restored
+        # step (logged after the last checkpoint) are dropped, earlier ones kept.
+        kept = []
+        if resume_step and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line)["step"] <= resume_step
+            ]
+        self._file = path.open("w")
+        self._file.writelines(kept)
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
 

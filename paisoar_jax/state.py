@@ -42,6 +42,7 @@ class StateLayout:
     shardings: TrainState  # a TrainState of NamedShardings
     gradient_shardings: dict[str, Any]  # where gradients go before the update (ZeRO >= 1)
     param_count: int
+    abstract_state: TrainState  # shapes, dtypes and shardings: the target of a restore
 
 
 def _model_factory(config: Config):
@@ -95,7 +96,20 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         step=sharding.replicated(mesh), params=param_shardings, opt_state=opt_shardings
     )
     param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
-    return StateLayout(graphdef, optimizer, shardings, state_param_shardings, param_count)
+    abstract_state = jax.tree.map(
+        lambda shape, leaf_sharding: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=leaf_sharding
+        ),
+        TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+            params=abstract_params,
+            opt_state=abstract_opt_state,
+        ),
+        shardings,
+    )
+    return StateLayout(
+        graphdef, optimizer, shardings, state_param_shardings, param_count, abstract_state
+    )
 
 
 def init_state(config: Config, layout: StateLayout) -> TrainState:

@@ -91,6 +91,17 @@ def test_sections_are_frozen():
         (["mesh.data=0"], "mesh.data must be a positive size or -1"),
         (["train.steps=0"], "train.steps must be >= 1"),
         (["optim.lr_scaling=linear"], "needs optim.base_batch >= 1"),
+        (["data.eval_fraction=0"], "data.eval_fraction=0 leaves no eval data"),
+        (["train.eval_every=-1"], "train.eval_every must be >= 0"),
+        (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
+        (["optim.warmup_steps=-5"], "optim.warmup_steps must be >= 0"),
+        (["data.workers=-1"], "data.workers must be >= 0"),
+        (["optim.clip_norm=-1"], "optim.clip_norm must be a finite number >= 0"),
+        (["optim.lr=inf"], "optim.lr must be a finite number"),
+        (["optim.lr=nan"], "optim.lr must be > 0"),
+        (["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+        (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
+        (["checkpoint.resume=latest"], "checkpoint.resume must be auto, never or a step"),
     ],
 )
 def test_bad_overrides_raise_one_clear_line(overrides, message):

@@ -1,4 +1,7 @@
 import itertools
+import json
+import pathlib
+import sysconfig
 
 import jax
 import numpy as np
@@ -8,6 +11,7 @@ from paisoar_jax import sharding
 from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.prefetch import DevicePrefetcher
+from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import TokenWindows, embedded_corpus, open_source
 from paisoar_jax.errors import UserError
 
@@ -97,12 +101,85 @@ def test_prefetcher_reraises_producer_errors(devices):
 
 
 def test_source_errors():
-    with pytest.raises(UserError, match="data.source='arrayrecord:/x' is not available"):
-        open_source(DataConfig(source="arrayrecord:/x"), ModelConfig(), 0)
+    with pytest.raises(UserError, match="data.source='hdfs:/x' is not one of embedded"):
+        open_source(DataConfig(source="hdfs:/x"), ModelConfig(), 0)
+    with pytest.raises(UserError, match="arrayrecord:/no/such: no such file or directory"):
+        open_source(DataConfig(source="arrayrecord:/no/such"), ModelConfig(), 0)
+    with pytest.raises(UserError, match="holds images, and model.name=gpt reads tokens"):
+        open_source(DataConfig(source="images:/x"), ModelConfig(), 0)
     with pytest.raises(UserError, match="needs model.vocab_size >= 256"):
         open_source(DataConfig(), ModelConfig(vocab_size=100), 0)
     with pytest.raises(UserError, match="longer than the embedded eval split"):
         open_source(DataConfig(eval_fraction=0.0001), ModelConfig(seq_len=1 << 22), 0)
+
+
+@pytest.fixture(scope="module")
+def token_dataset(tmp_path_factory):
+    """A converted byte-level dataset of a few standard-library files, in 2 shards."""
+    from paisoar_jax.convert import main as convert
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "json"
+    output = tmp_path_factory.mktemp("tokens") / "dataset"
+    status = convert(
+        ["text", "--input", str(root / "*.py"), "--output", str(output), "--shards", "2"]
+    )
+    assert status == 0
+    return output
+
+
+def test_arrayrecord_source_packs_windows_with_a_held_out_tail(token_dataset):
+    data = DataConfig(source=f"arrayrecord:{token_dataset}", eval_fraction=0.1)
+    train, held_out = open_source(data, ModelConfig(seq_len=64), 0)
+    total = len(train) + len(held_out)
+    assert total == (TokenRecords(token_dataset).token_count - 1) // 64
+    assert len(held_out) == round(total * 0.1)
+    assert np.array_equal(train[1][:1], train[0][-1:])  # windows share the boundary token
+    assert held_out[0][0] == train[len(train) - 1][-1]
+    assert b"import" in bytes(np.concatenate([train[i] for i in range(20)]).astype(np.uint8))
+    shards = DataConfig(source=f"arrayrecord:{token_dataset}/*.array_record")
+    assert len(open_source(shards, ModelConfig(seq_len=64), 0)[0]) == len(
+        open_source(DataConfig(source=f"arrayrecord:{token_dataset}"), ModelConfig(seq_len=64), 0)[
+            0
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "data, model, message",
+    [
+        ({}, {"vocab_size": 100}, "has vocab size 256 (byte) but model.vocab_size=100"),
+        ({"tokenizer": "gpt2.json"}, {}, "data.tokenizer=gpt2.json but"),
+        ({}, {"seq_len": 1 << 20}, "model.seq_len=1048576 is longer than the data"),
+        ({"eval_fraction": 0.99999}, {}, "leaves an empty train or eval split"),
+    ],
+)
+def test_dataset_that_disagrees_with_the_model_is_refused(token_dataset, data, model, message):
+    config = DataConfig(source=f"arrayrecord:{token_dataset}", **data)
+    with pytest.raises(UserError) as error:
+        open_source(config, ModelConfig(**model), 0)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_iterator_state_resumes_at_exactly_the_next_batch(devices, workers):
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    options = dict(batch_per_process=4, seed=2, workers=workers)
+    uninterrupted = first_batches(source, 16, **options)
+    mesh = sharding.build_mesh(MeshConfig(data=1), devices[:1])
+    # The prefetcher reads ahead; the state it reports is the one after the last batch used.
+    prefetcher = DevicePrefetcher(
+        iter(batch_dataset(source, **options)), sharding.batch_sharding(mesh), depth=3
+    )
+    consumed = [jax.device_get(next(prefetcher)) for _ in range(13)]  # past an epoch (10)
+    state = json.loads(json.dumps(prefetcher.consumed_state()))  # as a checkpoint holds it
+    prefetcher.close()
+    resumed = iter(batch_dataset(source, **options))
+    resumed.set_state(state)
+    rest = [next(resumed) for _ in range(3)]
+    if hasattr(resumed, "close"):
+        resumed.close()
+    for got, wanted in zip(consumed + rest, uninterrupted, strict=True):
+        np.testing.assert_array_equal(got, wanted)
 
 
 def test_synthetic_source_is_reproducible():

@@ -3,6 +3,10 @@
 A background thread pulls per-process numpy batches, assembles each into one global array
 sharded over the batch axes (`jax.make_array_from_process_local_data`, which works across
 processes) and queues it, so the training loop only waits when input is truly behind.
+
+The host iterator runs ahead of the step by up to `depth` batches, so its own get_state()
+is not where a resumed run must start: each queued batch carries the iterator state taken
+right after it was read, and `consumed_state()` returns the one of the last batch handed out.
 """
 
 from __future__ import annotations
@@ -25,26 +29,33 @@ class DevicePrefetcher:
         self._host_batches = host_batches
         self._sharding = sharding
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        get_state = getattr(host_batches, "get_state", None)
+        self._consumed_state = get_state() if get_state else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="device-prefetch", daemon=True)
         self._thread.start()
 
     def _fill(self) -> None:
         """Producer: host batch -> global array -> queue, until stopped or exhausted."""
+        get_state = getattr(self._host_batches, "get_state", None)
         try:
             for host_batch in self._host_batches:
                 array = jax.make_array_from_process_local_data(self._sharding, host_batch)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(array, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put((array, get_state() if get_state else None)):
                     return
-            self._queue.put(_DONE)
+            self._put(_DONE)
         except BaseException as error:  # re-raised in the consumer's thread
-            self._queue.put(error)
+            self._put(error)
+
+    def _put(self, item: object) -> bool:
+        """Queues `item` unless stopped first; never blocks past close()."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __iter__(self) -> DevicePrefetcher:
         return self
@@ -55,11 +66,19 @@ class DevicePrefetcher:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        return item
+        array, self._consumed_state = item
+        return array
+
+    def consumed_state(self) -> dict | None:
+        """The host iterator's state right after the last batch handed out (for checkpoints)."""
+        return self._consumed_state
 
     def close(self) -> None:
-        """Stops the producer thread (batches already queued are dropped)."""
+        """Stops the producer thread, drops queued batches and closes the host iterator."""
         self._stop.set()
         while not self._queue.empty():
             self._queue.get_nowait()
         self._thread.join(timeout=5)
+        close_host = getattr(self._host_batches, "close", None)
+        if close_host is not None and not self._thread.is_alive():
+            close_host()  # grain's worker processes and their shared memory

@@ -3,11 +3,14 @@
 `embedded` reads the Python standard library's own source files byte-level (vocab 256): a
 real corpus of about 11 MB on every machine, with nothing to download. Files are assigned to
 the train or eval split by a hash of their path, so the split is stable. `synthetic` makes
-random tokens at full speed, for benchmarks.
+random tokens at full speed, for benchmarks. `arrayrecord:<dir or glob>` reads a dataset
+written by `python -m paisoar_jax.convert text`, packed into windows with no padding; its
+last `data.eval_fraction` of windows is held out for eval.
 """
 
 from __future__ import annotations
 
+import glob
 import pathlib
 import sysconfig
 import zlib
@@ -15,6 +18,7 @@ import zlib
 import numpy as np
 
 from paisoar_jax.config import DataConfig, ModelConfig
+from paisoar_jax.data.records import PackedWindows, TokenRecords
 from paisoar_jax.errors import UserError
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
@@ -62,10 +66,63 @@ class SyntheticWindows:
         return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
 
 
+def dataset_directory(pattern: str) -> pathlib.Path:
+    """The one converted dataset a directory path or glob (of it or its shards) names."""
+    matches = sorted(glob.glob(pattern, recursive=True))
+    if not matches:
+        raise UserError(f"data.source=arrayrecord:{pattern}: no such file or directory")
+    directories = sorted(
+        {path if path.is_dir() else path.parent for path in map(pathlib.Path, matches)}
+    )
+    if len(directories) > 1:
+        raise UserError(
+            f"data.source=arrayrecord:{pattern} matches {len(directories)} datasets "
+            f"({directories[0]}, {directories[1]}, ...): name one directory"
+        )
+    return directories[0]
+
+
+def open_token_records(
+    pattern: str, data_config: DataConfig, model_config: ModelConfig
+) -> tuple[PackedWindows, PackedWindows]:
+    """(train, eval) packed windows of a converted dataset, checked against the model."""
+    records = TokenRecords(dataset_directory(pattern))
+    if data_config.tokenizer and data_config.tokenizer != records.tokenizer:
+        raise UserError(
+            f"data.tokenizer={data_config.tokenizer} but {records.directory} was tokenized "
+            f"with {records.tokenizer}"
+        )
+    if records.vocab_size > model_config.vocab_size:
+        raise UserError(
+            f"{records.directory} has vocab size {records.vocab_size} ({records.tokenizer}) "
+            f"but model.vocab_size={model_config.vocab_size}: token ids would overflow"
+        )
+    windows = len(PackedWindows(records, model_config.seq_len))  # checks seq_len fits
+    eval_windows = round(windows * data_config.eval_fraction)
+    if data_config.eval_fraction > 0 and (eval_windows == 0 or eval_windows == windows):
+        raise UserError(
+            f"data.eval_fraction={data_config.eval_fraction} of {windows} windows of "
+            f"{records.directory} leaves an empty train or eval split"
+        )
+    return (
+        PackedWindows(records, model_config.seq_len, 0, windows - eval_windows),
+        PackedWindows(records, model_config.seq_len, windows - eval_windows, windows),
+    )
+
+
 def open_source(
     data_config: DataConfig, model_config: ModelConfig, seed: int
-) -> tuple[TokenWindows | SyntheticWindows, TokenWindows | SyntheticWindows]:
+) -> tuple[TokenWindows | SyntheticWindows | PackedWindows, ...]:
     """The (train, eval) window sources named by data.source."""
+    if data_config.source.startswith("arrayrecord:"):
+        return open_token_records(
+            data_config.source.removeprefix("arrayrecord:"), data_config, model_config
+        )
+    if data_config.source.startswith("images:"):
+        raise UserError(
+            f"data.source={data_config.source} holds images, and model.name="
+            f"{model_config.name} reads tokens"
+        )
     if data_config.source == "synthetic":
         return (
             SyntheticWindows(model_config.vocab_size, model_config.seq_len, seed),
@@ -73,7 +130,8 @@ def open_source(
         )
     if data_config.source != "embedded":
         raise UserError(
-            f"data.source={data_config.source!r} is not available (use embedded or synthetic)"
+            f"data.source={data_config.source!r} is not one of embedded, synthetic, "
+            f"arrayrecord:<dir>, images:<dir>"
         )
     if model_config.vocab_size < 256:
         raise UserError(

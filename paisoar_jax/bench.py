@@ -1,0 +1,139 @@
+"""`python -m paisoar_jax.bench [--data-only] [--config FILE.yaml] [section.key=value ...]`.
+
+Prints one JSON line of measured speed for a config on the devices at hand.
+
+`--data-only` times the input pipeline alone, exactly as training builds it (source,
+grain shuffle/batch, workers, device prefetch into sharded global arrays) but with no
+step consuming the batches: batches/s and tokens/s, the ceiling the pipeline puts on
+training. Without it, the config trains on synthetic tokens (no checkpoints, no eval) and
+the line reports tokens/s, step time, MFU and compile time from the run's own metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from paisoar_jax import cli
+from paisoar_jax.config import Config, load_config
+
+BENCH_OVERRIDES = [
+    "checkpoint.enabled=false",
+    "train.eval_every=0",
+    "train.sample_bytes=0",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
+    """Times `batches` global batches of the configured pipeline after `warmup` of them."""
+    import jax
+
+    from paisoar_jax import sharding
+    from paisoar_jax.data.pipeline import batch_dataset
+    from paisoar_jax.data.prefetch import DevicePrefetcher
+    from paisoar_jax.data.sources import open_source
+
+    mesh = sharding.build_mesh(config.mesh)
+    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
+    source, _ = open_source(config.data, config.model, config.train.seed)
+    host_batches = batch_dataset(
+        source,
+        batch_per_process=config.train.global_batch // jax.process_count(),
+        seed=config.train.seed,
+        workers=config.data.workers,
+    )
+    prefetcher = DevicePrefetcher(
+        iter(host_batches), sharding.batch_sharding(mesh), config.data.prefetch
+    )
+    try:
+        for _ in range(warmup):  # worker start-up and first reads are not throughput
+            next(prefetcher).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(batches):
+            next(prefetcher).block_until_ready()
+        seconds = time.perf_counter() - start
+    finally:
+        prefetcher.close()
+    tokens = batches * config.train.global_batch * config.model.seq_len
+    return {
+        "mode": "data",
+        "source": config.data.source,
+        "workers": config.data.workers,
+        "global_batch": config.train.global_batch,
+        "seq_len": config.model.seq_len,
+        "batches": batches,
+        "seconds": seconds,
+        "batches_per_s": batches / seconds,
+        "tokens_per_s": tokens / seconds,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+    }
+
+
+def bench_train(config: Config) -> dict[str, Any]:
+    """Trains the config on synthetic tokens and summarises its speed from metrics.jsonl."""
+    import jax
+
+    from paisoar_jax.loop import train
+
+    summary = train(config)
+    records = [
+        json.loads(line)
+        for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    steady = records[1:] or records  # the first interval holds the warm-up steps
+    step_time_s = sum(r["step_time_s"] for r in steady) / len(steady)
+    memory = jax.devices()[0].memory_stats() or {}
+    return {
+        "mode": "train",
+        "model": config.model.name,
+        "precision": config.precision.policy,
+        "remat": config.remat.policy,
+        "mesh": dataclasses.asdict(config.mesh),
+        "global_batch": config.train.global_batch,
+        "seq_len": config.model.seq_len,
+        "steps": summary["steps"],
+        "step_ms": step_time_s * 1e3,
+        "tokens_per_s": config.train.global_batch * config.model.seq_len / step_time_s,
+        "mfu": steady[-1]["mfu"],
+        "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
+        "compile_s": summary["compile_s"],
+        "peak_memory_gb": memory.get("peak_bytes_in_use", 0) / 1e9 or None,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = cli.config_parser("paisoar_jax.bench", "Measure training or input speed.")
+    parser.add_argument("--data-only", action="store_true", help="time the input pipeline alone")
+    parser.add_argument("--batches", type=int, default=200, help="timed batches (--data-only)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed batches (--data-only)")
+    args = parser.parse_args(argv)
+
+    def run(config: Config) -> None:
+        if args.data_only:
+            result = bench_data(config, args.batches, args.warmup)
+        else:
+            # Synthetic tokens unless the command line names a source; nothing saved.
+            overrides = ["data.source=synthetic", *args.overrides, *BENCH_OVERRIDES]
+            config = load_config(args.config, overrides)
+            if not config.run.dir:  # never overwrite the metrics of a real run of this name
+                bench_dir = f"run.dir=runs/bench/{config.run.name}"
+                config = load_config(args.config, [*overrides, bench_dir])
+            result = bench_train(config)
+        print(json.dumps(result), flush=True)
+
+    return cli.run(run, parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Orbax checkpoints: async and atomic saves, exact resume, restore onto any mesh.
+
+Each checkpoint is one step directory under `checkpoint.dir` with three items:
+
+    state/   the TrainState (step, params, optimizer state with its counts and the
+             loss-scale state), written by every process for its own shards
+    data/    the input iterator's position, one JSON file per process (grain's handler)
+    meta/    step, mesh, process count, library version and the resolved config
+
+Orbax writes a step into a temporary directory and renames it only once every item is
+committed, so a save killed half-way leaves no step that `all_steps()` lists; the next
+manager removes the leftover. Restoring takes an abstract target whose leaves carry the
+*current* shardings: each process reads just its shards, whatever mesh wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from paisoar_jax.errors import UserError
+
+
+class IteratorState:
+    """The input iterator's position as JSON bytes, in the form grain's handler saves.
+
+    grain's Orbax handler calls `get_state()` on save and `set_state()` then
+    `start_prefetch()` on restore; this holder carries the state of the last batch the
+    step consumed (the prefetcher's own iterator is already a few batches ahead).
+    """
+
+    def __init__(self, state: bytes | None = None):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        """The saved position (grain calls this on save)."""
+        return self.state
+
+    def set_state(self, state: bytes) -> None:
+        """Takes the restored position (grain calls this on restore)."""
+        self.state = state
+
+    def start_prefetch(self) -> None:
+        """Nothing to start: the pipeline is built after the restore."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a checkpoint gives back: the state, the data position (or None) and the meta."""
+
+    step: int
+    state: Any
+    data_state: dict | None
+    meta: dict[str, Any]
+
+
+def check_writable(directory: pathlib.Path) -> None:
+    """Fails before training when `directory` cannot hold checkpoints (not after an hour)."""
+    probe = directory / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(
+            f"checkpoint directory {directory} is not writable ({error.strerror or error})"
+        ) from None
+
+
+def _leaf_names(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Dotted leaf names (as Orbax names them, `opt_state.0.mu.w`) -> shapes."""
+    names = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for key in path:
+            part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+            parts.append(str(part))
+        names[".".join(parts)] = tuple(leaf.shape)
+    return names
+
+
+def _saved_tree(metadata: Any) -> Any:
+    """The tree of array metadata inside whatever wrapper this Orbax version returns."""
+    metadata = getattr(metadata, "item_metadata", metadata)
+    return getattr(metadata, "tree", metadata)
+
+
+def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> None:
+    """One line naming the first parameter whose saved shape differs from the model's."""
+    saved = {
+        name: shape
+        for name, shape in _leaf_names(saved_tree).items()
+        if shape is not None  # empty optimizer states are stored as None
+    }
+    wanted = _leaf_names(target)
+    for name, shape in wanted.items():
+        if name not in saved:
+            raise UserError(
+                f"checkpoint {directory} does not fit this model: it has no {name} "
+                f"(shape {shape}); was it written by another model or optimizer?"
+            )
+        if saved[name] != shape:
+            raise UserError(
+                f"checkpoint {directory} does not fit this model: {name} has shape "
+                f"{saved[name]} there and {shape} here"
+            )
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise UserError(
+            f"checkpoint {directory} does not fit this model: it has {extra[0]} "
+            f"(shape {saved[extra[0]]}) that this model lacks"
+        )
+
+
+def warn(message: str) -> None:
+    """A warning line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        print(f"paisoar_jax: warning: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpointer:
+    """Saves and restores train state, data position and metadata with one CheckpointManager."""
+
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        keep: int,
+        keep_period: int = 0,
+        async_save: bool = True,
+    ):
+        self.directory = directory.absolute()
+        check_writable(self.directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            keep_period=keep_period or None,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # what a killed save left behind
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, data_state: dict | None, meta: dict[str, Any]) -> None:
+        """Starts an async save of `step` (a save already in flight is waited for first)."""
+        data_bytes = json.dumps(data_state).encode()
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(IteratorState(data_bytes)),
+                meta=ocp.args.JsonSave({**meta, "process_count": jax.process_count()}),
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, target: Any) -> Restored:
+        """Restores `step` onto `target`'s shapes and shardings (abstract arrays)."""
+        step_dir = self.directory / str(step)
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+        saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
+        check_compatible(saved_tree, target, step_dir)
+        items = {"state": ocp.args.StandardRestore(target)}
+        holder = IteratorState()
+        same_processes = meta.get("process_count") == jax.process_count()
+        if same_processes:
+            items["data"] = grain.checkpoint.CheckpointRestore(holder)
+        else:
+            warn(
+                f"checkpoint step {step} was written by {meta.get('process_count')} processes "
+                f"and this run has {jax.process_count()}: the input order cannot continue "
+                f"exactly, so it starts afresh with a new shuffle"
+            )
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        data_state = json.loads(holder.state) if same_processes else None
+        return Restored(step, restored["state"], data_state, meta)
+
+    def restore_latest(self, target: Any) -> Restored | None:
+        """The newest checkpoint that restores; a broken one is skipped with a warning."""
+        steps = self.steps()
+        for position, step in enumerate(reversed(steps)):
+            try:
+                return self.restore(step, target)
+            except UserError:
+                raise
+            except Exception as error:  # any read failure means this step is unusable
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                older = steps[-position - 2] if position + 1 < len(steps) else None
+                fallback = f"falling back to step {older}" if older else "no older one left"
+                warn(
+                    f"checkpoint step {step} in {self.directory} is unreadable "
+                    f"({type(error).__name__}: {reason[:200]}); {fallback}"
+                )
+        if steps:
+            raise UserError(f"no readable checkpoint in {self.directory} (steps {steps})")
+        return None
+
+    def set_aside_after(self, step: int) -> None:
+        """Moves the steps after `step` to <dir>-superseded/ (resuming from an older step).
+
+        The run will write those step numbers again; the old ones are kept, not deleted.
+        """
+        newer = [later for later in self.steps() if later > step]
+        if not newer:
+            return
+        aside = self.directory.parent / f"{self.directory.name}-superseded"
+        if jax.process_index() == 0:
+            aside.mkdir(exist_ok=True)
+            for later in newer:
+                target = aside / str(later)
+                suffix = 1
+                while target.exists():
+                    target, suffix = aside / f"{later}.{suffix}", suffix + 1
+                (self.directory / str(later)).rename(target)
+        multihost_utils.sync_global_devices("paisoar_jax.set_aside_after")
+        self.manager.reload()
+        warn(f"resuming from step {step}: moved the newer steps {newer} to {aside}")
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _params_item(path: pathlib.Path) -> pathlib.Path:
+    """The Orbax item that holds params: an export's `params/` or a checkpoint's `state/`."""
+    for name in ("params", "state"):
+        if (path / name / "_METADATA").is_file() or (path / name).is_dir():
+            return path / name
+    raise UserError(
+        f"checkpoint.init_from={path}: not a params export or a checkpoint step directory "
+        f"(expected {path}/params or {path}/state)"
+    )
+
+
+def load_params(path: pathlib.Path, abstract_state: Any) -> dict[str, Any]:
+    """Params only, from an export or any checkpoint step, into the current shardings."""
+    item = _params_item(path.absolute())
+    target = {"params": abstract_state.params}
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved_tree = _saved_tree(checkpointer.metadata(item))
+    check_compatible({"params": saved_tree["params"]}, target, item)
+    restored = checkpointer.restore(
+        item,
+        args=ocp.args.PyTreeRestore(
+            target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True,
+        ),
+    )
+    return restored["params"]
+
+
+def export_params(params: dict[str, Any], output: pathlib.Path) -> None:
+    """Writes params alone (`output/params`), the input of inference and `init_from`."""
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(output.absolute() / "params", {"params": params})
+    checkpointer.wait_until_finished()

@@ -1,0 +1,73 @@
+"""`python -m paisoar_jax.export RUN_DIR --output DIR [--step N]`: params only, for inference.
+
+Reads the run's config.yaml and a checkpoint (the newest, or --step), and writes the
+params alone to DIR/params with the run's config beside them. The export is the input of
+inference code and of fine-tuning: `python -m paisoar_jax.train checkpoint.init_from=DIR`
+starts a new run from these params with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from paisoar_jax.cli import exit_status
+from paisoar_jax.errors import UserError
+
+
+def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None) -> int:
+    """Writes the params of `step` (default: the newest) of the run in `run_dir` to `output`."""
+    import jax
+
+    from paisoar_jax import sharding
+    from paisoar_jax.checkpoint import export_params, load_params
+    from paisoar_jax.config import MeshConfig, dump_yaml, load_config
+    from paisoar_jax.optim import build_optimizer
+    from paisoar_jax.state import plan_state
+
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output} exists and is not empty")
+    config = load_config(str(config_path))
+    checkpoints = (
+        pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    )
+    steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.is_dir())
+    if not steps or (step is not None and step not in steps):
+        wanted = f"step {step}" if step is not None else "a checkpoint"
+        raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
+    step = steps[-1] if step is None else step
+    # One device is enough to hold the params alone; the export has no mesh of its own.
+    mesh = sharding.build_mesh(MeshConfig(data=1), jax.devices()[:1])
+    optimizer, _ = build_optimizer(
+        config.optim, config.train.steps, config.train.global_batch, config.precision
+    )
+    with jax.set_mesh(mesh):
+        layout = plan_state(config, mesh, optimizer)
+        params = load_params(checkpoints / str(step), layout.abstract_state)
+        export_params(params, output)
+    (output / "config.yaml").write_text(dump_yaml(config))
+    print(
+        f"paisoar_jax.export: {layout.param_count / 1e6:.2f}M params of step {step} -> "
+        f"{output}/params",
+        flush=True,
+    )
+    return step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog="paisoar_jax.export", description=__doc__)
+    parser.add_argument("run_dir", type=pathlib.Path, help="a run directory (holds config.yaml)")
+    parser.add_argument("--output", type=pathlib.Path, required=True, help="where to write")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    args = parser.parse_args(argv)
+    return exit_status(parser.prog, lambda: export(args.run_dir, args.output, args.step))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`python -m paisoar_jax.bench`, as a user runs it: one JSON line of measured speed."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import PYTHON, TINY, subprocess_env
+
+
+def bench(*args, cwd):
+    result = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.bench", *args],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_data_only_times_the_pipeline(tmp_path):
+    result = bench("--data-only", "--batches", "20", "--warmup", "2", *TINY, cwd=tmp_path)
+    assert result["mode"] == "data" and result["batches"] == 20
+    assert result["tokens_per_s"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["batches_per_s"] * 16 * 32)
+
+
+def test_training_bench_reports_speed_on_synthetic_tokens(tmp_path):
+    result = bench(*TINY, "train.steps=6", "train.log_every=2", cwd=tmp_path)
+    assert result["mode"] == "train" and result["steps"] == 6
+    assert result["step_ms"] > 0 and result["compile_s"] > 0
+    assert result["tokens_per_s"] == pytest.approx(16 * 32 / (result["step_ms"] / 1e3))
+    assert 0 <= result["data_wait_frac"] <= 1
+    assert (tmp_path / "runs" / "bench" / "default" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "runs" / "bench" / "default" / "checkpoints").exists()

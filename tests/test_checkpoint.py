@@ -1,0 +1,242 @@
+"""Checkpoints with real Orbax files: reshard on restore, bad checkpoints, export, fine-tune."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, build_run, token_batches
+
+from paisoar_jax import sharding
+from paisoar_jax.checkpoint import Checkpointer, check_writable, load_params
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.export import export
+from paisoar_jax.loop import train
+from paisoar_jax.optim import build_optimizer
+from paisoar_jax.state import plan_state
+
+DATA_STATE = {"position": 7}
+
+
+def trained_state(devices, mesh_overrides=(), steps=2):
+    """A TINY state after `steps` real steps, and its layout and mesh."""
+    config, mesh, layout, state, train_step = build_run(mesh_overrides, devices)
+    with jax.set_mesh(mesh):
+        for tokens in token_batches(steps):
+            batch = jax.device_put(tokens, sharding.batch_sharding(mesh))
+            state, _ = train_step(state, batch)
+    return state, layout, mesh
+
+
+def layout_on(overrides, devices):
+    """The layout (with its abstract restore target) of TINY + overrides on `devices`."""
+    config = load_config(None, TINY + list(overrides))
+    mesh = sharding.build_mesh(config.mesh, devices)
+    optimizer, _ = build_optimizer(
+        config.optim, config.train.steps, config.train.global_batch, config.precision
+    )
+    with jax.set_mesh(mesh):
+        return plan_state(config, mesh, optimizer), mesh
+
+
+def assert_states_equal(left, right):
+    for a, b in zip(jax.tree.leaves(left), jax.tree.leaves(right), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def saved(devices, tmp_path_factory):
+    """Steps 1 and 2 of a data=8 run, saved synchronously."""
+    directory = tmp_path_factory.mktemp("saved") / "checkpoints"
+    state, layout, mesh = trained_state(devices, ["mesh.data=8"])
+    checkpointer = Checkpointer(directory, keep=3)
+    for step in (1, 2):
+        checkpointer.save(step, state, DATA_STATE, {"step": step})
+    checkpointer.close()
+    return directory, state
+
+
+@pytest.mark.parametrize(
+    "overrides, device_count",
+    [(["mesh.data=8"], 8), (["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], 8), ([], 4)],
+)
+def test_restore_reshards_onto_another_mesh(saved, devices, overrides, device_count):
+    directory, state = saved
+    layout, mesh = layout_on(overrides, devices[:device_count])
+    checkpointer = Checkpointer(directory, keep=3)
+    with jax.set_mesh(mesh):
+        restored = checkpointer.restore(2, layout.abstract_state)
+    checkpointer.close()
+    assert restored.step == 2 and restored.data_state == DATA_STATE
+    assert restored.meta["step"] == 2 and restored.meta["process_count"] == 1
+    assert_states_equal(restored.state, state)
+    for array, wanted in zip(
+        jax.tree.leaves(restored.state), jax.tree.leaves(layout.shardings), strict=True
+    ):
+        assert array.sharding == wanted  # read straight into the new layout, shard by shard
+    qkv = restored.state.params["blocks"]["qkv_kernel"]
+    if "mesh.tensor=2" in overrides:
+        assert qkv.addressable_shards[0].data.shape != qkv.shape
+
+
+def test_wrong_model_shape_names_the_first_parameter(saved, devices):
+    directory, _ = saved
+    layout, mesh = layout_on(["model.width=32"], devices)
+    checkpointer = Checkpointer(directory, keep=3)
+    with jax.set_mesh(mesh), pytest.raises(UserError) as error:
+        checkpointer.restore_latest(layout.abstract_state)
+    checkpointer.close()
+    message = str(error.value)
+    assert "does not fit this model" in message and "\n" not in message
+    assert "(2, 64)" in message and "(2, 32)" in message, message
+
+
+def corrupt(step_dir: pathlib.Path):
+    """Overwrites every array data file of the state item with garbage of the same size."""
+    data_files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "d" in p.parts]
+    assert data_files
+    for path in data_files:
+        path.write_bytes(b"\xff" * path.stat().st_size)
+
+
+def test_corrupted_checkpoint_falls_back_to_the_previous_one(saved, devices, tmp_path, capsys):
+    directory, state = saved
+    copy = tmp_path / "checkpoints"
+    import shutil
+
+    shutil.copytree(directory, copy)
+    corrupt(copy / "2")
+    layout, mesh = layout_on(["mesh.data=8"], devices)
+    checkpointer = Checkpointer(copy, keep=3)
+    with jax.set_mesh(mesh):
+        restored = checkpointer.restore_latest(layout.abstract_state)
+    assert restored.step == 1
+    assert_states_equal(restored.state.params, state.params)
+    assert "checkpoint step 2" in capsys.readouterr().err
+    corrupt(copy / "1")
+    with jax.set_mesh(mesh), pytest.raises(UserError, match="no readable checkpoint"):
+        checkpointer.restore_latest(layout.abstract_state)
+    checkpointer.close()
+
+
+def test_unwritable_checkpoint_directory_is_refused_up_front(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UserError, match="not writable"):
+        check_writable(blocker / "checkpoints")
+    config = load_config(
+        None, TINY + [f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={blocker}/c"]
+    )
+    with pytest.raises(UserError, match="not writable"):
+        train(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+def run_config(run_dir, *overrides):
+    return load_config(
+        None,
+        TINY
+        + [
+            f"run.dir={run_dir}",
+            "train.steps=4",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "checkpoint.every=2",
+            "optim.warmup_steps=1",
+            *overrides,
+        ],
+    )
+
+
+def test_resume_settings(tmp_path):
+    run_dir = tmp_path / "run"
+    first = train(run_config(run_dir))
+    assert first["resumed_from"] == 0 and sorted(
+        int(p.name) for p in (run_dir / "checkpoints").iterdir()
+    ) == [2, 4]
+    done = train(run_config(run_dir))  # resume=auto: nothing left to do
+    assert done["resumed_from"] == 4 and "final_loss" not in done
+    with pytest.raises(UserError, match="resume=never but"):
+        train(run_config(run_dir, "checkpoint.resume=never"))
+    with pytest.raises(UserError, match=r"no such step .*steps: \[2, 4\]"):
+        train(run_config(run_dir, "checkpoint.resume=3", "train.steps=6"))
+    again = train(run_config(run_dir, "checkpoint.resume=2", "train.steps=6"))
+    assert again["resumed_from"] == 2 and again["steps"] == 6
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # steps 3, 4 logged once
+
+
+def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
+    from paisoar_jax.errors import DivergenceError
+
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir, "checkpoint.every=1"))
+    diverging = run_config(
+        run_dir,
+        "checkpoint.every=1",
+        "train.steps=8",
+        "optim.lr=1e39",  # inf in float32: the first update makes the params non-finite
+    )
+    with pytest.raises(DivergenceError, match="after step 5"):
+        train(diverging)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=3)
+    assert checkpointer.steps() == [2, 3, 4]
+    layout, mesh = layout_on(["mesh.data=8"], jax.devices())
+    with jax.set_mesh(mesh):
+        kept = checkpointer.restore_latest(layout.abstract_state)
+    checkpointer.close()
+    assert kept.step == 4
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(kept.state))
+
+
+def test_export_params_and_fine_tune_from_them(tmp_path, devices):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))
+    export(run_dir, tmp_path / "export")
+    assert (tmp_path / "export" / "params").is_dir()
+    assert (tmp_path / "export" / "config.yaml").is_file()
+    layout, mesh = layout_on(["mesh.fsdp=4", "mesh.tensor=2"], devices)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=3)
+    with jax.set_mesh(mesh):
+        exported = load_params(tmp_path / "export", layout.abstract_state)
+        final = checkpointer.restore(4, layout.abstract_state).state.params
+    checkpointer.close()
+    assert_states_equal(exported, final)
+    assert jax.tree.leaves(exported)[0].sharding == jax.tree.leaves(layout.shardings.params)[0]
+    tuned = train(run_config(tmp_path / "tuned", f"checkpoint.init_from={tmp_path / 'export'}"))
+    fresh = train(run_config(tmp_path / "fresh"))
+    assert tuned["first_loss"] < fresh["first_loss"]  # starts where the export left off
+    with pytest.raises(UserError, match="does not fit this model"):
+        train(
+            run_config(
+                tmp_path / "other", f"checkpoint.init_from={tmp_path / 'export'}", "model.layers=3"
+            )
+        )
+    with pytest.raises(UserError, match="not a params export"):
+        train(run_config(tmp_path / "other2", f"checkpoint.init_from={tmp_path}"))
+
+
+def test_another_process_count_restores_the_state_but_restarts_the_input_order(
+    saved, devices, tmp_path, capsys
+):
+    import shutil
+
+    directory, state = saved
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    # What two processes leave: a data file per process and process_count 2 in the meta.
+    data_dir, meta_file = copy / "2" / "data", copy / "2" / "meta" / "metadata"
+    for process in range(2):
+        (data_dir / f"process_{process}-of-2.json").write_text(json.dumps(DATA_STATE))
+    (data_dir / "process_0-of-1.json").unlink()
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "process_count": 2}))
+    layout, mesh = layout_on(["mesh.data=8"], devices)
+    checkpointer = Checkpointer(copy, keep=3)
+    with jax.set_mesh(mesh):
+        restored = checkpointer.restore(2, layout.abstract_state)
+    checkpointer.close()
+    assert_states_equal(restored.state, state)
+    assert restored.data_state is None
+    assert "written by 2 processes and this run has 1" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""Preemption with real processes: SIGTERM/SIGINT save and exit 0, kill -9 loses nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import PYTHON, TINY, subprocess_env
+
+RUN = [
+    *TINY,
+    "train.steps=30",
+    "train.log_every=5",
+    "train.eval_every=0",
+    "optim.warmup_steps=5",
+]
+
+
+def start(run_dir, *overrides):
+    return subprocess.Popen(
+        [PYTHON, "-m", "paisoar_jax.train", *RUN, f"run.dir={run_dir}", *overrides],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process, timeout=300):
+    stdout, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+
+def wait_for(condition, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of the uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    finish(start(run_dir, "checkpoint.enabled=false"))
+    return losses(run_dir)
+
+
+def logged_step(run_dir, step):
+    path = run_dir / "metrics.jsonl"
+    return lambda: path.exists() and f'"step": {step},' in path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_number, workers", [(signal.SIGTERM, 1), (signal.SIGINT, 0)])
+def test_stop_signal_saves_and_resume_continues_exactly(
+    reference, tmp_path, signal_number, workers
+):
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "checkpoint.every=100", f"data.workers={workers}")
+    wait_for(logged_step(run_dir, 10), process)
+    process.send_signal(signal_number)
+    last_line = finish(process).strip().splitlines()[-2]  # then the summary line
+    name = signal.Signals(signal_number).name
+    assert last_line.startswith(f"paisoar_jax: stopped by {name} after step "), last_line
+    stopped_at = int(last_line.split("after step ")[1].split(";")[0])
+    assert f"saved step {stopped_at} to" in last_line and stopped_at < 30
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped_at]
+
+    resumed = finish(start(run_dir, "checkpoint.every=100", f"data.workers={workers}"))
+    assert f"resumed from step {stopped_at}" in resumed
+    assert losses(run_dir) == reference  # bit for bit, the data order included
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    process = start(run_dir, "checkpoint.every=1", "checkpoint.keep=100")
+
+    def saving():
+        names = [p.name for p in checkpoints.iterdir()] if checkpoints.exists() else []
+        complete = [int(n) for n in names if n.isdigit()]
+        return complete and max(complete) >= 5 and any("tmp" in n for n in names)
+
+    wait_for(saving, process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    names = sorted(p.name for p in checkpoints.iterdir())
+    half_written = [n for n in names if "tmp" in n]
+    complete = sorted(int(n) for n in names if n.isdigit())
+    assert half_written, names  # killed mid-save: a temporary step directory is left
+
+    resumed = finish(start(run_dir, "checkpoint.every=1", "checkpoint.keep=100"))
+    assert f"resumed from step {complete[-1]}" in resumed
+    assert not [p for p in checkpoints.iterdir() if "tmp" in p.name]  # cleaned up
+    assert losses(run_dir) == reference
