@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
+from paisoar_jax import distributed
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, DivergenceError, UserError
 
@@ -35,7 +37,14 @@ def run(
     import absl.flags
 
     absl.flags.FLAGS.mark_as_parsed()
-    return exit_status(parser.prog, lambda: main(load_config(args.config, args.overrides)))
+
+    def work() -> object:
+        config = load_config(args.config, args.overrides)
+        # Before main touches a device: a multi-process run must join its peers first.
+        distributed.initialize(config.distributed, program=parser.prog)
+        return main(config)
+
+    return exit_status(parser.prog, work)
 
 
 def exit_status(program: str, work: Callable[[], object]) -> int:
@@ -44,8 +53,17 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
         work()
     except UserError as error:
         print(f"{program}: error: {error}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
+        status = USER_ERROR_EXIT_CODE
     except DivergenceError as error:
         print(f"{program}: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+        status = 1
+    except Exception:
+        if not distributed.joined():
+            raise
+        traceback.print_exc()  # a bug keeps its traceback
+        status = 1
+    else:
+        return 0
+    if distributed.joined():  # a failed process must not wait for the others at exit
+        distributed.exit_now(status)
+    return status

@@ -73,7 +73,7 @@ class OptimConfig:
     warmup_steps: int = 30
     final_lr_fraction: float = 0.1  # cosine/linear decay ends at lr * this
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
-    weight_decay: float = 0.1  # decoupled; never applied to norms and biases
+    weight_decay: float = 0.1  # adamw: decoupled; sgd: L2 on the gradient; never norms, biases
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -143,6 +143,22 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process start-up (jax.distributed); what is left unset comes from the environment.
+
+    Unset fields are read from the launcher's PAISOAR_* variables, SLURM, Open MPI or
+    torchrun's variables, in that order (paisoar_jax/distributed.py); with none of them the
+    run is one process.
+    """
+
+    coordinator: str = ""  # host:port where process 0 runs the coordinator; empty: environment
+    num_processes: int = 0  # processes in the run; 0: environment (1 when nothing says)
+    process_id: int = -1  # this process's rank, 0 .. num_processes - 1; -1: environment
+    local_device_ids: str = ""  # comma-separated local device ids this process uses; empty: all
+    timeout_s: int = 0  # seconds to wait for every process to join; 0: PAISOAR_TIMEOUT_S or 300
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run: one section per concern."""
 
@@ -155,6 +171,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -372,6 +389,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "DistributedConfig",
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",

@@ -88,15 +88,19 @@ def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> No
     every log step means the gradients themselves blow up: a real divergence.
     """
     step, loss = record["step"], record["loss"]
-    if not np.isfinite(loss) and not loss_scaled:
-        last = f" (last finite at step {history[-1][0]})" if history else ""
-        raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
-    if np.isfinite(loss):
+    if not loss_scaled:  # history: the log steps with a finite loss
+        if not np.isfinite(loss):
+            last = f" (last finite at step {history[-1][0]})" if history else ""
+            raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
         history.append((step, record["loss_scale"]))
+        return
+    # With a scaler, history: the scale at every log step (a skipped step has a nan loss).
+    history.append((step, record["loss_scale"]))
     recent = history[-(FALLING_SCALE_LOGS + 1) :]
-    if len(recent) == FALLING_SCALE_LOGS + 1 and all(
+    falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
         later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
-    ):
+    )
+    if falling and jax.process_index() == 0:  # every process sees it; one says it
         print(
             f"paisoar_jax: warning: the loss scale fell at each of the last {FALLING_SCALE_LOGS} "
             f"log steps ({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
@@ -199,11 +203,12 @@ def train(config: Config) -> dict[str, Any]:
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
         if start_step >= train_config.steps:
-            print(
-                f"paisoar_jax: {run_dir} already finished {start_step} steps (train.steps="
-                f"{train_config.steps}); raise train.steps to go on, or use another run.dir",
-                flush=True,
-            )
+            if is_main:
+                print(
+                    f"paisoar_jax: {run_dir} already finished {start_step} steps (train.steps="
+                    f"{train_config.steps}); raise train.steps to go on, or use another run.dir",
+                    flush=True,
+                )
             return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
         host_iterator = iter(
             batch_dataset(
@@ -291,7 +296,11 @@ def _run_loop(
         state, metrics = train_step(state, batch)
         progress.update(1)
         is_last = step == train_config.steps
-        is_log_step = step % train_config.log_every == 0 or is_last
+        is_eval_step = bool(train_config.eval_every) and (
+            step % train_config.eval_every == 0 or is_last
+        )
+        # An eval step is also a log step: its eval_loss joins that step's metrics record.
+        is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
 
         if is_log_step:
             values = jax.device_get(metrics)  # the only host sync between logs
@@ -308,17 +317,15 @@ def _run_loop(
                 record["compile_s"] = compile_s
             check_health(record, scaled, scale_history)
             losses.append(record["loss"])
+            if is_eval_step:  # after the timings: eval time is not step time
+                eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
+                record["eval_loss"] = eval_loss
+                if is_main:
+                    progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
             writer.write(record)
             progress.set_postfix(
                 loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
             )
-            timer.restart(step)
-
-        if train_config.eval_every and (step % train_config.eval_every == 0 or is_last):
-            eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
-            writer.write({"step": step, "eval_loss": eval_loss})
-            if is_main:
-                progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
             timer.restart(step)
 
         stop_now = _stop_agreed(stop, is_log_step)

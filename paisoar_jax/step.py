@@ -46,11 +46,14 @@ def loss_and_grads(
     tokens_BxT1: jax.Array,
     grad_accum: int,
     scale: jax.Array | float = 1.0,
+    gradient_shardings=None,
 ):
     """Loss and gradients of `scale` x loss of the whole batch, over `grad_accum` micro-batches.
 
     The returned loss is unscaled; the gradients stay scaled (loss_scale.py unscales them once
-    per optimizer step).
+    per optimizer step). With `gradient_shardings` (ZeRO >= 1) the accumulator lives in the
+    optimizer-state layout, so each micro-batch's gradients are reduce-scattered into it
+    rather than all-reduced, and each device holds only its slice of the sum.
     """
 
     def scaled_loss(params, tokens):
@@ -64,12 +67,17 @@ def loss_and_grads(
     if grad_accum == 1:
         return grad_fn(params, tokens_BxT1)
 
+    def in_layout(grads):
+        if gradient_shardings is None:
+            return grads
+        return jax.lax.with_sharding_constraint(grads, gradient_shardings)
+
     def accumulate(carry, micro_tokens):
         loss_sum, grad_sum = carry
         loss, grads = grad_fn(params, micro_tokens)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_layout(grads))), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    zeros = (jnp.zeros((), jnp.float32), in_layout(jax.tree.map(jnp.zeros_like, params)))
     micro_batches = _split_micro_batches(tokens_BxT1, grad_accum)
     (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
     return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
@@ -85,7 +93,9 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
     scale = loss_scale.current_scale(state.opt_state)
-    loss, grads = loss_and_grads(state.params, layout.graphdef, tokens_BxT1, grad_accum, scale)
+    loss, grads = loss_and_grads(
+        state.params, layout.graphdef, tokens_BxT1, grad_accum, scale, layout.gradient_shardings
+    )
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
     updates, opt_state = layout.optimizer.update(grads, state.opt_state, state.params)

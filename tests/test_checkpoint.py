@@ -240,3 +240,14 @@ def test_another_process_count_restores_the_state_but_restarts_the_input_order(
     assert_states_equal(restored.state, state)
     assert restored.data_state is None
     assert "written by 2 processes and this run has 1" in capsys.readouterr().err
+
+
+def test_keeps_the_newest_and_every_kth_forever(saved, tmp_path):
+    _, state = saved
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2, keep_period=3)
+    for step in range(1, 9):
+        checkpointer.save(step, state, DATA_STATE, {"step": step})  # async, one at a time
+    checkpointer.close()
+    reopened = Checkpointer(tmp_path / "checkpoints", keep=2)
+    assert reopened.steps() == [3, 6, 7, 8]
+    reopened.close()

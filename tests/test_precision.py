@@ -81,25 +81,41 @@ def one_device_env():
     return env
 
 
-def final_loss(policy, tmp_path, steps=100):
-    run_dir = tmp_path / policy
-    result = subprocess.run(
+# A learning rate that blows the params up in one step, on a model that compiles fast.
+EXPLODING = [
+    "optim.lr=1e30",
+    "optim.clip_norm=0",
+    "optim.warmup_steps=0",
+    "model.layers=1",
+    "model.width=32",
+    "model.seq_len=16",
+]
+
+
+def run_train(*overrides, timeout):
+    """`python -m paisoar_jax.train` on one CPU device, quietly."""
+    return subprocess.run(
         [
             PYTHON,
             "-m",
             "paisoar_jax.train",
-            f"precision.policy={policy}",
-            f"train.steps={steps}",
             "train.eval_every=0",
             "train.sample_bytes=0",
             "run.progress=false",
             "run.tensorboard=false",
-            f"run.dir={run_dir}",
+            *overrides,
         ],
         env=one_device_env(),
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=timeout,
+    )
+
+
+def final_loss(policy, tmp_path, steps=100):
+    run_dir = tmp_path / policy
+    result = run_train(
+        f"precision.policy={policy}", f"train.steps={steps}", f"run.dir={run_dir}", timeout=400
     )
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -115,30 +131,32 @@ def test_fp16_default_model_ends_within_2_percent_of_fp32(tmp_path):
 
 
 def test_bf16_non_finite_loss_stops_with_the_step(tmp_path):
-    result = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "paisoar_jax.train",
-            "precision.policy=bf16",
-            "optim.lr=1e30",
-            "optim.clip_norm=0",
-            "optim.warmup_steps=0",
-            "train.steps=6",
-            "train.log_every=2",
-            "train.eval_every=0",
-            "train.sample_bytes=0",
-            "run.progress=false",
-            "model.layers=1",
-            "model.width=32",
-            "model.seq_len=16",
-            f"run.dir={tmp_path / 'run'}",
-        ],
-        env=one_device_env(),
-        capture_output=True,
-        text=True,
+    result = run_train(
+        "precision.policy=bf16",
+        *EXPLODING,
+        "train.steps=6",
+        "train.log_every=2",
+        f"run.dir={tmp_path / 'run'}",
         timeout=300,
     )
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert "training diverged" in last and "at step " in last
+
+
+def test_fp16_scale_that_keeps_falling_warns_of_divergence(tmp_path):
+    # Params blown up by a huge step: every later gradient overflows, however small the scale.
+    result = run_train(
+        "precision.policy=fp16",
+        *EXPLODING,
+        "train.steps=8",
+        "train.log_every=1",
+        f"run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the loss scale fell at each of the last 3 log steps" in result.stderr
+    assert "diverging, not just overflowing" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[-1]["skipped_steps"] >= 5
+    assert records[-1]["loss_scale"] <= 2.0**15 / 2**5

@@ -137,12 +137,15 @@ def test_zero1_shards_only_optimizer_state(devices):
     assert ratio > 6.5
 
 
-def test_grad_accumulation_equals_one_big_batch(devices):
+@pytest.mark.parametrize(
+    "mesh_overrides", [["mesh.data=2", "mesh.fsdp=2"], ["mesh.data=4", "mesh.zero=1"]]
+)
+def test_grad_accumulation_equals_one_big_batch(devices, mesh_overrides):
     big_batch = token_batches(1, batch=16)[0]
     results = {}
     for accum in (1, 4):
         _, mesh, layout, state, train_step = build_run(
-            ["mesh.data=2", "mesh.fsdp=2", f"train.grad_accum={accum}"], devices[:4]
+            [*mesh_overrides, f"train.grad_accum={accum}"], devices[:4]
         )
         with jax.set_mesh(mesh):
             batch = jax.device_put(big_batch, sharding.batch_sharding(mesh))

@@ -87,6 +87,9 @@ def test_sharded_training_run_writes_its_run_directory(tmp_path):
             "(mlp, size 100) is not divisible by mesh tensor=8",
         ),
         (["--config", "missing.yaml"], "config file not found: missing.yaml"),
+        (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU"),
+        (["data.source=arrayrecord:/no/data"], "arrayrecord:/no/data: no such file or directory"),
+        (["run.dir=/dev/null/run"], "run.dir /dev/null/run is not writable"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(args, message, tmp_path):

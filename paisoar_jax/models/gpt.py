@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from paisoar_jax.config import ModelConfig
+from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import remat_block
 from paisoar_jax.sharding import constrain
@@ -78,6 +79,19 @@ def attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str | None) -> ja
     return out_BxTxHxE.astype(dtype)
 
 
+def check_attention(implementation: str, policy: Policy) -> None:
+    """Refuses up front what cuDNN flash attention cannot run: non-GPU devices, fp32."""
+    if implementation != "cudnn":
+        return
+    if jax.default_backend() != "gpu":
+        raise UserError(
+            f"model.attention=cudnn needs an NVIDIA GPU, and this run has "
+            f"{jax.default_backend()} devices (use auto or xla)"
+        )
+    if jnp.dtype(policy.compute_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise UserError("model.attention=cudnn needs precision.policy=bf16 or fp16")
+
+
 class Block(nnx.Module):
     """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -89,6 +103,7 @@ class Block(nnx.Module):
         residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
         zeros = nnx.initializers.zeros
         self.policy = policy
+        check_attention(config.attention, policy)
         self.attention_impl = ATTENTION_IMPLEMENTATIONS[config.attention]
         self.attention_norm = _layer_norm(D, rngs)
         self.qkv_kernel = _param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
