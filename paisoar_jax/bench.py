@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -108,6 +109,10 @@ def bench_train(config: Config) -> dict[str, Any]:
         "peak_memory_gb": memory.get("peak_bytes_in_use", 0) / 1e9 or None,
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "attention": config.model.attention,
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 

@@ -100,7 +100,15 @@ class PrecisionConfig:
 class RematConfig:
     """Activation checkpointing per transformer block (names in paisoar_jax.remat)."""
 
-    policy: Literal["none", "full", "dots", "dots_no_batch", "minimal"] = "none"
+    policy: Literal[
+        "none",
+        "full",
+        "dots",
+        "dots_no_batch",
+        "minimal",
+        "offload_dots_no_batch",
+        "offload_minimal",
+    ] = "none"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The H200 benchmark, prepared to run as one device call (issues 2, 3, 4 and 7):
+#
+#   run(command="bash benchmarks/h200.sh", carry=[".whl", ".peers"], timeout_s=590)
+#
+# after `bash ../shared/gpu/wheels.sh` (fills .whl/) and `cp -r ../shared/peers .peers`.
+# Each line of $OUT/results.jsonl is one measurement (ours from `python -m paisoar_jax.bench`,
+# the PyTorch peers' own JSON), tagged with its name; $OUT/log holds everything printed.
+# `bash benchmarks/h200.sh tiny` dry-runs the same steps here on a CPU with tiny shapes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+SIZE=${1:-full}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # the GPU machine lacks grain and array-record
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+exec > >(tee -a "$OUT/log") 2>&1
+python3 -c "import jax; print('devices', jax.devices())"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+
+if [ "$SIZE" = tiny ]; then
+  SHAPE=(model.layers=2 model.width=64 model.heads=4 model.seq_len=64 model.vocab_size=512
+         train.global_batch=8)
+  STEPS=(train.steps=6 train.log_every=2)
+  CUDNN=model.attention=xla  # cuDNN attention is refused off-GPU
+else
+  SHAPE=()
+  STEPS=(train.steps=60 train.log_every=10)
+  CUDNN=model.attention=cudnn
+fi
+
+record() {  # record NAME COMMAND...: runs it (5 min at most) and keeps its last JSON line
+  local name=$1
+  shift
+  echo "== $name: $*"
+  local line
+  line=$(timeout 300 "$@" | grep '^{' | tail -1)
+  if [ -n "$line" ]; then
+    echo "{\"name\": \"$name\", \"result\": $line}" | tee -a "$OUT/results.jsonl"
+  else
+    echo "{\"name\": \"$name\", \"result\": null}" | tee -a "$OUT/results.jsonl"
+  fi
+}
+
+ours() {  # ours NAME CONFIG OVERRIDES...
+  local name=$1 config=$2
+  shift 2
+  record "$name" python3 -m paisoar_jax.bench --config "$config" "${SHAPE[@]}" "${STEPS[@]}" "$@"
+}
+
+# The input pipeline alone (issue 4): 16 cores, gpt2_124m's batch shape.
+record data_synthetic python3 -m paisoar_jax.bench --data-only --config gpt2_124m "${SHAPE[@]}"
+record data_embedded_w8 python3 -m paisoar_jax.bench --data-only --config gpt2_124m \
+  "${SHAPE[@]}" data.source=embedded model.vocab_size=50304 data.workers=8
+
+# gpt2_124m, B=16, T=1024 (issues 2, 3, 7): the precisions and the attention variants.
+ours gpt2_bf16_cudnn gpt2_124m precision.policy=bf16 "$CUDNN"
+ours gpt2_bf16_xla gpt2_124m precision.policy=bf16 model.attention=xla
+ours gpt2_fp16_cudnn gpt2_124m precision.policy=fp16 "$CUDNN"
+ours gpt2_fp32 gpt2_124m precision.policy=fp32 model.attention=xla
+ours gpt2_bf16_cudnn_dots gpt2_124m precision.policy=bf16 "$CUDNN" remat.policy=dots
+if [ "$SIZE" != tiny ]; then
+  record peer_gpt2_bf16_compile python3 .peers/gpt_torch.py bf16_compile
+  record peer_gpt2_fp32_eager python3 .peers/gpt_torch.py fp32_eager
+  # gpt_1b, L24 D2048 T2048 B=8 (issue 7): bf16 and fp16, then the peer.
+  ours gpt1b_bf16_cudnn gpt_1b precision.policy=bf16 "$CUDNN" train.steps=30
+  ours gpt1b_fp16_cudnn gpt_1b precision.policy=fp16 "$CUDNN" train.steps=30
+  record peer_gpt1b_bf16_compile env L=24 D=2048 H=16 T=2048 B=8 \
+    python3 .peers/gpt_torch.py bf16_compile
+fi
+echo "== done: $(wc -l < "$OUT/results.jsonl") results in $OUT/results.jsonl"

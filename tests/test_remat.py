@@ -1,0 +1,67 @@
+"""Remat policies: the same gradients, and measurably less compiled memory."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY
+
+from paisoar_jax import sharding
+from paisoar_jax.config import load_config
+from paisoar_jax.optim import build_optimizer
+from paisoar_jax.remat import POLICIES
+from paisoar_jax.state import init_state, plan_state
+from paisoar_jax.step import jit_train_step, loss_and_grads
+
+# Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
+TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]
+
+
+def layout_for(devices, policy, overrides=()):
+    """(config, layout, mesh) of TINY + overrides with `policy`, on one device."""
+    config = load_config(None, [*TINY, *overrides, "mesh.data=1", f"remat.policy={policy}"])
+    mesh = sharding.build_mesh(config.mesh, devices[:1])
+    optimizer, _ = build_optimizer(
+        config.optim, config.train.steps, config.train.global_batch, config.precision
+    )
+    with jax.set_mesh(mesh):
+        return config, plan_state(config, mesh, optimizer), mesh
+
+
+def temporary_bytes(devices, policy):
+    """Compiled temporary memory of the twelve-layer train step (abstract inputs only)."""
+    config, layout, mesh = layout_for(devices, policy, TWELVE_LAYERS)
+    batch = jax.ShapeDtypeStruct(
+        (config.train.global_batch, config.model.seq_len + 1),
+        np.int32,
+        sharding=sharding.batch_sharding(mesh),
+    )
+    with jax.set_mesh(mesh):
+        step = jit_train_step(layout, lambda count: 1e-3, 1, mesh)
+        compiled = step.lower(layout.abstract_state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_full_remat_needs_at_least_half_less_temporary_memory(devices):
+    none, full = temporary_bytes(devices, "none"), temporary_bytes(devices, "full")
+    assert none >= 2 * full, (none, full)
+
+
+def gradients(devices, policy):
+    config, layout, mesh = layout_for(devices, policy)
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32)
+    with jax.set_mesh(mesh):
+        params = init_state(config, layout).params
+        grad_fn = jax.jit(lambda p, t: loss_and_grads(p, layout.graphdef, t, 1)[1])
+        return grad_fn(params, tokens)
+
+
+@pytest.fixture(scope="module")
+def reference_gradients(devices):
+    return gradients(devices, "none")
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"none"}))
+def test_every_policy_gives_the_gradients_of_none(devices, reference_gradients, policy):
+    got = gradients(devices, policy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference_gradients), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
