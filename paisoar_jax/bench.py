@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-only", action="store_true", help="time the input pipeline alone")
     parser.add_argument("--batches", type=int, default=200, help="timed batches (--data-only)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches (--data-only)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def run(config: Config) -> None:
         if args.data_only:

@@ -32,7 +32,7 @@ def run(
     argv: Sequence[str] | None = None,
 ) -> int:
     """Parses the config and runs `main`; bad input becomes one line and exit status 2."""
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     # grain's worker processes read absl flags, which count as unparsed once jax is imported.
     import absl.flags
 
