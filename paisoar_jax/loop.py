@@ -66,7 +66,8 @@ class IntervalTimer:
 
     def restart(self, step: int) -> None:
         """Starts a new interval after `step` (also after eval, whose time is not step time)."""
-        self.start_time, self.start_step, self.wait_s = time.perf_counter(), step, 0.0
+        self.start_time, self.start_step = time.perf_counter(), step
+        self.wait_s = self.save_s = 0.0
 
     def timings(self, step: int) -> dict[str, Any]:
         """step_time_s, tokens_per_s, mfu and data_wait_frac of the interval ending at `step`."""
@@ -312,6 +313,7 @@ def _run_loop(
                 "loss_scale": float(values["loss_scale"]),
                 "skipped_steps": int(values["skipped_steps"]),
                 **timer.timings(step),
+                "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
             }
             if not losses:
                 record["compile_s"] = compile_s
@@ -332,7 +334,9 @@ def _run_loop(
         if checkpointer is not None and ((every and step % every == 0) or is_last or stop_now):
             save_start = time.perf_counter()
             _save(checkpointer, step, state, batches, config, mesh)
-            timer.start_time += time.perf_counter() - save_start  # not step time
+            save_s = time.perf_counter() - save_start
+            timer.start_time += save_s  # not step time
+            timer.save_s += save_s
         if stop_now:
             stopped_by = stop.signal_name or "a stop signal on another process"
             break

@@ -20,6 +20,7 @@ FIELDS = {
     "tokens_per_s",
     "mfu",
     "data_wait_frac",
+    "checkpoint_s",
 }
 
 
