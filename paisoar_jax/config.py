@@ -67,7 +67,7 @@ class DataConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule, clipping and weight decay."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
     lr: float = 3e-3
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 30
@@ -77,8 +77,9 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
-    nesterov: bool = False  # sgd only
+    momentum: float = 0.9  # sgd and lars
+    nesterov: bool = False  # sgd and lars
+    trust_coefficient: float = 0.001  # lars: the layer-wise trust ratio's coefficient
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # rescale lr for the global batch
     base_batch: int = 0  # the global batch `lr` was tuned for (needed when lr_scaling != none)
 

@@ -76,6 +76,26 @@ def build_optimizer(
             weight_decay=optim_config.weight_decay,
             mask=decay_mask,
         )
+    elif optim_config.name == "lamb":  # Adam with a per-layer trust ratio (large batches)
+        optimizer = optax.lamb(
+            schedule,
+            b1=optim_config.b1,
+            b2=optim_config.b2,
+            eps=optim_config.eps,
+            weight_decay=optim_config.weight_decay,
+            mask=decay_mask,
+        )
+    elif optim_config.name == "lars":  # momentum SGD with a per-layer trust ratio
+        optimizer = optax.lars(
+            schedule,
+            weight_decay=optim_config.weight_decay,
+            weight_decay_mask=decay_mask,
+            trust_coefficient=optim_config.trust_coefficient,
+            # Norms and biases keep plain SGD steps, as in the LARS paper's practice.
+            trust_ratio_mask=decay_mask,
+            momentum=optim_config.momentum,
+            nesterov=optim_config.nesterov,
+        )
     else:
         optimizer = optax.chain(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),

@@ -82,7 +82,7 @@ def test_sections_are_frozen():
         (["train.steps=three"], "train.steps: expected int, got 'three'"),
         (["optim.lr=fast"], "optim.lr: expected float"),
         (["model.tie_embeddings=maybe"], "model.tie_embeddings: expected bool"),
-        (["optim.name=adagrad"], "optim.name: 'adagrad' is not one of adamw, sgd"),
+        (["optim.name=adagrad"], "optim.name: 'adagrad' is not one of adamw, sgd, lamb, lars"),
         (["trainsteps=3"], "is not of the form section.key"),
         (["train.steps"], "is not of the form section.key=value"),
         (["model.width=100", "model.heads=3"], "model.width=100 is not divisible by model.heads=3"),

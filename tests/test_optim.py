@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -50,7 +52,7 @@ def test_weight_decay_skips_norms_and_biases():
     }
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lamb", "lars"])
 def test_optimizers_decay_only_masked_params_and_clip(name):
     config = OptimConfig(
         name=name,
@@ -73,3 +75,20 @@ def test_optimizers_decay_only_masked_params_and_clip(name):
             huge, optimizer.init(params), jax.tree.map(np.zeros_like, params)
         )
         assert float(np.linalg.norm(np.asarray(updates["kernel"]))) == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_layerwise_trust_ratio_scales_steps_to_the_weights(name):
+    # Whatever the gradient's size, a layer moves by lr x (trust ratio) x its own norm.
+    config = OptimConfig(
+        name=name, lr=0.1, warmup_steps=0, schedule="constant", weight_decay=0.0, clip_norm=0.0
+    )
+    config = dataclasses.replace(config, momentum=0.0, trust_coefficient=0.01)
+    optimizer, _ = build_optimizer(config, total_steps=10, global_batch=8)
+    params = {"kernel": np.full(4, 3.0, np.float32)}  # norm 6
+    for gradient_size in (1e-3, 1e3):
+        grads = {"kernel": np.full(4, gradient_size, np.float32)}
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        step = float(np.linalg.norm(np.asarray(updates["kernel"])))
+        expected = 0.1 * 0.01 * 6.0 if name == "lars" else 0.1 * 6.0
+        assert step == pytest.approx(expected, rel=1e-3)
