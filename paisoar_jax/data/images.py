@@ -1,0 +1,302 @@
+"""Image inputs: `images:<dir>` sources, grain decode and augmentation, device-side transforms.
+
+Sources. `images:<dir>` names a class-per-folder tree (`DIR/CLASS/*.jpg`, read by
+`ImageFolder`) or a dataset written by `python -m paisoar_jax.convert images` (a
+`manifest.json`, read by `ImageRecords`); both give the same items in the same order. When
+`DIR/train` exists beside `DIR/val` (or `DIR/eval`), those two are the splits, each a folder
+or a converted dataset. Otherwise `eval_fraction` of the images is held out by a crc32 of
+their index: stable for a given dataset, redrawn when images are added or removed.
+
+Host pipeline (grain, in worker processes when workers > 0). Encoded bytes are decoded with
+Pillow; training takes a random-resized crop (Inception-style, as torchvision's) and a random
+horizontal flip, eval resizes the shorter side to size / 0.875 and takes the centre square
+(the standard ImageNet eval). Batches stay uint8: a quarter of the bytes of float32 to move
+to the device, where `normalize_on_device` runs inside the jitted step. Random transforms
+draw from grain's per-element generator, seeded by (seed, process, transform) and the
+element's position in the endless stream, so each epoch gets new crops and a restored
+iterator state replays exactly. Files that Pillow cannot verify were skipped when the folder
+was scanned or converted; one that verifies but cannot be decoded (a truncated JPEG) stops
+the run with a UserError naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pathlib
+import zlib
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+
+from paisoar_jax.data.records import MANIFEST_NAME, ImageFolder, ImageRecords
+from paisoar_jax.errors import UserError
+
+# Per-channel statistics of ImageNet in [0, 1]; the grayscale pair weights them as Pillow's
+# RGB -> L conversion weights the channels (exact for the mean, close for the deviation).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LUMA_WEIGHTS = (0.299, 0.587, 0.114)
+GRAYSCALE_MEAN = (sum(w * m for w, m in zip(LUMA_WEIGHTS, IMAGENET_MEAN, strict=True)),)
+GRAYSCALE_STD = (sum(w * s for w, s in zip(LUMA_WEIGHTS, IMAGENET_STD, strict=True)),)
+EVAL_SPLIT_NAMES = ("val", "eval")
+HASH_BUCKETS = 10_000
+
+
+class ImageSubset:
+    """The items of a dataset at the given indices, each with its "index" in the dataset."""
+
+    def __init__(self, source: ImageFolder | ImageRecords, indices: np.ndarray):
+        self.source, self.indices = source, indices
+        self.classes, self.directory = source.classes, source.directory
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.source[int(self.indices[index])], "index": int(self.indices[index])}
+
+
+ImageSource = ImageFolder | ImageRecords | ImageSubset
+
+
+def describe_item(source: ImageSource | None, index: int | None) -> str:
+    """Where item `index` of an image source lives, for error messages."""
+    if source is None or index is None:
+        return "an image"
+    if isinstance(source, ImageSubset):
+        return describe_item(source.source, index)  # ImageSubset items carry the inner index
+    if isinstance(source, ImageFolder):
+        return str(source.files[index][0])
+    return f"image {index} of {getattr(source, 'directory', type(source).__name__)}"
+
+
+def open_dataset(directory: pathlib.Path) -> ImageFolder | ImageRecords:
+    """A converted dataset when `directory` has a manifest, else a class-per-folder tree."""
+    if (directory / MANIFEST_NAME).is_file():
+        return ImageRecords(directory)
+    return ImageFolder(directory)
+
+
+def open_image_source(
+    spec: str, eval_fraction: float = 0.05
+) -> tuple[ImageSource, ImageSource, list[str]]:
+    """(train source, eval source, class names) of `images:<dir>` (see the module docstring)."""
+    if not spec.startswith("images:") or not spec.removeprefix("images:"):
+        raise UserError(f"data.source={spec!r} is not images:<dir>")
+    directory = pathlib.Path(spec.removeprefix("images:"))
+    if not directory.is_dir():
+        raise UserError(f"data.source={spec}: no such directory {directory}")
+    eval_names = [name for name in EVAL_SPLIT_NAMES if (directory / name).is_dir()]
+    if (directory / "train").is_dir() and eval_names:
+        train, held_out = open_dataset(directory / "train"), open_dataset(directory / eval_names[0])
+        if held_out.classes != train.classes:  # labels are class positions: they would differ
+            differing = sorted(set(train.classes) ^ set(held_out.classes))
+            raise UserError(
+                f"{held_out.directory} and {train.directory} have different classes "
+                f"({', '.join(differing[:3])}{', ...' if len(differing) > 3 else ''}): "
+                f"labels would disagree"
+            )
+        return train, held_out, train.classes
+    dataset = open_dataset(directory)
+    # The embedded corpus hashes paths; records keep none, so the key is the index in the set.
+    buckets = np.array([zlib.crc32(str(i).encode()) % HASH_BUCKETS for i in range(len(dataset))])
+    is_eval = buckets < eval_fraction * HASH_BUCKETS
+    if eval_fraction > 0 and (is_eval.all() or not is_eval.any()):
+        raise UserError(
+            f"data.eval_fraction={eval_fraction} of {len(dataset)} images of {directory} "
+            f"leaves an empty train or eval split"
+        )
+    return (
+        ImageSubset(dataset, np.flatnonzero(~is_eval)),
+        ImageSubset(dataset, np.flatnonzero(is_eval)),
+        dataset.classes,
+    )
+
+
+class TagIndex(grain.transforms.MapWithIndex):
+    """Records each item's index in the source, so a decode error can name its file."""
+
+    def map_with_index(self, index: int, element: dict) -> dict:
+        """The element with an "index" key."""
+        return {"index": index, **element}  # an ImageSubset's own (inner) index wins
+
+
+class DecodeImage(grain.transforms.Map):
+    """Encoded bytes -> {"image": uint8 (H, W, channels), "label": int32}."""
+
+    def __init__(self, channels: int = 3, source: ImageSource | None = None):
+        self.channels, self.source = channels, source
+
+    def map(self, element: dict) -> dict:
+        """The decoded element; UserError naming the file when Pillow cannot decode it."""
+        try:
+            with Image.open(io.BytesIO(element["image"])) as image:
+                if image.mode.startswith("I;16"):  # Pillow's convert clips 16 bits to 255
+                    image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
+                pixels = np.asarray(image.convert("RGB" if self.channels == 3 else "L"))
+        except Exception as error:  # Pillow raises many types for damaged data
+            where = describe_item(self.source, element.get("index"))
+            raise UserError(f"cannot decode {where}: {error}") from None
+        return {
+            "image": pixels.reshape(*pixels.shape[:2], self.channels),
+            "label": np.int32(element["label"]),
+        }
+
+
+def resize(pixels: np.ndarray, size: int, box: tuple[float, float, float, float]) -> np.ndarray:
+    """The (left, top, right, bottom) box of an HWC uint8 image resized to size x size."""
+    image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    resized = np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=box))
+    return resized.reshape(size, size, pixels.shape[-1])
+
+
+class RandomResizedCrop(grain.transforms.RandomMap):
+    """A crop of random area fraction `scale` and aspect `ratio`, resized to size x size."""
+
+    def __init__(
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    ):
+        self.size, self.scale, self.ratio = size, scale, ratio
+
+    def crop_box(self, height: int, width: int, rng: np.random.Generator) -> tuple[int, ...]:
+        """(top, left, crop height, crop width), always inside the image."""
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):  # torchvision's rejection sampling, then its central fallback
+            area = height * width * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            crop_width = round(math.sqrt(area * aspect))
+            crop_height = round(math.sqrt(area / aspect))
+            if 0 < crop_width <= width and 0 < crop_height <= height:
+                top = int(rng.integers(0, height - crop_height + 1))
+                return top, int(rng.integers(0, width - crop_width + 1)), crop_height, crop_width
+        aspect = width / height
+        crop_height, crop_width = height, width
+        if aspect < self.ratio[0]:
+            crop_height = round(width / self.ratio[0])
+        elif aspect > self.ratio[1]:
+            crop_width = round(height * self.ratio[1])
+        return (height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width
+
+    def random_map(self, element: dict, rng: np.random.Generator) -> dict:
+        """The element with its image cropped and resized."""
+        pixels = element["image"]
+        top, left, height, width = self.crop_box(*pixels.shape[:2], rng)
+        box = (left, top, left + width, top + height)
+        return {**element, "image": resize(pixels, self.size, box)}
+
+
+class RandomFlip(grain.transforms.RandomMap):
+    """A left-right mirror with probability one half."""
+
+    def random_map(self, element: dict, rng: np.random.Generator) -> dict:
+        """The element, mirrored or not."""
+        if rng.random() < 0.5:
+            return {**element, "image": element["image"][:, ::-1]}
+        return element
+
+
+class CenterCrop(grain.transforms.Map):
+    """Shorter side resized to size / resize_ratio, then the central size x size square."""
+
+    def __init__(self, size: int, resize_ratio: float = 0.875):
+        self.size, self.resize_ratio = size, resize_ratio
+
+    def map(self, element: dict) -> dict:
+        """The element with its image centre-cropped to size x size."""
+        height, width = element["image"].shape[:2]
+        # One resize of the matching source box equals resize-then-crop, for half the work.
+        side = self.size * min(height, width) / round(self.size / self.resize_ratio)
+        box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
+        return {**element, "image": resize(element["image"], self.size, box)}
+
+
+def transform_seed(seed: int, process_index: int, transform: int) -> int:
+    """A 32-bit seed per (run seed, process, transform): no two draw the same numbers."""
+    sequence = np.random.SeedSequence([seed % 2**63, process_index, transform])
+    return int(sequence.generate_state(1)[0])
+
+
+def image_batches(
+    source: ImageSource,
+    *,
+    batch_per_process: int,
+    seed: int,
+    image_size: int,
+    train: bool,
+    channels: int = 3,
+    workers: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.IterDataset:
+    """Endless {"image": uint8 (B, size, size, C), "label": int32 (B,)} batches of a source.
+
+    Like `pipeline.batch_dataset`: process i reads items i, i + n, ...; training shuffles
+    them by `seed`, anew each epoch, and augments; eval keeps the order and centre-crops.
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if channels not in (1, 3):
+        raise UserError(f"images have 1 (grayscale) or 3 (RGB) channels, not {channels}")
+    if len(source) < process_count:  # an empty share would repeat forever, yielding nothing
+        raise UserError(f"{len(source)} images cannot be shared among {process_count} processes")
+    dataset = grain.MapDataset.source(source).map_with_index(TagIndex())
+    dataset = dataset[process_index::process_count]
+    if train:
+        dataset = dataset.shuffle(seed=seed)
+    # Random transforms after repeat: their generator follows the position in the endless
+    # stream, so every epoch crops and flips each image anew.
+    dataset = dataset.repeat(None).map(DecodeImage(channels, source))
+    if train:
+        crop_seed, flip_seed = (transform_seed(seed, process_index, op) for op in (0, 1))
+        dataset = dataset.random_map(RandomResizedCrop(image_size), seed=crop_seed)
+        dataset = dataset.random_map(RandomFlip(), seed=flip_seed)
+    else:
+        dataset = dataset.map(CenterCrop(image_size))
+    iterable = dataset.batch(batch_per_process, drop_remainder=True).to_iter_dataset()
+    if workers > 0:
+        iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iterable
+
+
+def channel_statistics(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) of ImageNet for RGB (3 channels) or grayscale (1 channel) images."""
+    return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (GRAYSCALE_MEAN, GRAYSCALE_STD)
+
+
+def normalize_on_device(
+    images: jax.Array, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=jnp.float32
+) -> jax.Array:
+    """uint8 NHWC images -> (images / 255 - mean) / std per channel, in `dtype`."""
+    mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
+    # One multiply-add per pixel: the division by 255 and by std folded into one scale.
+    scaled = images.astype(jnp.float32) * (1 / (255 * std)) - mean / std
+    return scaled.astype(dtype)
+
+
+def label_smoothing_targets(labels: jax.Array, num_classes: int, smoothing: float) -> jax.Array:
+    """Soft float32 targets: 1 - smoothing on the label plus smoothing spread over all classes."""
+    one_hot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    return one_hot * (1 - smoothing) + smoothing / num_classes
+
+
+def mixup(
+    images: jax.Array, targets: jax.Array, key: jax.Array, alpha: float
+) -> tuple[jax.Array, jax.Array]:
+    """Mixup (Zhang et al. 2018): each example blended with the batch reversed, one lambda.
+
+    Takes normalised float images and soft targets (B, classes); a lambda ~ Beta(alpha,
+    alpha) mixes both. Normalisation is affine, so mixing before or after it is the same.
+    alpha <= 0 turns mixup off.
+    """
+    if alpha <= 0:
+        return images, targets
+    weight = jax.random.beta(key, alpha, alpha)
+    mixed_images = weight * images + (1 - weight) * images[::-1]
+    return mixed_images.astype(images.dtype), weight * targets + (1 - weight) * targets[::-1]
