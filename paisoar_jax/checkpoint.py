@@ -24,6 +24,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -86,6 +87,32 @@ def _leaf_names(tree: Any) -> dict[str, tuple[int, ...]]:
             parts.append(str(part))
         names[".".join(parts)] = tuple(leaf.shape)
     return names
+
+
+@jax.jit
+def _checksums(tree: Any) -> jax.Array:
+    """A uint32 wrap-around sum of each array's bits: exact whatever the sharding."""
+
+    def checksum(leaf: jax.Array) -> jax.Array:
+        if leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.uint8)
+        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[leaf.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(leaf, bits)  # 8-byte types: 2 words per value
+        return jnp.sum(words.astype(jnp.uint32), dtype=jnp.uint32)
+
+    leaves = jax.tree.leaves(tree)
+    return jnp.stack([checksum(leaf) for leaf in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+
+
+def _verify(state: Any, saved: list[int] | None, step_dir: pathlib.Path) -> None:
+    """Raises (as an unreadable checkpoint) when restored arrays differ from what was saved."""
+    if saved is None:  # written before checksums existed
+        return
+    names = list(_leaf_names(state))
+    restored = [int(value) for value in jax.device_get(_checksums(state))]
+    for name, want, got in zip(names, saved, restored, strict=True):
+        if want != got:
+            raise ValueError(f"{step_dir}: {name} does not match its checksum (corrupted data)")
 
 
 def _saved_tree(metadata: Any) -> Any:
@@ -160,21 +187,44 @@ class Checkpointer:
         """The complete checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: dict | None, meta: dict[str, Any]) -> None:
-        """Starts an async save of `step` (a save already in flight is waited for first)."""
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data_state: dict | None,
+        meta: dict[str, Any],
+        input_signature: dict[str, Any] | None = None,
+    ) -> None:
+        """Starts an async save of `step` (a save already in flight is waited for first).
+
+        `input_signature` (process count, workers, batch...) says what the data position
+        belongs to: a resume whose signature differs cannot continue that position.
+        """
         data_bytes = json.dumps(data_state).encode()
+        signature = {"process_count": jax.process_count(), **(input_signature or {})}
+        # One checksum per array, computed where the shards live: restore recomputes them,
+        # so a flipped byte on disk is caught instead of training on garbage.
+        checksums = [int(value) for value in jax.device_get(_checksums(state))]
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(IteratorState(data_bytes)),
-                meta=ocp.args.JsonSave({**meta, "process_count": jax.process_count()}),
+                meta=ocp.args.JsonSave(
+                    {**meta, "input_signature": signature, "checksums": checksums}
+                ),
             ),
             force=True,
         )
 
-    def restore(self, step: int, target: Any) -> Restored:
-        """Restores `step` onto `target`'s shapes and shardings (abstract arrays)."""
+    def restore(
+        self, step: int, target: Any, input_signature: dict[str, Any] | None = None
+    ) -> Restored:
+        """Restores `step` onto `target`'s shapes and shardings (abstract arrays).
+
+        The data position comes back only when `input_signature` (and the process count)
+        match the saved one; otherwise the input starts afresh, with a warning.
+        """
         step_dir = self.directory / str(step)
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = meta["meta"]
@@ -182,25 +232,38 @@ class Checkpointer:
         check_compatible(saved_tree, target, step_dir)
         items = {"state": ocp.args.StandardRestore(target)}
         holder = IteratorState()
-        same_processes = meta.get("process_count") == jax.process_count()
-        if same_processes:
+        signature = {"process_count": jax.process_count(), **(input_signature or {})}
+        saved_signature = meta.get("input_signature", {})
+        changed = {
+            key: (saved_signature.get(key), value)
+            for key, value in signature.items()
+            if saved_signature.get(key) != value
+        }
+        if not changed:
             items["data"] = grain.checkpoint.CheckpointRestore(holder)
         else:
+            what = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
             warn(
-                f"checkpoint step {step} was written by {meta.get('process_count')} processes "
-                f"and this run has {jax.process_count()}: the input order cannot continue "
-                f"exactly, so it starts afresh with a new shuffle"
+                f"checkpoint step {step}: the input changed since it was saved ({what}): the "
+                f"input order cannot continue exactly, so it starts afresh with a new shuffle"
             )
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        data_state = json.loads(holder.state) if same_processes else None
+        _verify(restored["state"], meta.get("checksums"), step_dir)
+        data_state = json.loads(holder.state) if not changed else None
         return Restored(step, restored["state"], data_state, meta)
 
-    def restore_latest(self, target: Any) -> Restored | None:
-        """The newest checkpoint that restores; a broken one is skipped with a warning."""
-        steps = self.steps()
+    def restore_latest(
+        self, target: Any, input_signature: dict[str, Any] | None = None
+    ) -> Restored | None:
+        """The newest checkpoint that restores; a broken one is skipped with a warning.
+
+        Broken steps newer than the one restored are moved to <dir>-broken/ (kept for a
+        look, out of the way of the steps this run will write again).
+        """
+        steps, broken = self.steps(), []
         for position, step in enumerate(reversed(steps)):
             try:
-                return self.restore(step, target)
+                restored = self.restore(step, target, input_signature)
             except UserError:
                 raise
             except Exception as error:  # any read failure means this step is unusable
@@ -211,6 +274,10 @@ class Checkpointer:
                     f"checkpoint step {step} in {self.directory} is unreadable "
                     f"({type(error).__name__}: {reason[:200]}); {fallback}"
                 )
+                broken.append(step)
+                continue
+            self._move_aside(broken, "broken")
+            return restored
         if steps:
             raise UserError(f"no readable checkpoint in {self.directory} (steps {steps})")
         return None
@@ -221,20 +288,26 @@ class Checkpointer:
         The run will write those step numbers again; the old ones are kept, not deleted.
         """
         newer = [later for later in self.steps() if later > step]
-        if not newer:
-            return
-        aside = self.directory.parent / f"{self.directory.name}-superseded"
+        aside = self._move_aside(newer, "superseded")
+        if newer:
+            warn(f"resuming from step {step}: moved the newer steps {newer} to {aside}")
+
+    def _move_aside(self, steps: list[int], kind: str) -> pathlib.Path:
+        """Moves step directories to <dir>-<kind>/ (never deletes them)."""
+        aside = self.directory.parent / f"{self.directory.name}-{kind}"
+        if not steps:
+            return aside
         if jax.process_index() == 0:
             aside.mkdir(exist_ok=True)
-            for later in newer:
-                target = aside / str(later)
+            for step in steps:
+                target = aside / str(step)
                 suffix = 1
                 while target.exists():
-                    target, suffix = aside / f"{later}.{suffix}", suffix + 1
-                (self.directory / str(later)).rename(target)
-        multihost_utils.sync_global_devices("paisoar_jax.set_aside_after")
+                    target, suffix = aside / f"{step}.{suffix}", suffix + 1
+                (self.directory / str(step)).rename(target)
+        multihost_utils.sync_global_devices(f"paisoar_jax.move_aside.{kind}")
         self.manager.reload()
-        warn(f"resuming from step {step}: moved the newer steps {newer} to {aside}")
+        return aside
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed."""

@@ -30,13 +30,14 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"--output {output} exists and is not empty")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not an empty directory")
     config = load_config(str(config_path))
     checkpoints = (
         pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
     )
-    steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.is_dir())
+    # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
+    steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.name.isdigit())
     if not steps or (step is not None and step not in steps):
         wanted = f"step {step}" if step is not None else "a checkpoint"
         raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")

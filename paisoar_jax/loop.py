@@ -36,6 +36,7 @@ from paisoar_jax.step import jit_eval_step, jit_train_step
 
 SAMPLE_PROMPT = b"def "
 FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
+STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 
 
 def evaluate(eval_step, params, eval_source, config: Config, mesh) -> float:
@@ -124,18 +125,18 @@ def _starting_point(
     config: Config, layout: StateLayout, checkpointer: Checkpointer | None
 ) -> tuple[Any, int, dict | None]:
     """(state, step, data iterator state): resumed, fine-tuned from params, or fresh."""
-    resume = config.checkpoint.resume
+    resume, signature = config.checkpoint.resume, input_signature(config)
     if checkpointer is not None and resume != "never":
         if resume == "auto":
-            restored = checkpointer.restore_latest(layout.abstract_state)
+            restored = checkpointer.restore_latest(layout.abstract_state, signature)
         elif int(resume) not in checkpointer.steps():
             raise UserError(
                 f"checkpoint.resume={resume}: no such step in {checkpointer.directory} "
                 f"(steps: {checkpointer.steps() or 'none'})"
             )
         else:
-            checkpointer.set_aside_after(int(resume))
-            restored = checkpointer.restore(int(resume), layout.abstract_state)
+            restored = checkpointer.restore(int(resume), layout.abstract_state, signature)
+            checkpointer.set_aside_after(int(resume))  # only once the older step restored
         if restored is not None:
             return restored.state, restored.step, restored.data_state
     elif checkpointer is not None and checkpointer.steps():
@@ -150,11 +151,26 @@ def _starting_point(
     return state, 0, None
 
 
-def _stop_agreed(stop: StopRequest, is_log_step: bool) -> bool:
-    """Whether every process saw a stop signal (processes must save at the same step)."""
+def input_signature(config: Config) -> dict[str, Any]:
+    """What a saved input position belongs to; a resume that changes it starts afresh."""
+    return {
+        "source": config.data.source,
+        "workers": config.data.workers,  # grain's state differs with and without workers
+        "global_batch": config.train.global_batch,
+        "seq_len": config.model.seq_len,
+        "seed": config.train.seed,
+    }
+
+
+def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
+    """Whether every process saw a stop signal (processes must save at the same step).
+
+    One process decides alone; several agree with a small collective at log steps and
+    every STOP_CHECK_EVERY steps (a collective per step would cost a host sync each).
+    """
     if jax.process_count() == 1:
         return stop.requested
-    if not is_log_step:  # a collective per step would cost a host sync; log steps have one
+    if not (is_log_step or step % STOP_CHECK_EVERY == 0):
         return False
     flags = multihost_utils.process_allgather(np.array(stop.requested))
     return bool(np.any(flags))
@@ -176,7 +192,7 @@ def _save(checkpointer, step, state, batches, config, mesh) -> None:
         "version": __version__,
         "config": to_dict(config),
     }
-    checkpointer.save(step, state, batches.consumed_state(), meta)
+    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config))
 
 
 def train(config: Config) -> dict[str, Any]:
@@ -185,6 +201,12 @@ def train(config: Config) -> dict[str, Any]:
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
     train_source, eval_source = open_source(config.data, config.model, train_config.seed)
+    for split, source in (("train", train_source), ("eval", eval_source)):
+        if (split == "train" or train_config.eval_every) and len(source) < jax.process_count():
+            raise UserError(
+                f"the {split} split has {len(source)} windows, fewer than the "
+                f"{jax.process_count()} processes that each need a share"
+            )
     optimizer, schedule = build_optimizer(
         config.optim, train_config.steps, train_config.global_batch, config.precision
     )
@@ -199,6 +221,9 @@ def train(config: Config) -> dict[str, Any]:
     with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
         if checkpointer is not None:
             cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
+        # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
+        # and a signal that comes before the first step saves right after it.
+        stop = cleanup.enter_context(StopRequest())
         layout = plan_state(config, mesh, optimizer)
         state, start_step, data_state = _starting_point(config, layout, checkpointer)
         if is_main:  # only now: a run refused above must not overwrite the config it had
@@ -215,7 +240,7 @@ def train(config: Config) -> dict[str, Any]:
             batch_dataset(
                 train_source,
                 batch_per_process=train_config.global_batch // jax.process_count(),
-                # A resume with another process count cannot continue the saved order.
+                # A resume whose input changed cannot continue the saved order: a new one.
                 seed=train_config.seed + (start_step if data_state is None else 0),
                 workers=config.data.workers,
             )
@@ -226,7 +251,6 @@ def train(config: Config) -> dict[str, Any]:
             host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
         )
         cleanup.callback(batches.close)
-        stop = cleanup.enter_context(StopRequest())
         summary = _run_loop(
             config,
             mesh,
@@ -330,7 +354,7 @@ def _run_loop(
             )
             timer.restart(step)
 
-        stop_now = _stop_agreed(stop, is_log_step)
+        stop_now = _stop_agreed(stop, step, is_log_step)
         if checkpointer is not None and ((every and step % every == 0) or is_last or stop_now):
             save_start = time.perf_counter()
             _save(checkpointer, step, state, batches, config, mesh)

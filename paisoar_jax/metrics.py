@@ -8,6 +8,7 @@ device's peak is unknown) and data_wait_frac.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -50,15 +51,19 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         # A resumed run continues the file as if uninterrupted: records past the restored
         # step (logged after the last checkpoint) are dropped, earlier ones kept.
-        kept = []
         if resume_step and path.exists():
             kept = [
                 line
                 for line in path.read_text().splitlines(keepends=True)
                 if line.endswith("\n") and json.loads(line)["step"] <= resume_step
             ]
-        self._file = path.open("w")
-        self._file.writelines(kept)
+            # Replaced in one rename: a kill right now leaves the old file or the new one.
+            temporary = path.with_suffix(".jsonl.tmp")
+            temporary.write_text("".join(kept))
+            os.replace(temporary, path)
+        elif path.exists():
+            path.unlink()  # a fresh run (no checkpoint to continue) starts a fresh file
+        self._file = path.open("a")
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
 

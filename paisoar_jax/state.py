@@ -31,6 +31,9 @@ class TrainState:
     step: jax.Array
     params: dict[str, Any]  # nnx.Param values as a pure nested dict
     opt_state: optax.OptState
+    # The run's random key (raw uint32[2]): randomness of step s is fold_in(rng, s), so the
+    # key and the step saved in a checkpoint reproduce it exactly on resume.
+    rng: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,10 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         transform_non_params=lambda _: sharding.replicated(mesh),
     )
     shardings = TrainState(
-        step=sharding.replicated(mesh), params=param_shardings, opt_state=opt_shardings
+        step=sharding.replicated(mesh),
+        params=param_shardings,
+        opt_state=opt_shardings,
+        rng=sharding.replicated(mesh),
     )
     param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     abstract_state = jax.tree.map(
@@ -104,6 +110,7 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
             step=jax.ShapeDtypeStruct((), jnp.int32),
             params=abstract_params,
             opt_state=abstract_opt_state,
+            rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
         ),
         shardings,
     )
@@ -119,7 +126,10 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(create_model()))
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.optimizer.init(params)
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=layout.optimizer.init(params),
+            rng=jax.random.PRNGKey(config.train.seed),
         )
 
     return jax.jit(init, out_shardings=layout.shardings)()

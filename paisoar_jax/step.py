@@ -106,7 +106,7 @@ def train_step(
         "lr": schedule(state.step),
         **loss_scale.scale_metrics(opt_state),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(params, tokens_BxT1: jax.Array, *, layout: StateLayout) -> jax.Array:

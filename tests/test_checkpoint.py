@@ -70,7 +70,7 @@ def test_restore_reshards_onto_another_mesh(saved, devices, overrides, device_co
         restored = checkpointer.restore(2, layout.abstract_state)
     checkpointer.close()
     assert restored.step == 2 and restored.data_state == DATA_STATE
-    assert restored.meta["step"] == 2 and restored.meta["process_count"] == 1
+    assert restored.meta["step"] == 2 and restored.meta["input_signature"] == {"process_count": 1}
     assert_states_equal(restored.state, state)
     for array, wanted in zip(
         jax.tree.leaves(restored.state), jax.tree.leaves(layout.shardings), strict=True
@@ -121,6 +121,46 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(saved, devices, tmp
     checkpointer.close()
 
 
+def flip_bytes(step_dir: pathlib.Path):
+    """Flips 64 bytes in the middle of the largest array data file: a silent disk error."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    # Array data lives in ocdbt.process_*/d/ (tensorstore may also inline small arrays into
+    # the manifest): the largest file holds the most of it.
+    assert files, f"{step_dir} holds no files"
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])
+    largest.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))  # checkpoints 2 and 4
+    flip_bytes(run_dir / "checkpoints" / "4")
+    resumed = train(run_config(run_dir, "train.steps=6"))
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 6
+    assert "checkpoint step 4" in capsys.readouterr().err
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4, 6]
+    assert [p.name for p in (run_dir / "checkpoints-broken").iterdir()] == ["4"]  # kept
+
+
+def test_a_checksum_mismatch_names_the_array(saved):
+    from paisoar_jax.checkpoint import _checksums, _verify
+
+    directory, state = saved
+    checksums = [int(value) for value in jax.device_get(_checksums(state))]
+    _verify(state, checksums, directory)  # intact
+    names = [
+        ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
+    position = names.index("params.final_norm.bias")
+    checksums[position] ^= 1  # one bit of one array
+    with pytest.raises(ValueError, match=r"params\.final_norm\.bias does not match"):
+        _verify(state, checksums, directory)
+
+
 def test_unwritable_checkpoint_directory_is_refused_up_front(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -162,6 +202,9 @@ def test_resume_settings(tmp_path):
         train(run_config(run_dir, "checkpoint.resume=never"))
     with pytest.raises(UserError, match=r"no such step .*steps: \[2, 4\]"):
         train(run_config(run_dir, "checkpoint.resume=3", "train.steps=6"))
+    with pytest.raises(UserError, match="does not fit this model"):
+        train(run_config(run_dir, "checkpoint.resume=2", "model.width=32"))
+    assert not (run_dir / "checkpoints-superseded").exists()  # refused: nothing moved
     again = train(run_config(run_dir, "checkpoint.resume=2", "train.steps=6"))
     assert again["resumed_from"] == 2 and again["steps"] == 6
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -231,7 +274,8 @@ def test_another_process_count_restores_the_state_but_restarts_the_input_order(
     for process in range(2):
         (data_dir / f"process_{process}-of-2.json").write_text(json.dumps(DATA_STATE))
     (data_dir / "process_0-of-1.json").unlink()
-    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "process_count": 2}))
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "input_signature": {"process_count": 2}}))
     layout, mesh = layout_on(["mesh.data=8"], devices)
     checkpointer = Checkpointer(copy, keep=3)
     with jax.set_mesh(mesh):
@@ -239,7 +283,7 @@ def test_another_process_count_restores_the_state_but_restarts_the_input_order(
     checkpointer.close()
     assert_states_equal(restored.state, state)
     assert restored.data_state is None
-    assert "written by 2 processes and this run has 1" in capsys.readouterr().err
+    assert "input changed since it was saved (process_count 2 -> 1)" in capsys.readouterr().err
 
 
 def test_keeps_the_newest_and_every_kth_forever(saved, tmp_path):
@@ -251,3 +295,22 @@ def test_keeps_the_newest_and_every_kth_forever(saved, tmp_path):
     reopened = Checkpointer(tmp_path / "checkpoints", keep=2)
     assert reopened.steps() == [3, 6, 7, 8]
     reopened.close()
+
+
+def test_a_changed_worker_count_restarts_the_input_order(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))
+    resumed = train(run_config(run_dir, "train.steps=6", "data.workers=1"))
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    assert "the input changed since it was saved (workers 0 -> 1)" in capsys.readouterr().err
+
+
+def test_export_skips_a_half_written_step_and_refuses_a_file_as_output(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))
+    (run_dir / "checkpoints" / "6.orbax-checkpoint-tmp-123").mkdir()  # a save killed mid-way
+    assert export(run_dir, tmp_path / "export") == 4
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="is not an empty directory"):
+        export(run_dir, blocker)

@@ -187,3 +187,9 @@ def test_synthetic_source_is_reproducible():
     np.testing.assert_array_equal(train[7], train[7])
     assert train[7].max() < 1000 and train[7].shape == (129,)
     assert not np.array_equal(train[7], held_out[7])
+
+
+def test_a_process_without_windows_is_a_user_error():
+    source = TokenWindows(np.arange(9, dtype=np.int32), seq_len=8)  # one window, two processes
+    with pytest.raises(UserError, match="too few for process 1 of 2"):
+        batch_dataset(source, batch_per_process=2, seed=0, process_index=1, process_count=2)

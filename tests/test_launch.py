@@ -165,7 +165,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, tmp_path):
     resumed = cut_at_step_two(run_dir, tmp_path / "run")
     result = train_one(resumed, "train.steps=4")
     assert "resumed from step 2" in result.stdout
-    assert "written by 2 processes and this run has 1" in result.stderr
+    assert "input changed since it was saved (process_count 2 -> 1)" in result.stderr
     logged = losses(resumed)
     assert list(logged) == [1, 2, 3, 4] and all(np.isfinite(list(logged.values())))
     # The steps before the checkpoint are kept; after it the input order starts afresh.
@@ -181,7 +181,7 @@ def test_checkpoint_of_one_process_resumes_in_two(tmp_path):
     result = train_two(run_dir, "train.steps=4")
     assert "[rank 0] paisoar_jax: 0.12M params" in result.stdout
     assert "resumed from step 2" in result.stdout
-    assert "written by 1 processes and this run has 2" in result.stderr
+    assert "input changed since it was saved (process_count 1 -> 2)" in result.stderr
     logged = losses(run_dir)
     assert list(logged) == [1, 2, 3, 4] and all(np.isfinite(list(logged.values())))
     assert [logged[1], logged[2]] == [first[1], first[2]]

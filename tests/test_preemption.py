@@ -35,8 +35,13 @@ def finish(process, timeout=300):
 
 
 def losses(run_dir):
+    """Per step: the loss, and the eval loss and loss-scale state where they are logged."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+    fields = ("loss", "eval_loss", "loss_scale", "skipped_steps")
+    return {
+        record["step"]: tuple(record.get(field) for field in fields)
+        for record in map(json.loads, lines)
+    }
 
 
 def wait_for(condition, process, timeout=120):
@@ -47,12 +52,29 @@ def wait_for(condition, process, timeout=120):
         time.sleep(0.001)
 
 
+# fp16 at the edge of overflow (some steps skipped), two micro-batches, eval: all must resume.
+SCALED = [
+    "precision.policy=fp16",
+    "precision.initial_scale=1048576",
+    "precision.growth_interval=4",
+    "train.grad_accum=2",
+    "train.eval_every=10",
+]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Losses of the uninterrupted run."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    finish(start(run_dir, "checkpoint.enabled=false"))
-    return losses(run_dir)
+    """Metrics of the uninterrupted run, per setting (computed once each)."""
+    runs = {}
+
+    def metrics(*overrides):
+        if overrides not in runs:
+            run_dir = tmp_path_factory.mktemp("reference") / "run"
+            finish(start(run_dir, "checkpoint.enabled=false", *overrides))
+            runs[overrides] = losses(run_dir)
+        return runs[overrides]
+
+    return metrics
 
 
 def logged_step(run_dir, step):
@@ -61,12 +83,16 @@ def logged_step(run_dir, step):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signal_number, workers", [(signal.SIGTERM, 1), (signal.SIGINT, 0)])
+@pytest.mark.parametrize(
+    "signal_number, overrides",
+    [(signal.SIGTERM, ("data.workers=1",)), (signal.SIGINT, tuple(SCALED))],
+    ids=["sigterm-workers", "sigint-fp16-accum-eval"],
+)
 def test_stop_signal_saves_and_resume_continues_exactly(
-    reference, tmp_path, signal_number, workers
+    reference, tmp_path, signal_number, overrides
 ):
     run_dir = tmp_path / "run"
-    process = start(run_dir, "checkpoint.every=100", f"data.workers={workers}")
+    process = start(run_dir, "checkpoint.every=100", *overrides)
     wait_for(logged_step(run_dir, 10), process)
     process.send_signal(signal_number)
     last_line = finish(process).strip().splitlines()[-2]  # then the summary line
@@ -76,9 +102,12 @@ def test_stop_signal_saves_and_resume_continues_exactly(
     assert f"saved step {stopped_at} to" in last_line and stopped_at < 30
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped_at]
 
-    resumed = finish(start(run_dir, "checkpoint.every=100", f"data.workers={workers}"))
+    resumed = finish(start(run_dir, "checkpoint.every=100", *overrides))
     assert f"resumed from step {stopped_at}" in resumed
-    assert losses(run_dir) == reference  # bit for bit, the data order included
+    assert losses(run_dir) == reference(*overrides)  # bit for bit, data order included
+    if overrides == tuple(SCALED):  # the loss-scale state really had something to resume
+        final = reference(*overrides)[30]
+        assert final[1] is not None and final[3] > 0, final
 
 
 @pytest.mark.slow
@@ -103,4 +132,4 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(reference, t
     resumed = finish(start(run_dir, "checkpoint.every=1", "checkpoint.keep=100"))
     assert f"resumed from step {complete[-1]}" in resumed
     assert not [p for p in checkpoints.iterdir() if "tmp" in p.name]  # cleaned up
-    assert losses(run_dir) == reference
+    assert losses(run_dir) == reference()

@@ -8,8 +8,17 @@ processes. The iterator's get_state()/set_state() resume it exactly.
 
 from __future__ import annotations
 
+import signal
+
 import grain
 import jax
+
+from paisoar_jax.errors import UserError
+
+
+def ignore_interrupts(worker_index: int, worker_count: int) -> None:
+    """In grain workers: Ctrl-C is for the trainer, which stops them cleanly after saving."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def batch_dataset(
@@ -26,10 +35,17 @@ def batch_dataset(
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     dataset = grain.MapDataset.source(source)[process_index::process_count]
+    if len(dataset) == 0:
+        raise UserError(
+            f"the data has {len(source)} windows: too few for process {process_index} of "
+            f"{process_count} to get one (use more data or a shorter model.seq_len)"
+        )
     if shuffle:
         dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat(None).batch(batch_per_process, drop_remainder=True)
     iterable = dataset.to_iter_dataset()
     if workers > 0:
-        iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        iterable = iterable.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_interrupts
+        )
     return iterable
