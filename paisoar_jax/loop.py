@@ -135,7 +135,16 @@ def _starting_point(
                 f"(steps: {checkpointer.steps() or 'none'})"
             )
         else:
-            restored = checkpointer.restore(int(resume), layout.abstract_state, signature)
+            try:
+                restored = checkpointer.restore(int(resume), layout.abstract_state, signature)
+            except UserError:
+                raise
+            except Exception as error:  # asked for by name: no silent fallback to another
+                reason = (str(error).strip().splitlines() or [""])[0][:200]
+                raise UserError(
+                    f"checkpoint.resume={resume}: step {resume} in {checkpointer.directory} is "
+                    f"unreadable ({type(error).__name__}: {reason})"
+                ) from None
             checkpointer.set_aside_after(int(resume))  # only once the older step restored
         if restored is not None:
             return restored.state, restored.step, restored.data_state

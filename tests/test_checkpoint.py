@@ -138,6 +138,8 @@ def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys
     run_dir = tmp_path / "run"
     train(run_config(run_dir))  # checkpoints 2 and 4
     flip_bytes(run_dir / "checkpoints" / "4")
+    with pytest.raises(UserError, match="checkpoint.resume=4: step 4 in .* is unreadable"):
+        train(run_config(run_dir, "train.steps=6", "checkpoint.resume=4"))
     resumed = train(run_config(run_dir, "train.steps=6"))
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 6
     assert "checkpoint step 4" in capsys.readouterr().err
