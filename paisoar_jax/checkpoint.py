@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from paisoar_jax.config import CheckpointConfig
 from paisoar_jax.errors import UserError
 
 
@@ -62,6 +63,17 @@ class Restored:
     state: Any
     data_state: dict | None
     meta: dict[str, Any]
+
+
+def checkpoint_directory(settings: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Path:
+    """Where a run's checkpoints live: `checkpoint.dir`, else <run dir>/checkpoints."""
+    return pathlib.Path(settings.dir) if settings.dir else run_dir / "checkpoints"
+
+
+def describe_failure(error: Exception) -> str:
+    """`Type: first line of the message` (200 characters at most), for one-line reports."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def check_writable(directory: pathlib.Path) -> None:
@@ -267,12 +279,11 @@ class Checkpointer:
             except UserError:
                 raise
             except Exception as error:  # any read failure means this step is unusable
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 older = steps[-position - 2] if position + 1 < len(steps) else None
                 fallback = f"falling back to step {older}" if older else "no older one left"
                 warn(
                     f"checkpoint step {step} in {self.directory} is unreadable "
-                    f"({type(error).__name__}: {reason[:200]}); {fallback}"
+                    f"({describe_failure(error)}); {fallback}"
                 )
                 broken.append(step)
                 continue

@@ -22,7 +22,7 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     import jax
 
     from paisoar_jax import sharding
-    from paisoar_jax.checkpoint import export_params, load_params
+    from paisoar_jax.checkpoint import checkpoint_directory, export_params, load_params
     from paisoar_jax.config import MeshConfig, dump_yaml, load_config
     from paisoar_jax.optim import build_optimizer
     from paisoar_jax.state import plan_state
@@ -33,9 +33,7 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory")
     config = load_config(str(config_path))
-    checkpoints = (
-        pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
-    )
+    checkpoints = checkpoint_directory(config.checkpoint, run_dir)
     # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
     steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.name.isdigit())
     if not steps or (step is not None and step not in steps):

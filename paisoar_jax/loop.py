@@ -19,7 +19,12 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from paisoar_jax import __version__, sharding
-from paisoar_jax.checkpoint import Checkpointer, load_params
+from paisoar_jax.checkpoint import (
+    Checkpointer,
+    checkpoint_directory,
+    describe_failure,
+    load_params,
+)
 from paisoar_jax.config import Config, dump_yaml, to_dict
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.prefetch import DevicePrefetcher
@@ -117,7 +122,7 @@ def _checkpointer(config: Config) -> Checkpointer | None:
     settings = config.checkpoint
     if not settings.enabled:
         return None
-    directory = pathlib.Path(settings.dir) if settings.dir else config.run_dir / "checkpoints"
+    directory = checkpoint_directory(settings, config.run_dir)
     return Checkpointer(directory, settings.keep, settings.keep_period, settings.async_save)
 
 
@@ -140,10 +145,9 @@ def _starting_point(
             except UserError:
                 raise
             except Exception as error:  # asked for by name: no silent fallback to another
-                reason = (str(error).strip().splitlines() or [""])[0][:200]
                 raise UserError(
                     f"checkpoint.resume={resume}: step {resume} in {checkpointer.directory} is "
-                    f"unreadable ({type(error).__name__}: {reason})"
+                    f"unreadable ({describe_failure(error)})"
                 ) from None
             checkpointer.set_aside_after(int(resume))  # only once the older step restored
         if restored is not None:

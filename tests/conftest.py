@@ -54,13 +54,12 @@ def devices():
 PYTHON = sys.executable
 
 
-def build_run(overrides, devices):
-    """(config, mesh, layout, state, train_step, schedule) for TINY + overrides on `devices`."""
+def plan_run(overrides, devices):
+    """(config, mesh, layout, schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax import sharding
     from paisoar_jax.config import load_config
     from paisoar_jax.optim import build_optimizer
-    from paisoar_jax.state import init_state, plan_state
-    from paisoar_jax.step import jit_train_step
+    from paisoar_jax.state import plan_state
 
     config = load_config(None, TINY + list(overrides))
     mesh = sharding.build_mesh(config.mesh, devices)
@@ -69,6 +68,16 @@ def build_run(overrides, devices):
     )
     with jax.set_mesh(mesh):
         layout = plan_state(config, mesh, optimizer)
+    return config, mesh, layout, schedule
+
+
+def build_run(overrides, devices):
+    """(config, mesh, layout, state, train_step) for TINY + overrides on `devices`."""
+    from paisoar_jax.state import init_state
+    from paisoar_jax.step import jit_train_step
+
+    config, mesh, layout, schedule = plan_run(overrides, devices)
+    with jax.set_mesh(mesh):
         state = init_state(config, layout)
         train_step = jit_train_step(layout, schedule, config.train.grad_accum, mesh)
     return config, mesh, layout, state, train_step

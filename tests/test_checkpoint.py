@@ -6,7 +6,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, build_run, token_batches
+from conftest import TINY, build_run, plan_run, token_batches
 
 from paisoar_jax import sharding
 from paisoar_jax.checkpoint import Checkpointer, check_writable, load_params
@@ -14,8 +14,6 @@ from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.export import export
 from paisoar_jax.loop import train
-from paisoar_jax.optim import build_optimizer
-from paisoar_jax.state import plan_state
 
 DATA_STATE = {"position": 7}
 
@@ -32,13 +30,8 @@ def trained_state(devices, mesh_overrides=(), steps=2):
 
 def layout_on(overrides, devices):
     """The layout (with its abstract restore target) of TINY + overrides on `devices`."""
-    config = load_config(None, TINY + list(overrides))
-    mesh = sharding.build_mesh(config.mesh, devices)
-    optimizer, _ = build_optimizer(
-        config.optim, config.train.steps, config.train.global_batch, config.precision
-    )
-    with jax.set_mesh(mesh):
-        return plan_state(config, mesh, optimizer), mesh
+    _, mesh, layout, _ = plan_run(overrides, devices)
+    return layout, mesh
 
 
 def assert_states_equal(left, right):
@@ -148,16 +141,12 @@ def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys
 
 
 def test_a_checksum_mismatch_names_the_array(saved):
-    from paisoar_jax.checkpoint import _checksums, _verify
+    from paisoar_jax.checkpoint import _checksums, _leaf_names, _verify
 
     directory, state = saved
     checksums = [int(value) for value in jax.device_get(_checksums(state))]
     _verify(state, checksums, directory)  # intact
-    names = [
-        ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
-    ]
-    position = names.index("params.final_norm.bias")
+    position = list(_leaf_names(state)).index("params.final_norm.bias")
     checksums[position] ^= 1  # one bit of one array
     with pytest.raises(ValueError, match=r"params\.final_norm\.bias does not match"):
         _verify(state, checksums, directory)

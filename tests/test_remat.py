@@ -3,13 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import plan_run
 
 from paisoar_jax import sharding
-from paisoar_jax.config import load_config
-from paisoar_jax.optim import build_optimizer
 from paisoar_jax.remat import POLICIES
-from paisoar_jax.state import init_state, plan_state
+from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads
 
 # Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
@@ -18,13 +16,10 @@ TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]
 
 def layout_for(devices, policy, overrides=()):
     """(config, layout, mesh) of TINY + overrides with `policy`, on one device."""
-    config = load_config(None, [*TINY, *overrides, "mesh.data=1", f"remat.policy={policy}"])
-    mesh = sharding.build_mesh(config.mesh, devices[:1])
-    optimizer, _ = build_optimizer(
-        config.optim, config.train.steps, config.train.global_batch, config.precision
+    config, mesh, layout, _ = plan_run(
+        [*overrides, "mesh.data=1", f"remat.policy={policy}"], devices[:1]
     )
-    with jax.set_mesh(mesh):
-        return config, plan_state(config, mesh, optimizer), mesh
+    return config, layout, mesh
 
 
 def temporary_bytes(devices, policy):
