@@ -53,14 +53,50 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """An image classifier (model.name resnet, vgg or vit); a 0 shape field takes the variant's.
+
+    The variants and their shapes are listed in paisoar_jax/models/layers.py (VARIANTS).
+    """
+
+    name: str = ""  # registry name: resnet, vgg or vit (empty: the variant's family)
+    variant: str = ""  # resnet18/34/50/101/152, vgg11/13/16/19, vit_b16, vit_tiny; empty: default
+    num_classes: int = 1000
+    image_size: int = 224  # square input images, image_size x image_size pixels
+    channels: int = 3  # input channels (1 for grayscale)
+    width: int = 0  # ResNet/VGG: first-stage channels (64); ViT: embedding width
+    depth: int = 0  # ResNet/VGG: layer count of the name (18, 50, 16...); ViT: blocks
+    heads: int = 0  # ViT attention heads
+    mlp_width: int = 0  # ViT: MLP hidden width; VGG: classifier hidden width (4096)
+    patch: int = 0  # ViT patch size in pixels
+    batch_norm: bool = False  # VGG only: BatchNorm after every conv (ResNet always has it)
+    zero_init_residual: bool = True  # ResNet: last BatchNorm scale of each block starts at 0
+    init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
+    label_smoothing: float = 0.0  # share of the target spread evenly over all classes
+
+
+# model.name -> the dataclass of the `model` section: each family has its own keys.
+MODEL_CONFIGS: dict[str, type] = {
+    "gpt": ModelConfig,
+    "resnet": VisionConfig,
+    "vgg": VisionConfig,
+    "vit": VisionConfig,
+}
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are loaded."""
 
-    source: str = "embedded"  # embedded | synthetic | arrayrecord:<dir or glob> | images:<dir>
+    # gpt: embedded | synthetic | arrayrecord:<dir or glob>;
+    # image models: images:<dir> | digits (scikit-learn's, no download) | synthetic
+    source: str = "embedded"
     tokenizer: str = ""  # when set, must match the tokenizer of an arrayrecord dataset
     workers: int = 0  # grain worker processes (0: read in the main process)
     prefetch: int = 2  # global batches in flight on the devices
-    eval_fraction: float = 0.05  # share of the embedded corpus held out for eval
+    eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)
+    min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
+    mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
 
 
 @dataclass(frozen=True)
@@ -172,7 +208,7 @@ class Config:
     """The whole run: one section per concern."""
 
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig | VisionConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -290,43 +326,43 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             raise UserError(f"unknown config section {name!r} (known: {', '.join(sections)})")
     config = Config(
         **{
-            name: _build_section(_section_type(section_field), raw.get(name) or {}, name)
-            for name, section_field in sections.items()
+            name: _build_section(_section_type(name, raw), raw.get(name) or {}, name)
+            for name in sections
         }
     )
     validate(config)
     return config
 
 
-def _section_type(section_field: dataclasses.Field) -> type:
-    """The dataclass type of one `Config` field."""
-    return typing.get_type_hints(Config)[section_field.name]
+def _section_type(name: str, raw: dict[str, Any]) -> type:
+    """The dataclass of section `name`; the model section's follows its model.name."""
+    if name != "model":
+        return typing.get_type_hints(Config)[name]
+    model_name = (
+        (raw.get("model") or {}).get("name", "gpt") if isinstance(raw.get("model"), dict) else "gpt"
+    )
+    if model_name not in MODEL_CONFIGS:
+        raise UserError(
+            f"model.name={model_name!r} is not one of {', '.join(sorted(MODEL_CONFIGS))}"
+        )
+    return MODEL_CONFIGS[model_name]
 
 
 def validate(config: Config) -> None:
     """Checks what one section cannot check alone; mesh-size checks live in sharding.py."""
-    model, train, optim, mesh = config.model, config.train, config.optim, config.mesh
+    train, optim, mesh = config.train, config.optim, config.mesh
+    if isinstance(config.model, VisionConfig):
+        _validate_vision(config)
+    else:
+        _validate_language_model(config.model)
     positive = {
-        "model.vocab_size": model.vocab_size,
-        "model.seq_len": model.seq_len,
-        "model.layers": model.layers,
-        "model.width": model.width,
-        "model.heads": model.heads,
         "train.steps": train.steps,
         "train.global_batch": train.global_batch,
         "train.grad_accum": train.grad_accum,
         "train.log_every": train.log_every,
         "data.prefetch": config.data.prefetch,
     }
-    for key, value in positive.items():
-        if value < 1:
-            raise UserError(f"{key} must be >= 1, got {value}")
-    if model.mlp_width < 0:
-        raise UserError(f"model.mlp_width must be >= 0 (0 means 4 * width), got {model.mlp_width}")
-    if model.width % model.heads:
-        raise UserError(f"model.width={model.width} is not divisible by model.heads={model.heads}")
-    if model.position == "rotary" and (model.width // model.heads) % 2:
-        raise UserError("model.position=rotary needs an even head width (width / heads)")
+    _check_positive(positive)
     if train.global_batch % train.grad_accum:
         raise UserError(
             f"train.global_batch={train.global_batch} is not divisible by "
@@ -350,6 +386,49 @@ def validate(config: Config) -> None:
     if config.data.eval_fraction == 0 and train.eval_every > 0:
         raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
     _validate_ranges(config)
+
+
+def _check_positive(values: dict[str, int]) -> None:
+    """Each named count must be at least 1."""
+    for key, value in values.items():
+        if value < 1:
+            raise UserError(f"{key} must be >= 1, got {value}")
+
+
+def _validate_language_model(model: ModelConfig) -> None:
+    """The GPT shape: positive sizes, heads that divide the width."""
+    _check_positive(
+        {
+            "model.vocab_size": model.vocab_size,
+            "model.seq_len": model.seq_len,
+            "model.layers": model.layers,
+            "model.width": model.width,
+            "model.heads": model.heads,
+        }
+    )
+    if model.mlp_width < 0:
+        raise UserError(f"model.mlp_width must be >= 0 (0 means 4 * width), got {model.mlp_width}")
+    if model.width % model.heads:
+        raise UserError(f"model.width={model.width} is not divisible by model.heads={model.heads}")
+    if model.position == "rotary" and (model.width // model.heads) % 2:
+        raise UserError("model.position=rotary needs an even head width (width / heads)")
+
+
+def _validate_vision(config: Config) -> None:
+    """The image model's shape (checked by its family) and the augmentation ranges."""
+    from paisoar_jax.models import resolve_model_config  # late: keeps `--help` free of jax
+
+    resolve_model_config(config.model)
+    if not 0 <= config.model.label_smoothing < 1:
+        raise UserError(
+            f"model.label_smoothing must be in [0, 1), got {config.model.label_smoothing}"
+        )
+    if not 0 < config.data.min_crop_scale <= 1:
+        raise UserError(f"data.min_crop_scale must be in (0, 1], got {config.data.min_crop_scale}")
+    if not (math.isfinite(config.data.mixup_alpha) and config.data.mixup_alpha >= 0):
+        raise UserError(
+            f"data.mixup_alpha must be a finite number >= 0, got {config.data.mixup_alpha}"
+        )
 
 
 def _validate_ranges(config: Config) -> None:
@@ -399,6 +478,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DistributedConfig",
+    "MODEL_CONFIGS",
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
@@ -406,6 +486,7 @@ __all__ = [
     "RematConfig",
     "RunConfig",
     "TrainConfig",
+    "VisionConfig",
     "dump_yaml",
     "load_config",
     "resolve_config_path",

@@ -8,6 +8,7 @@ at log and eval steps, so the step loop never stalls on a device sync otherwise.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import sys
 import time
@@ -26,48 +27,58 @@ from paisoar_jax.checkpoint import (
     load_params,
 )
 from paisoar_jax.config import Config, dump_yaml, to_dict
-from paisoar_jax.data.pipeline import batch_dataset
-from paisoar_jax.data.prefetch import DevicePrefetcher
-from paisoar_jax.data.sources import open_source
+from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite, parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
-from paisoar_jax.models import model_class
 from paisoar_jax.optim import build_optimizer
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.sample import generate
 from paisoar_jax.state import StateLayout, init_state, plan_state
 from paisoar_jax.step import jit_eval_step, jit_train_step
+from paisoar_jax.tasks import task_for
 
 SAMPLE_PROMPT = b"def "
 FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 
 
-def evaluate(eval_step, params, eval_source, config: Config, mesh) -> float:
-    """Mean loss over the first train.eval_batches batches of the held-out split."""
+def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[str, float]:
+    """Mean eval metrics (loss, ...) over the first train.eval_batches held-out batches."""
     batches = iter(
-        batch_dataset(
+        task.host_batches(
             eval_source,
             batch_per_process=config.train.global_batch // jax.process_count(),
             seed=config.train.seed,
-            shuffle=False,
+            train=False,
         )
     )
-    losses = []
+    results = []
     for _ in range(config.train.eval_batches):
-        batch = jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), next(batches))
-        losses.append(eval_step(params, batch))
-    return float(np.mean(jax.device_get(losses)))
+        batch = global_batch(sharding.batch_sharding(mesh), next(batches))
+        results.append(eval_step(state.params, state.model_state, batch))
+    results = jax.device_get(results)
+    return {name: float(np.mean([result[name] for result in results])) for name in results[0]}
 
 
 class IntervalTimer:
-    """Wall time, input wait and throughput between two log steps."""
+    """Wall time, input wait and throughput between two log steps.
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None):
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
+    Throughput is counted in the task's unit: tokens for language models, examples (images)
+    for classifiers; `flops_per_unit` turns it into MFU.
+    """
+
+    def __init__(
+        self,
+        units_per_step: int,
+        flops_per_unit: float,
+        peak_tflops: float | None,
+        unit: str = "tokens",
+    ):
+        self.units_per_step = units_per_step
+        self.flops_per_unit = flops_per_unit
         self.peak_tflops = peak_tflops
+        self.throughput_key = f"{unit}_per_s"
         self.restart(step=0)
 
     def restart(self, step: int) -> None:
@@ -76,14 +87,14 @@ class IntervalTimer:
         self.wait_s = self.save_s = 0.0
 
     def timings(self, step: int) -> dict[str, Any]:
-        """step_time_s, tokens_per_s, mfu and data_wait_frac of the interval ending at `step`."""
+        """step_time_s, tokens_per_s (or examples_per_s), mfu and data_wait_frac until `step`."""
         elapsed = time.perf_counter() - self.start_time
         step_time_s = elapsed / (step - self.start_step)
-        tokens_per_s = self.tokens_per_step / step_time_s
+        per_s = self.units_per_step / step_time_s
         return {
             "step_time_s": step_time_s,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops),
+            self.throughput_key: per_s,
+            "mfu": mfu(per_s, self.flops_per_unit, self.peak_tflops),
             "data_wait_frac": self.wait_s / elapsed,
         }
 
@@ -170,7 +181,7 @@ def input_signature(config: Config) -> dict[str, Any]:
         "source": config.data.source,
         "workers": config.data.workers,  # grain's state differs with and without workers
         "global_batch": config.train.global_batch,
-        "seq_len": config.model.seq_len,
+        **task_for(config).signature(),  # seq_len, or image size and channels
         "seed": config.train.seed,
     }
 
@@ -213,7 +224,8 @@ def train(config: Config) -> dict[str, Any]:
     train_config = config.train
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
-    train_source, eval_source = open_source(config.data, config.model, train_config.seed)
+    task = task_for(config)
+    train_source, eval_source = task.open_sources()
     for split, source in (("train", train_source), ("eval", eval_source)):
         if (split == "train" or train_config.eval_every) and len(source) < jax.process_count():
             raise UserError(
@@ -250,11 +262,12 @@ def train(config: Config) -> dict[str, Any]:
                 )
             return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
         host_iterator = iter(
-            batch_dataset(
+            task.host_batches(
                 train_source,
                 batch_per_process=train_config.global_batch // jax.process_count(),
                 # A resume whose input changed cannot continue the saved order: a new one.
                 seed=train_config.seed + (start_step if data_state is None else 0),
+                train=True,
                 workers=config.data.workers,
             )
         )
@@ -264,38 +277,43 @@ def train(config: Config) -> dict[str, Any]:
             host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
         )
         cleanup.callback(batches.close)
-        summary = _run_loop(
-            config,
-            mesh,
-            layout,
-            state,
-            start_step,
-            batches,
-            schedule,
-            eval_source,
-            checkpointer,
-            stop,
-        )
+        parts = RunParts(config, mesh, task, layout, schedule, eval_source, checkpointer, stop)
+        summary = _run_loop(parts, state, start_step, batches)
     if is_main:
         _print_summary(summary)
     return summary
 
 
-def _run_loop(
-    config, mesh, layout, state, start_step, batches, schedule, eval_source, checkpointer, stop
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What the loop works with, built once by `train` before the first step."""
+
+    config: Config
+    mesh: Any
+    task: Any  # tasks.LanguageModelling or tasks.ImageClassification
+    layout: StateLayout
+    schedule: Any
+    eval_source: Any
+    checkpointer: Checkpointer | None
+    stop: StopRequest
+
+
+def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any]:
     """Compiles the step and runs it from start_step + 1, logging, evaluating and saving."""
+    config, mesh, task, layout = parts.config, parts.mesh, parts.task, parts.layout
+    schedule, eval_source = parts.schedule, parts.eval_source
+    checkpointer, stop = parts.checkpointer, parts.stop
     train_config, run_dir = config.train, config.run_dir
     is_main = jax.process_index() == 0
     first_batch = next(batches)
     compile_start = time.perf_counter()
     train_step = (
-        jit_train_step(layout, schedule, train_config.grad_accum, mesh)
+        jit_train_step(layout, task, schedule, train_config.grad_accum, mesh)
         .lower(state, first_batch)
         .compile()
     )
     compile_s = time.perf_counter() - compile_start
-    eval_step = jit_eval_step(layout, mesh)
+    eval_step = jit_eval_step(layout, task, mesh)
     resumed = f", resumed from step {start_step}" if start_step else ""
     if is_main:
         print(
@@ -305,11 +323,10 @@ def _run_loop(
             flush=True,
         )
     timer = IntervalTimer(
-        tokens_per_step=train_config.global_batch * config.model.seq_len,
-        flops_per_token=model_class(config.model.name).flops_per_token(
-            config.model, layout.param_count
-        ),
+        units_per_step=train_config.global_batch * task.units_per_example(),
+        flops_per_unit=task.flops_per_unit(layout.param_count),
         peak_tflops=device_peak_tflops(train_config.peak_tflops),
+        unit=task.unit,
     )
     writer = MetricsWriter(run_dir, config.run.tensorboard, resume_step=start_step)
     progress = tqdm(
@@ -323,7 +340,8 @@ def _run_loop(
     losses: list[float] = []
     scale_history: list[tuple[int, float]] = []
     scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
-    eval_loss, stopped_by = None, None
+    eval_results: dict[str, float] = {}
+    stopped_by = None
     train_start = time.perf_counter()
     timer.restart(step=start_step)
     step = start_step
@@ -345,6 +363,7 @@ def _run_loop(
             record = {
                 "step": step,
                 "loss": float(values["loss"]),
+                **({"accuracy": float(values["accuracy"])} if "accuracy" in values else {}),
                 "lr": float(values["lr"]),
                 "grad_norm": float(values["grad_norm"]),
                 "loss_scale": float(values["loss_scale"]),
@@ -357,13 +376,14 @@ def _run_loop(
             check_health(record, scaled, scale_history)
             losses.append(record["loss"])
             if is_eval_step:  # after the timings: eval time is not step time
-                eval_loss = evaluate(eval_step, state.params, eval_source, config, mesh)
-                record["eval_loss"] = eval_loss
+                eval_results = evaluate(eval_step, state, eval_source, task, config, mesh)
+                record.update({f"eval_{name}": value for name, value in eval_results.items()})
                 if is_main:
-                    progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+                    shown = ", ".join(f"eval_{k} {v:.4f}" for k, v in eval_results.items())
+                    progress.write(f"step {step}: {shown}")
             writer.write(record)
             progress.set_postfix(
-                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
+                loss=f"{record['loss']:.3f}", per_s=f"{record[timer.throughput_key]:,.0f}"
             )
             timer.restart(step)
 
@@ -391,15 +411,18 @@ def _run_loop(
         "steps": step,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
-        "eval_loss": eval_loss,
-        "tokens_per_s": timer.tokens_per_step * steps_run / train_s,
+        "eval_loss": eval_results.get("loss"),
+        **({"eval_accuracy": eval_results["accuracy"]} if "accuracy" in eval_results else {}),
+        timer.throughput_key: timer.units_per_step * steps_run / train_s,
         "compile_s": compile_s,
         "train_s": train_s,
         "run_dir": str(run_dir),
         "resumed_from": start_step,
         "stopped_by": stopped_by,
+        "param_count": layout.param_count,
     }
-    if train_config.sample_bytes and config.data.source == "embedded" and not stopped_by:
+    is_embedded_text = config.data.source == "embedded" and task.unit == "tokens"
+    if train_config.sample_bytes and is_embedded_text and not stopped_by:
         text = generate(
             layout,
             state.params,
@@ -419,13 +442,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"sample:\n{summary['sample']}\n", flush=True)
     eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+    if "eval_accuracy" in summary:
+        eval_text += f", eval_accuracy {summary['eval_accuracy']:.4f}"
+    unit = "tokens" if "tokens_per_s" in summary else "examples"
     loss_text = (
         f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}" if first_loss else "no loss logged"
     )
     print(
         f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, "
         f"{loss_text}{eval_text}, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s, compile {summary['compile_s']:.1f}s, "
+        f"{summary[f'{unit}_per_s']:,.0f} {unit}/s, compile {summary['compile_s']:.1f}s, "
         f"run dir {summary['run_dir']}",
         flush=True,
     )

@@ -115,12 +115,12 @@ def per_device_bytes(tree) -> int:
 def compile_step(config: Config, devices: Sequence) -> tuple[Any, Any, Any, float]:
     """(compiled step, layout, mesh, seconds to compile) for the config on `devices`."""
     import jax
-    import jax.numpy as jnp
 
     from paisoar_jax import sharding
     from paisoar_jax.optim import build_optimizer
     from paisoar_jax.state import plan_state
     from paisoar_jax.step import jit_train_step
+    from paisoar_jax.tasks import task_for
 
     train = config.train
     mesh = sharding.build_mesh(config.mesh, devices)
@@ -131,12 +131,14 @@ def compile_step(config: Config, devices: Sequence) -> tuple[Any, Any, Any, floa
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         layout = plan_state(config, mesh, optimizer)
-        batch = jax.ShapeDtypeStruct(
-            (train.global_batch, config.model.seq_len + 1),
-            jnp.int32,
-            sharding=sharding.batch_sharding(mesh),
+        task = task_for(config)
+        batch = jax.tree.map(
+            lambda shape: jax.ShapeDtypeStruct(
+                shape.shape, shape.dtype, sharding=sharding.batch_sharding(mesh)
+            ),
+            task.batch_shape(train.global_batch),
         )
-        step = jit_train_step(layout, schedule, train.grad_accum, mesh)
+        step = jit_train_step(layout, task, schedule, train.grad_accum, mesh)
         compiled = step.lower(layout.abstract_state, batch).compile()
     return compiled, layout, mesh, time.perf_counter() - start
 
@@ -194,15 +196,16 @@ def plan(
     simulated: bool = False,
 ) -> dict[str, Any]:
     """Every number of the plan, as one JSON-ready dict (`simulated`: --devices was given)."""
-    from paisoar_jax.models import model_class
+    from paisoar_jax.tasks import task_for
 
+    task = task_for(config)
     compiled, layout, mesh, compile_s = compile_step(config, devices)
     found, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
     link_name, gb_per_s = link
     by_kind = hlo.totals_by_kind(found, gb_per_s)
     model, train = config.model, config.train
-    flops_per_token = model_class(model.name).flops_per_token(model, layout.param_count)
-    flops = flops_per_token * train.global_batch * model.seq_len / len(devices)
+    units_per_step = train.global_batch * task.units_per_example()
+    flops = task.flops_per_unit(layout.param_count) * units_per_step / len(devices)
     peak, peak_source = peak_tflops(config, simulated)
     compute_s = flops / (peak * 1e12 * efficiency)
     communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
@@ -218,7 +221,8 @@ def plan(
         "platform": devices[0].platform,
         "simulated": simulated,
         "global_batch": train.global_batch,
-        "seq_len": model.seq_len,
+        **task.signature(),  # seq_len, or image size and channels
+        "unit": task.unit,
         "grad_accum": train.grad_accum,
         "compile_s": round(compile_s, 2),
         "memory_bytes": memory(layout, compiled),
@@ -269,6 +273,13 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+def _example_shape(result: dict) -> str:
+    """The shape of one example: " x 1024 tokens" or " x 224 px images"."""
+    if "seq_len" in result:
+        return f" x {result['seq_len']} tokens"
+    return f" x {result['image_size']} px images"
+
+
 def format_table(result: dict) -> str:
     """The plan as a short aligned table."""
     mesh = " ".join(f"{axis}={size}" for axis, size in result["mesh"].items())
@@ -277,7 +288,7 @@ def format_table(result: dict) -> str:
     link = result["link"]
     lines = [
         f"{result['model']}: {_count(result['param_count'])} params, {result['precision']}, "
-        f"batch {result['global_batch']} x {result['seq_len']} tokens, "
+        f"batch {result['global_batch']}{_example_shape(result)}, "
         f"grad_accum {result['grad_accum']}",
         f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "
         f"compiled in {result['compile_s']:.1f} s",

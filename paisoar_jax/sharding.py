@@ -9,7 +9,8 @@ table maps them to the mesh axes (data, fsdp, tensor); the ZeRO stage only chang
     1, 2    fsdp                  data+fsdp                 (ZeRO-1/2: state and grads split)
     3       data+fsdp             data+fsdp                 (ZeRO-3 / FSDP over all of them)
 
-Heads, MLP hidden and vocab go over `tensor` (Megatron style). The batch is split over
+Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output channels go
+where `embed` goes. The batch is split over
 (data, fsdp). ZeRO-2 is the same program as ZeRO-1 here: XLA reduce-scatters the gradients
 straight into the optimizer-state layout.
 """
@@ -55,6 +56,12 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "head_dim": (),
         "length": (),
         "layers": (),
+        # Image models: a conv's output channels go where `embed` goes (FSDP splits them),
+        # its input channels, BatchNorm's vectors and the classes stay whole.
+        "conv_in": (),
+        "conv_out": ("data", "fsdp") if split_over_data else ("fsdp",),
+        "norm": (),
+        "classes": (),
     }
 
 

@@ -30,6 +30,9 @@ class TrainState:
 
     step: jax.Array
     params: dict[str, Any]  # nnx.Param values as a pure nested dict
+    # Every other model variable (BatchNorm's running statistics): updated by the forward
+    # pass, not by the optimizer. An empty dict for models that have none (gpt).
+    model_state: dict[str, Any]
     opt_state: optax.OptState
     # The run's random key (raw uint32[2]): randomness of step s is fold_in(rng, s), so the
     # key and the step saved in a checkpoint reproduce it exactly on resume.
@@ -68,16 +71,17 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
     graphdefs = []
 
     def split_model():
-        graphdef, state = nnx.split(create_model())
+        graphdef, params, model_state = nnx.split(create_model(), nnx.Param, ...)
         graphdefs.append(graphdef)  # static: the same for the abstract and the real model
-        return state
+        return params, model_state
 
     # jax.eval_shape rather than nnx.eval_shape: the latter would resolve the logical names
     # against the active mesh, and `layers`, `embed`, ... are not mesh axes.
-    abstract_state = jax.eval_shape(split_model)
+    abstract_variables, abstract_model_variables = jax.eval_shape(split_model)
     graphdef = graphdefs[0]
-    abstract_params = nnx.to_pure_dict(abstract_state)
-    logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+    abstract_params = nnx.to_pure_dict(abstract_variables)
+    abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
+    logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
     param_shardings = sharding.tree_shardings(
         logical_specs, abstract_params, mesh, sharding.parameter_rules(config.mesh.zero)
     )
@@ -86,6 +90,12 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         abstract_params,
         mesh,
         sharding.parameter_rules(config.mesh.zero, optimizer_state=True),
+    )
+    model_state_shardings = sharding.tree_shardings(
+        nnx.to_pure_dict(nnx.get_partition_spec(abstract_model_variables)),
+        abstract_model_state,
+        mesh,
+        sharding.parameter_rules(config.mesh.zero),
     )
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     opt_shardings = optax.tree_map_params(
@@ -98,6 +108,7 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
     shardings = TrainState(
         step=sharding.replicated(mesh),
         params=param_shardings,
+        model_state=model_state_shardings,
         opt_state=opt_shardings,
         rng=sharding.replicated(mesh),
     )
@@ -109,6 +120,7 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         TrainState(
             step=jax.ShapeDtypeStruct((), jnp.int32),
             params=abstract_params,
+            model_state=abstract_model_state,
             opt_state=abstract_opt_state,
             rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
         ),
@@ -124,10 +136,12 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
     create_model = _model_factory(config)
 
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(create_model()))
+        _, variables, model_variables = nnx.split(create_model(), nnx.Param, ...)
+        params = nnx.to_pure_dict(variables)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
+            model_state=nnx.to_pure_dict(model_variables),
             opt_state=layout.optimizer.init(params),
             rng=jax.random.PRNGKey(config.train.seed),
         )

@@ -3,8 +3,10 @@
 `train_step(state, batch) -> (state, metrics)` is one optimizer step. With
 `train.grad_accum = k` it splits the batch into k micro-batches and accumulates their
 gradients in a `lax.scan` inside the same compiled program, so the optimizer sees exactly
-the gradient of the whole batch. A batch is int32 tokens of shape (B, T + 1): inputs are the
-first T, targets the last T.
+the gradient of the whole batch. What a batch is and what the loss is belong to the task
+(tasks.py): token windows for a language model, images and labels for a classifier.
+Variables the forward pass updates (BatchNorm's running statistics) are threaded through
+the micro-batches in order and come back as the new `model_state`.
 """
 
 from __future__ import annotations
@@ -21,80 +23,114 @@ from paisoar_jax import loss_scale, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
 
-def loss_fn(params, graphdef: nnx.GraphDef, tokens_BxT1: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of the model on one batch."""
-    model = nnx.merge(graphdef, params)
-    logits_BxTxV = model(tokens_BxT1[:, :-1])
-    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
-    return losses_BxT.mean()
+def loss_fn(params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array):
+    """(loss, (metrics, new model_state)) of the model on one batch, the loss in fp32."""
+    model = nnx.merge(graphdef, params, model_state)
+    loss, metrics = task.loss(model, batch, key)
+    return loss, (metrics, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2]))
 
 
-def _split_micro_batches(tokens_BxT1: jax.Array, count: int) -> jax.Array:
-    """(B, ...) -> (count, B / count, ...), micro-batch j = rows j, j + count, j + 2 count...
+def _split_micro_batches(batch, count: int):
+    """(B, ...) -> (count, B / count, ...) per array, micro-batch j = rows j, j + count, ...
 
     Interleaving (rather than cutting B into contiguous blocks) keeps every device's rows in
     every micro-batch, so no data moves between devices.
     """
-    batch = tokens_BxT1.shape[0]
-    micro = tokens_BxT1.reshape(batch // count, count, *tokens_BxT1.shape[1:]).swapaxes(0, 1)
-    return sharding.constrain(micro, (None, "batch", None))
+
+    def split(array):
+        micro = array.reshape(array.shape[0] // count, count, *array.shape[1:]).swapaxes(0, 1)
+        return sharding.constrain(micro, (None, "batch"))
+
+    return jax.tree.map(split, batch)
 
 
 def loss_and_grads(
     params,
+    model_state,
     graphdef: nnx.GraphDef,
-    tokens_BxT1: jax.Array,
-    grad_accum: int,
+    batch,
+    task,
+    *,
+    grad_accum: int = 1,
     scale: jax.Array | float = 1.0,
     gradient_shardings=None,
+    key: jax.Array | None = None,
 ):
-    """Loss and gradients of `scale` x loss of the whole batch, over `grad_accum` micro-batches.
+    """(loss, grads, metrics, model_state) of `scale` x loss of the batch, over micro-batches.
 
-    The returned loss is unscaled; the gradients stay scaled (loss_scale.py unscales them once
-    per optimizer step). With `gradient_shardings` (ZeRO >= 1) the accumulator lives in the
-    optimizer-state layout, so each micro-batch's gradients are reduce-scattered into it
-    rather than all-reduced, and each device holds only its slice of the sum.
+    The returned loss and metrics are unscaled means over the micro-batches; the gradients
+    stay scaled (loss_scale.py unscales them once per optimizer step). With
+    `gradient_shardings` (ZeRO >= 1) the accumulator lives in the optimizer-state layout, so
+    each micro-batch's gradients are reduce-scattered into it rather than all-reduced, and
+    each device holds only its slice of the sum. Micro-batch j draws from fold_in(key, j).
     """
+    key = jax.random.PRNGKey(0) if key is None else key
 
-    def scaled_loss(params, tokens):
-        loss = loss_fn(params, graphdef, tokens)
-        return loss * scale, loss
+    def scaled_loss(params, model_state, micro_batch, micro_key):
+        loss, aux = loss_fn(params, model_state, graphdef, micro_batch, task, micro_key)
+        return loss * scale, (loss, aux)
 
-    def grad_fn(params, tokens):
-        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params, tokens)
-        return loss, grads
+    def grad_fn(model_state, micro_batch, micro_key):
+        (_, (loss, (metrics, model_state))), grads = jax.value_and_grad(scaled_loss, has_aux=True)(
+            params, model_state, micro_batch, micro_key
+        )
+        return loss, grads, metrics, model_state
 
     if grad_accum == 1:
-        return grad_fn(params, tokens_BxT1)
+        return grad_fn(model_state, batch, key)
 
     def in_layout(grads):
         if gradient_shardings is None:
             return grads
         return jax.lax.with_sharding_constraint(grads, gradient_shardings)
 
-    def accumulate(carry, micro_tokens):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, micro_tokens)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_layout(grads))), None
+    def accumulate(carry, micro):
+        sums, grad_sum, model_state = carry
+        index, micro_batch = micro
+        loss, grads, metrics, model_state = grad_fn(
+            model_state, micro_batch, jax.random.fold_in(key, index)
+        )
+        sums = jax.tree.map(jnp.add, sums, {"loss": loss, **metrics})
+        return (sums, jax.tree.map(jnp.add, grad_sum, in_layout(grads)), model_state), None
 
-    zeros = (jnp.zeros((), jnp.float32), in_layout(jax.tree.map(jnp.zeros_like, params)))
-    micro_batches = _split_micro_batches(tokens_BxT1, grad_accum)
-    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
-    return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+    micro_batches = _split_micro_batches(batch, grad_accum)
+    # The metrics' structure, from a trace of one micro-batch (nothing is computed).
+    first = jax.tree.map(lambda array: array[0], micro_batches)
+    metric_shapes = jax.eval_shape(lambda: grad_fn(model_state, first, key)[2])
+    zero_sums = jax.tree.map(
+        lambda shape: jnp.zeros(shape.shape, shape.dtype),
+        {"loss": jax.ShapeDtypeStruct((), jnp.float32), **metric_shapes},
+    )
+    zeros = (zero_sums, in_layout(jax.tree.map(jnp.zeros_like, params)), model_state)
+    (sums, grad_sum, model_state), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(grad_accum), micro_batches)
+    )
+    means = jax.tree.map(lambda total: total / grad_accum, sums)
+    loss = means.pop("loss")
+    return loss, jax.tree.map(lambda g: g / grad_accum, grad_sum), means, model_state
 
 
 def train_step(
     state: TrainState,
-    tokens_BxT1: jax.Array,
+    batch,
     *,
     layout: StateLayout,
+    task,
     schedule: optax.Schedule,
     grad_accum: int,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
     scale = loss_scale.current_scale(state.opt_state)
-    loss, grads = loss_and_grads(
-        state.params, layout.graphdef, tokens_BxT1, grad_accum, scale, layout.gradient_shardings
+    loss, grads, task_metrics, model_state = loss_and_grads(
+        state.params,
+        state.model_state,
+        layout.graphdef,
+        batch,
+        task,
+        grad_accum=grad_accum,
+        scale=scale,
+        gradient_shardings=layout.gradient_shardings,
+        key=jax.random.fold_in(state.rng, state.step),
     )
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
@@ -102,23 +138,36 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
+        **task_metrics,
         "grad_norm": optax.tree.norm(grads) / scale,
         "lr": schedule(state.step),
         **loss_scale.scale_metrics(opt_state),
     }
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    if jax.tree.leaves(model_state):
+        # A skipped step (non-finite gradients) keeps the old statistics too: they saw the
+        # same overflowing forward pass.
+        finite = loss_scale.all_finite(grads)
+        model_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
+        )
+    new_state = state.replace(
+        step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+    )
+    return new_state, metrics
 
 
-def eval_step(params, tokens_BxT1: jax.Array, *, layout: StateLayout) -> jax.Array:
-    """Mean loss on one held-out batch."""
-    return loss_fn(params, layout.graphdef, tokens_BxT1)
+def eval_step(params, model_state, batch, *, layout: StateLayout, task) -> dict[str, jax.Array]:
+    """The task's eval metrics (mean loss, accuracy, ...) on one held-out batch."""
+    return task.eval_metrics(nnx.merge(layout.graphdef, params, model_state), batch)
 
 
 def jit_train_step(
-    layout: StateLayout, schedule: optax.Schedule, grad_accum: int, mesh: Mesh
+    layout: StateLayout, task, schedule: optax.Schedule, grad_accum: int, mesh: Mesh
 ) -> jax.stages.Wrapped:
     """train_step jitted once: explicit in/out shardings, the state donated."""
-    step = functools.partial(train_step, layout=layout, schedule=schedule, grad_accum=grad_accum)
+    step = functools.partial(
+        train_step, layout=layout, task=task, schedule=schedule, grad_accum=grad_accum
+    )
     return jax.jit(
         step,
         in_shardings=(layout.shardings, sharding.batch_sharding(mesh)),
@@ -127,10 +176,14 @@ def jit_train_step(
     )
 
 
-def jit_eval_step(layout: StateLayout, mesh: Mesh) -> jax.stages.Wrapped:
-    """eval_step jitted with the params' shardings."""
+def jit_eval_step(layout: StateLayout, task, mesh: Mesh) -> jax.stages.Wrapped:
+    """eval_step jitted with the state's shardings."""
     return jax.jit(
-        functools.partial(eval_step, layout=layout),
-        in_shardings=(layout.shardings.params, sharding.batch_sharding(mesh)),
+        functools.partial(eval_step, layout=layout, task=task),
+        in_shardings=(
+            layout.shardings.params,
+            layout.shardings.model_state,
+            sharding.batch_sharding(mesh),
+        ),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
     )

@@ -36,6 +36,21 @@ TINY = [
     "run.tensorboard=false",
 ]
 
+# The image counterpart: a ResNet-18 with 8 base channels on 16 px synthetic images.
+TINY_RESNET = [
+    "model.name=resnet",
+    "model.variant=resnet18",
+    "model.width=8",
+    "model.image_size=16",
+    "model.num_classes=10",
+    "data.source=synthetic",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "train.global_batch=16",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
 
 def subprocess_env() -> dict[str, str]:
     """Environment for `python -m paisoar_jax.*` children: 8 CPU devices, shared cache."""
@@ -54,14 +69,28 @@ def devices():
 PYTHON = sys.executable
 
 
-def plan_run(overrides, devices):
+def run_module(module, *args, cwd, timeout=300):
+    """Runs `python -m paisoar_jax.<module> args...` as a user would; the CompletedProcess."""
+    import subprocess
+
+    return subprocess.run(
+        [PYTHON, "-m", f"paisoar_jax.{module}", *args],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def plan_run(overrides, devices, base=TINY):
     """(config, mesh, layout, schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax import sharding
     from paisoar_jax.config import load_config
     from paisoar_jax.optim import build_optimizer
     from paisoar_jax.state import plan_state
 
-    config = load_config(None, TINY + list(overrides))
+    config = load_config(None, list(base) + list(overrides))
     mesh = sharding.build_mesh(config.mesh, devices)
     optimizer, schedule = build_optimizer(
         config.optim, config.train.steps, config.train.global_batch, config.precision
@@ -71,15 +100,17 @@ def plan_run(overrides, devices):
     return config, mesh, layout, schedule
 
 
-def build_run(overrides, devices):
+def build_run(overrides, devices, base=TINY):
     """(config, mesh, layout, state, train_step) for TINY + overrides on `devices`."""
     from paisoar_jax.state import init_state
     from paisoar_jax.step import jit_train_step
+    from paisoar_jax.tasks import task_for
 
-    config, mesh, layout, schedule = plan_run(overrides, devices)
+    config, mesh, layout, schedule = plan_run(overrides, devices, base)
     with jax.set_mesh(mesh):
         state = init_state(config, layout)
-        train_step = jit_train_step(layout, schedule, config.train.grad_accum, mesh)
+        task = task_for(config)
+        train_step = jit_train_step(layout, task, schedule, config.train.grad_accum, mesh)
     return config, mesh, layout, state, train_step
 
 

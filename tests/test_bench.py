@@ -1,21 +1,13 @@
 """`python -m paisoar_jax.bench`, as a user runs it: one JSON line of measured speed."""
 
 import json
-import subprocess
 
 import pytest
-from conftest import PYTHON, TINY, subprocess_env
+from conftest import TINY, run_module
 
 
 def bench(*args, cwd):
-    result = subprocess.run(
-        [PYTHON, "-m", "paisoar_jax.bench", *args],
-        cwd=cwd,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_module("bench", *args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -13,6 +13,7 @@ from paisoar_jax.config import load_config
 from paisoar_jax.models import build_model
 from paisoar_jax.precision import float32_island, force_policy, fp32_function, get_policy
 from paisoar_jax.step import loss_fn
+from paisoar_jax.tasks import LanguageModelling
 
 
 def equations(jaxpr):
@@ -33,7 +34,9 @@ def loss_jaxpr(policy, force=None):
         force_policy(model.blocks, force)
     graphdef, params = nnx.split(model)
     tokens = jnp.zeros((2, 17), jnp.int32)
-    return jax.make_jaxpr(lambda p: loss_fn(nnx.to_pure_dict(p), graphdef, tokens))(params).jaxpr
+    task, key = LanguageModelling(config), jax.random.PRNGKey(0)
+    loss = lambda p: loss_fn(nnx.to_pure_dict(p), {}, graphdef, tokens, task, key)[0]  # noqa: E731
+    return jax.make_jaxpr(loss)(params).jaxpr
 
 
 @pytest.mark.parametrize("policy, dtype", [("fp16", jnp.float16), ("bf16", jnp.bfloat16)])

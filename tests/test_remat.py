@@ -9,6 +9,7 @@ from paisoar_jax import sharding
 from paisoar_jax.remat import POLICIES
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads
+from paisoar_jax.tasks import task_for
 
 # Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
 TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]
@@ -31,7 +32,7 @@ def temporary_bytes(devices, policy):
         sharding=sharding.batch_sharding(mesh),
     )
     with jax.set_mesh(mesh):
-        step = jit_train_step(layout, lambda count: 1e-3, 1, mesh)
+        step = jit_train_step(layout, task_for(config), lambda count: 1e-3, 1, mesh)
         compiled = step.lower(layout.abstract_state, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -45,8 +46,8 @@ def gradients(devices, policy):
     config, layout, mesh = layout_for(devices, policy)
     tokens = np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32)
     with jax.set_mesh(mesh):
-        params = init_state(config, layout).params
-        grad_fn = jax.jit(lambda p, t: loss_and_grads(p, layout.graphdef, t, 1)[1])
+        params, task = init_state(config, layout).params, task_for(config)
+        grad_fn = jax.jit(lambda p, t: loss_and_grads(p, {}, layout.graphdef, t, task)[1])
         return grad_fn(params, tokens)
 
 

@@ -7,6 +7,7 @@ from conftest import build_run, token_batches
 
 from paisoar_jax import sharding
 from paisoar_jax.step import loss_and_grads
+from paisoar_jax.tasks import task_for
 
 MESHES = {
     "data=8": ["mesh.data=8"],
@@ -23,8 +24,9 @@ def three_steps(overrides, devices):
     batches = [jax.device_put(batch, sharding.batch_sharding(mesh)) for batch in token_batches(3)]
     initial = jax.device_get(state.params)
     with jax.set_mesh(mesh):
-        grad_fn = jax.jit(lambda p, b: loss_and_grads(p, layout.graphdef, b, 1))
-        _, grads = grad_fn(state.params, batches[0])
+        task = task_for(config)
+        grad_fn = jax.jit(lambda p, b: loss_and_grads(p, {}, layout.graphdef, b, task)[1])
+        grads = grad_fn(state.params, batches[0])
         grads = jax.device_get(grads)
         losses = []
         for batch in batches:

@@ -1,11 +1,10 @@
 """End to end through `python -m paisoar_jax.train`, as a user runs it."""
 
 import json
-import subprocess
 
 import pytest
 import yaml
-from conftest import PYTHON, TINY, subprocess_env
+from conftest import TINY, run_module
 
 from paisoar_jax.config import load_config
 
@@ -25,14 +24,7 @@ FIELDS = {
 
 
 def run_train(*args, cwd, timeout=300):
-    return subprocess.run(
-        [PYTHON, "-m", "paisoar_jax.train", *args],
-        cwd=cwd,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_module("train", *args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.slow

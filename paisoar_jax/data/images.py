@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from paisoar_jax.data.pipeline import ignore_interrupts
 from paisoar_jax.data.records import MANIFEST_NAME, ImageFolder, ImageRecords
 from paisoar_jax.errors import UserError
 
@@ -133,6 +134,12 @@ class DecodeImage(grain.transforms.Map):
 
     def map(self, element: dict) -> dict:
         """The decoded element; UserError naming the file when Pillow cannot decode it."""
+        if isinstance(element["image"], np.ndarray):  # an in-memory source: already pixels
+            pixels = element["image"]
+            if pixels.shape[-1] != self.channels:  # grey -> RGB or RGB -> grey, as Pillow does
+                mode = "RGB" if self.channels == 3 else "L"
+                pixels = np.asarray(Image.fromarray(pixels.squeeze(-1)).convert(mode))
+            return self._item(pixels, element["label"])
         try:
             with Image.open(io.BytesIO(element["image"])) as image:
                 if image.mode.startswith("I;16"):  # Pillow's convert clips 16 bits to 255
@@ -141,10 +148,10 @@ class DecodeImage(grain.transforms.Map):
         except Exception as error:  # Pillow raises many types for damaged data
             where = describe_item(self.source, element.get("index"))
             raise UserError(f"cannot decode {where}: {error}") from None
-        return {
-            "image": pixels.reshape(*pixels.shape[:2], self.channels),
-            "label": np.int32(element["label"]),
-        }
+        return self._item(pixels, element["label"])
+
+    def _item(self, pixels: np.ndarray, label: int) -> dict:
+        return {"image": pixels.reshape(*pixels.shape[:2], self.channels), "label": np.int32(label)}
 
 
 def resize(pixels: np.ndarray, size: int, box: tuple[float, float, float, float]) -> np.ndarray:
@@ -211,6 +218,8 @@ class CenterCrop(grain.transforms.Map):
     def map(self, element: dict) -> dict:
         """The element with its image centre-cropped to size x size."""
         height, width = element["image"].shape[:2]
+        if height == width == self.size and self.resize_ratio == 1:
+            return element
         # One resize of the matching source box equals resize-then-crop, for half the work.
         side = self.size * min(height, width) / round(self.size / self.resize_ratio)
         box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
@@ -232,6 +241,7 @@ def image_batches(
     train: bool,
     channels: int = 3,
     workers: int = 0,
+    min_crop_scale: float = 0.08,
     process_index: int | None = None,
     process_count: int | None = None,
 ) -> grain.IterDataset:
@@ -239,7 +249,10 @@ def image_batches(
 
     Like `pipeline.batch_dataset`: process i reads items i, i + n, ...; training shuffles
     them by `seed`, anew each epoch, and augments; eval keeps the order and centre-crops.
+    A source whose `augment` attribute is False (digits, synthetic) is never augmented nor
+    cropped: its whole images are resized to image_size, for training and eval alike.
     """
+    augment = getattr(source, "augment", True)
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if channels not in (1, 3):
@@ -253,15 +266,18 @@ def image_batches(
     # Random transforms after repeat: their generator follows the position in the endless
     # stream, so every epoch crops and flips each image anew.
     dataset = dataset.repeat(None).map(DecodeImage(channels, source))
-    if train:
+    if train and augment:
         crop_seed, flip_seed = (transform_seed(seed, process_index, op) for op in (0, 1))
-        dataset = dataset.random_map(RandomResizedCrop(image_size), seed=crop_seed)
+        crop = RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0))
+        dataset = dataset.random_map(crop, seed=crop_seed)
         dataset = dataset.random_map(RandomFlip(), seed=flip_seed)
     else:
-        dataset = dataset.map(CenterCrop(image_size))
+        dataset = dataset.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
     iterable = dataset.batch(batch_per_process, drop_remainder=True).to_iter_dataset()
     if workers > 0:
-        iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        iterable = iterable.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_interrupts
+        )
     return iterable
 
 

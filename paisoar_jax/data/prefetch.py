@@ -1,8 +1,9 @@
 """Device prefetch: host batches become global jax.Arrays, a few in flight ahead of the step.
 
-A background thread pulls per-process numpy batches, assembles each into one global array
-sharded over the batch axes (`jax.make_array_from_process_local_data`, which works across
-processes) and queues it, so the training loop only waits when input is truly behind.
+A background thread pulls per-process numpy batches (an array, or a dict of arrays such as
+images and labels), assembles each into global arrays sharded over the batch axes
+(`jax.make_array_from_process_local_data`, which works across processes) and queues it, so
+the training loop only waits when input is truly behind.
 
 The host iterator runs ahead of the step by up to `depth` batches, so its own get_state()
 is not where a resumed run must start: each queued batch carries the iterator state taken
@@ -20,6 +21,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 _DONE = object()
+
+
+def global_batch(sharding: NamedSharding, host_batch):
+    """One process's batch (an array or a dict of arrays) -> global arrays split by `sharding`."""
+    return jax.tree.map(
+        lambda rows: jax.make_array_from_process_local_data(sharding, rows), host_batch
+    )
 
 
 class DevicePrefetcher:
@@ -40,7 +48,7 @@ class DevicePrefetcher:
         get_state = getattr(self._host_batches, "get_state", None)
         try:
             for host_batch in self._host_batches:
-                array = jax.make_array_from_process_local_data(self._sharding, host_batch)
+                array = global_batch(self._sharding, host_batch)
                 if not self._put((array, get_state() if get_state else None)):
                     return
             self._put(_DONE)
@@ -60,7 +68,7 @@ class DevicePrefetcher:
     def __iter__(self) -> DevicePrefetcher:
         return self
 
-    def __next__(self) -> jax.Array:
+    def __next__(self):
         item = self._queue.get()
         if item is _DONE:
             raise StopIteration

@@ -1,9 +1,9 @@
-"""Shared building blocks of the vision models: their config, convolutions, BatchNorm, remat.
+"""Shared building blocks of the vision models: their variants, convolutions, BatchNorm, remat.
 
-`VisionConfig` stands in for the image fields that `ModelConfig` does not have yet; whoever
-wires the vision models into the trainer folds its fields into `ModelConfig` (the models only
-read them as attributes). Images are NHWC, conv kernels HWIO. Shape suffixes: B batch,
-H height, W width, C channels, K kernel size, I in features, O out features.
+The models read their shape from `config.VisionConfig` (the `model` section when model.name
+is resnet, vgg or vit); `VARIANTS` fills the shape fields left at 0. Images are NHWC, conv
+kernels HWIO. Shape suffixes: B batch, H height, W width, C channels, K kernel size, I in
+features, O out features.
 
 Train and eval. Every BatchNorm is a stock `nnx.BatchNorm` (running mean and variance are
 `nnx.BatchStat` variables, not `nnx.Param`, so an optimizer over `nnx.Param` leaves them
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paisoar_jax.config import VisionConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy
 from paisoar_jax.remat import remat_block
@@ -69,27 +70,14 @@ VARIANTS: dict[str, dict[str, int | str]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """An image classifier's choice and shape; a 0 shape field takes the variant's value."""
-
-    name: str = ""  # registry name (resnet, vgg, vit); empty: the variant's family
-    variant: str = "resnet50"  # a key of VARIANTS
-    num_classes: int = 1000
-    image_size: int = 224  # square input images, image_size x image_size pixels
-    channels: int = 3  # input channels (1 for grayscale)
-    width: int = 0  # ResNet/VGG: first-stage channels (64); ViT: embedding width
-    depth: int = 0  # ResNet/VGG: layer count of the name (18, 50, 16...); ViT: blocks
-    heads: int = 0  # ViT attention heads
-    mlp_width: int = 0  # ViT: MLP hidden width; VGG: classifier hidden width (4096)
-    patch: int = 0  # ViT patch size in pixels
-    batch_norm: bool = False  # VGG only: BatchNorm after every conv (ResNet always has it)
-    zero_init_residual: bool = True  # ResNet: last BatchNorm scale of each block starts at 0
-    init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
+# The variant a family gets when model.variant is empty.
+DEFAULT_VARIANTS = {"resnet": "resnet50", "vgg": "vgg16", "vit": "vit_b16"}
 
 
 def resolve_config(config: VisionConfig, family: str) -> VisionConfig:
     """`config` with the variant's shape filled in, checked to be a `family` model."""
+    if not config.variant:
+        config = dataclasses.replace(config, variant=DEFAULT_VARIANTS[config.name or family])
     if config.variant not in VARIANTS:
         raise UserError(
             f"model.variant={config.variant!r} is not one of {', '.join(sorted(VARIANTS))}"

@@ -1,0 +1,204 @@
+"""What a model learns from its batches: next-token prediction or image classification.
+
+A task holds everything that differs between the two, so that the step, the loop, `bench`
+and `plan` stay one code path: the sources and host pipeline, the shape of a batch, the loss
+and its metrics, what eval reports, the throughput unit (tokens or examples) and its FLOPs.
+
+    task                 batch (per process, from grain)                      unit
+    LanguageModelling    int32 tokens (B, seq_len + 1)                        tokens
+    ImageClassification  {"image": uint8 (B, size, size, C), "label": int32}  examples
+
+Images reach the device as uint8 and are normalised there, inside the jitted step.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import optax
+
+from paisoar_jax.config import Config
+from paisoar_jax.data import images as image_data
+from paisoar_jax.data.pipeline import batch_dataset
+from paisoar_jax.data.small_images import SyntheticImages, open_digits
+from paisoar_jax.data.sources import open_source
+from paisoar_jax.errors import UserError
+from paisoar_jax.models import is_image_model, model_class, resolve_model_config
+from paisoar_jax.precision import get_policy
+
+
+class LanguageModelling:
+    """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
+
+    unit = "tokens"
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def open_sources(self) -> tuple[Any, Any]:
+        """The (train, eval) window sources named by data.source."""
+        return open_source(self.config.data, self.config.model, self.config.train.seed)
+
+    def host_batches(
+        self, source, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
+    ) -> grain.IterDataset:
+        """Endless per-process batches of one source (train: shuffled each epoch)."""
+        return batch_dataset(
+            source, batch_per_process=batch_per_process, seed=seed, shuffle=train, workers=workers
+        )
+
+    def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct:
+        """The shape and dtype of one global batch."""
+        return jax.ShapeDtypeStruct((global_batch, self.config.model.seq_len + 1), jnp.int32)
+
+    def units_per_example(self) -> int:
+        """Tokens per sequence."""
+        return self.config.model.seq_len
+
+    def flops_per_unit(self, param_count: int) -> float:
+        """Training FLOPs per token (6 N plus attention)."""
+        return model_class("gpt").flops_per_token(self.config.model, param_count)
+
+    def loss(self, model, tokens_BxT1: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy (fp32) and no extra metrics."""
+        del key  # no randomness (no dropout)
+        logits_BxTxV = model(tokens_BxT1[:, :-1])
+        losses_BxT = optax.softmax_cross_entropy_with_integer_labels(
+            logits_BxTxV, tokens_BxT1[:, 1:]
+        )
+        return losses_BxT.mean(), {}
+
+    def eval_metrics(self, model, tokens_BxT1: jax.Array) -> dict[str, jax.Array]:
+        """{"loss"} on a held-out batch."""
+        return {"loss": self.loss(model, tokens_BxT1, jax.random.PRNGKey(0))[0]}
+
+    def signature(self) -> dict[str, Any]:
+        """The input settings a saved data position depends on."""
+        return {"seq_len": self.config.model.seq_len}
+
+
+class ImageClassification:
+    """Softmax classification of images: label smoothing, optional mixup, accuracy."""
+
+    unit = "examples"
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.model_config = resolve_model_config(config.model)
+        self.mean, self.std = image_data.channel_statistics(self.model_config.channels)
+        self.compute_dtype = get_policy(config.precision.policy).compute_dtype
+
+    def open_sources(self) -> tuple[Any, Any]:
+        """(train, eval) of images:<dir>, digits or synthetic images."""
+        data, model = self.config.data, self.model_config
+        if data.source.startswith("images:"):
+            train, held_out, classes = image_data.open_image_source(data.source, data.eval_fraction)
+            _warn_of_skipped_files(train, held_out)
+            if len(classes) > model.num_classes:
+                raise UserError(
+                    f"{data.source} has {len(classes)} classes, more than model.num_classes="
+                    f"{model.num_classes}"
+                )
+            return train, held_out
+        if data.source == "digits":
+            return open_digits(data.eval_fraction)
+        if data.source == "synthetic":
+            seed = self.config.train.seed
+            make = lambda offset: SyntheticImages(  # noqa: E731
+                model.image_size, model.channels, model.num_classes, seed + offset
+            )
+            return make(0), make(1)
+        raise UserError(
+            f"data.source={data.source!r}: model.name={model.name} reads images: use "
+            f"images:<dir>, digits or synthetic"
+        )
+
+    def host_batches(
+        self, source, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
+    ) -> grain.IterDataset:
+        """Endless per-process uint8 batches: decoded, augmented (train) or centre-cropped."""
+        return image_data.image_batches(
+            source,
+            batch_per_process=batch_per_process,
+            seed=seed,
+            image_size=self.model_config.image_size,
+            train=train,
+            channels=self.model_config.channels,
+            workers=workers,
+            min_crop_scale=self.config.data.min_crop_scale,
+        )
+
+    def batch_shape(self, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes and dtypes of one global batch."""
+        size, channels = self.model_config.image_size, self.model_config.channels
+        return {
+            "image": jax.ShapeDtypeStruct((global_batch, size, size, channels), jnp.uint8),
+            "label": jax.ShapeDtypeStruct((global_batch,), jnp.int32),
+        }
+
+    def units_per_example(self) -> int:
+        """One example per image."""
+        return 1
+
+    def flops_per_unit(self, param_count: int) -> float:
+        """Training FLOPs per image (3 x the forward multiply-adds x 2)."""
+        return model_class(self.model_config.name).flops_per_example(self.model_config, param_count)
+
+    def loss(self, model, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+        """Cross-entropy against smoothed (and mixed) targets; accuracy on the true labels."""
+        num_classes = self.model_config.num_classes
+        images = image_data.normalize_on_device(
+            batch["image"], self.mean, self.std, self.compute_dtype
+        )
+        targets_BxN = image_data.label_smoothing_targets(
+            batch["label"], num_classes, self.model_config.label_smoothing
+        )
+        images, targets_BxN = image_data.mixup(
+            images, targets_BxN, key, self.config.data.mixup_alpha
+        )
+        logits_BxN = model(images, train=True)
+        loss = optax.softmax_cross_entropy(logits_BxN, targets_BxN).mean()
+        return loss, {"accuracy": _accuracy(logits_BxN, batch["label"])}
+
+    def eval_metrics(self, model, batch: dict) -> dict[str, jax.Array]:
+        """{"loss", "accuracy"} with the running BatchNorm statistics and hard labels."""
+        images = image_data.normalize_on_device(
+            batch["image"], self.mean, self.std, self.compute_dtype
+        )
+        logits_BxN = model(images, train=False)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxN, batch["label"])
+        return {"loss": losses.mean(), "accuracy": _accuracy(logits_BxN, batch["label"])}
+
+    def signature(self) -> dict[str, Any]:
+        """The input settings a saved data position depends on."""
+        return {"image_size": self.model_config.image_size, "channels": self.model_config.channels}
+
+
+def _warn_of_skipped_files(*sources) -> None:
+    """One warning per image folder whose scan skipped files Pillow could not read."""
+    folders = {id(folder): folder for folder in (getattr(s, "source", s) for s in sources)}
+    for folder in folders.values():
+        skipped = getattr(folder, "skipped", [])
+        if skipped and jax.process_index() == 0:
+            print(
+                f"paisoar_jax: warning: skipped {len(skipped)} unreadable image file(s) in "
+                f"{folder.directory} (the first: {skipped[0]})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:
+    """Share of the batch whose top class is the label."""
+    return (logits_BxN.argmax(axis=-1) == labels_B).mean(dtype=jnp.float32)
+
+
+def task_for(config: Config) -> LanguageModelling | ImageClassification:
+    """The task of the configured model."""
+    if is_image_model(config.model):
+        return ImageClassification(config)
+    return LanguageModelling(config)
