@@ -18,6 +18,9 @@ collectives are those of the platform that compiles the step: on CPU, XLA keeps 
 all-reduce followed by a slice where XLA GPU emits a reduce-scatter, so the gradient
 reduction of FSDP and ZeRO is counted (and timed) as an all-reduce there, at twice the
 ring cost. Temporaries come from the CPU compiler too (other fusions, no cuDNN attention).
+
+`--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
+`python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import re
 import sys
 import time
@@ -331,6 +335,17 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plan(path: pathlib.Path, result: dict) -> None:
+    """Writes the plan as JSON to `path` (whole or not at all), creating its directory."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        raise UserError(f"--output {path}: cannot write it ({error.strerror or error})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     parser = cli.config_parser("paisoar_jax.plan", DESCRIPTION)
@@ -353,6 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="assumed share of the peak FLOP/s the compute reaches (default: 0.5)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=None,
+        metavar="PATH",
+        help="also write the JSON object to PATH; RUN_DIR/plan.json lets "
+        "`python -m paisoar_jax.doctor RUN_DIR` judge the run's communication",
+    )
     args = parser.parse_intermixed_args(argv)
     if not args.devices.isdigit():
         message = f"--devices {args.devices!r} is not a whole number of devices"
@@ -369,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = int(args.devices)
         devices = cpu_devices(count) if count else jax.devices()
         result = plan(config, devices, link, efficiency, simulated=bool(count))
+        if args.output is not None:
+            write_plan(args.output, result)
         print(json.dumps(result, indent=None) if args.json else format_table(result), flush=True)
 
     return cli.run(run, parser, argv)

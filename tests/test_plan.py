@@ -173,3 +173,11 @@ def test_bad_input_is_one_line_and_status_2(devices, arguments, message):
     status, out, err = run_plan(*arguments)
     assert status == 2
     assert out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_output_that_cannot_be_written_is_one_line_and_status_2(devices):
+    status, out, err = run_plan(*TINY, *MESHES["data"], "--output", "/dev/null/plan.json")
+    assert status == 2 and out == ""
+    assert err.strip() == (
+        "paisoar_jax.plan: error: --output /dev/null/plan.json: cannot write it (File exists)"
+    )

@@ -1,0 +1,488 @@
+"""The doctor's checks: one function per known problem, each taking the parsed run.
+
+A check returns a `Finding` (title, evidence from this run's numbers, fixes that name the
+override to type) or None. `CHECKS` lists them in the order the doctor reports them;
+`python -m paisoar_jax.doctor` (doctor.py) reads the run and prints what they find. The
+thresholds below are the ones the doctor's help lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from paisoar_jax.config import Config
+
+INPUT_WAIT_LIMIT = 0.05
+COMMUNICATION_LIMIT = 0.30
+SKIPPED_LIMIT = 0.05
+TREND_LOGS = 3  # log steps in a row that make a trend (loss rising, loss scale falling)
+DIVERGED_MARGIN = 0.25  # a rising loss this far over its minimum is diverging, not noise
+MEMORY_ROOMY, MEMORY_TIGHT = 0.5, 0.9
+# MFU floors by parameter count for a bf16 run on an H100/H200. This project measured on
+# one H200: GPT-2 124M at 22% (XLA attention) to 41% (cuDNN attention), a 1.3B decoder at
+# 57%. The floors are about half of those, so only a clear shortfall is reported. The 10M
+# floor is an extrapolation; below 10M params a model cannot keep such a GPU busy at all.
+EXPECTED_MFU = ((1e9, 0.30), (1e8, 0.15), (1e7, 0.05))
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem of the run: what it is, the numbers that show it, and what to do."""
+
+    name: str  # a short id: input-bound, diverging, ...
+    title: str
+    evidence: str
+    fixes: tuple[str, ...]  # most useful first; overrides in `backticks`
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the doctor reads of a run directory."""
+
+    directory: pathlib.Path
+    config: Config
+    records: list[dict[str, Any]]  # metrics.jsonl, one record per log step
+    plan: dict[str, Any] | None  # plan.json, when the run directory has one
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the records where `key` is present and not null."""
+    return [(record["step"], record[key]) for record in records if record.get(key) is not None]
+
+
+def _after_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records after the first (its interval holds the warm-up), if there are others."""
+    return records[1:] if len(records) > 1 else records
+
+
+def _percent(value: float) -> str:
+    """A share as 38% (or 2.5% below 10%)."""
+    return f"{value:.0%}" if value >= 0.1 else f"{value:.1%}"
+
+
+def _count(number: float) -> str:
+    """A count as 842K, 124M or 1.31B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return f"{number:.0f}"
+
+
+def _scale(value: float) -> str:
+    """A loss scale as a whole number where it is one (65536, not 6.5536e+04)."""
+    return f"{value:.0f}" if value >= 1 and value == int(value) else f"{value:g}"
+
+
+def _bytes(count: float) -> str:
+    """Bytes in GiB (or MiB below 1 GiB)."""
+    return f"{count / 2**30:.3g} GiB" if count >= 2**30 else f"{count / 2**20:.3g} MiB"
+
+
+def _loss_scale_mode(config: Config) -> str:
+    """dynamic, static or none: the run's loss scaling."""
+    from paisoar_jax.loss_scale import parse_mode
+
+    return parse_mode(config.precision.loss_scale, config.precision.policy)[0]
+
+
+def _larger_batch(config: Config, why: str) -> str:
+    """The fix `train.global_batch` x 2, with the learning-rate scaling that goes with it."""
+    batch = config.train.global_batch
+    fix = f"`train.global_batch={2 * batch}`: {why}"
+    if config.optim.lr_scaling == "none":
+        fix += f"; rescale the lr with `optim.lr_scaling=sqrt` `optim.base_batch={batch}`"
+    return fix
+
+
+def input_bound(run: Run) -> Finding | None:
+    """The step waits for input: its time-weighted data_wait_frac is over 5%."""
+    used, previous_step = [], run.records[0]["step"] if len(run.records) > 1 else 0
+    for record in _after_first(run.records):
+        wait, step_time = record.get("data_wait_frac"), record.get("step_time_s")
+        if wait is not None and step_time is not None and record["step"] > previous_step:
+            seconds = step_time * (record["step"] - previous_step)
+            used.append((previous_step + 1, record["step"], wait, seconds))
+        previous_step = record["step"]
+    total = sum(seconds for *_, seconds in used)
+    if not used or total <= 0:
+        return None
+    share = sum(wait * seconds for *_, wait, seconds in used) / total
+    if share <= INPUT_WAIT_LIMIT:
+        return None
+    _, worst_step, worst, _ = max(used, key=lambda item: item[2])
+    data = run.config.data
+    workers, prefetch = max(2, 2 * data.workers), 2 * data.prefetch
+    fixes = [
+        f"`data.workers={workers}`: read and transform batches in {workers} worker "
+        f"processes (now {data.workers})",
+        f"`data.prefetch={prefetch}`: more batches in flight ahead of the step "
+        f"(now {data.prefetch})",
+    ]
+    if not data.source.startswith(("arrayrecord:", "synthetic")):
+        kind = "images --input DIR" if data.source.startswith("images:") else "text --input FILES"
+        fixes.append(
+            f"convert the data to ArrayRecord once (`python -m paisoar_jax.convert {kind} "
+            "--output OUT`) and train on `data.source=arrayrecord:OUT`"
+        )
+    fixes.append(
+        "time the input alone: `python -m paisoar_jax.bench --data-only` with the run's data.*"
+    )
+    evidence = (
+        f"waited for input {_percent(share)} of the step time over steps "
+        f"{used[0][0]}-{used[-1][1]} (data_wait_frac weighted by time; worst "
+        f"{_percent(worst)} at step {worst_step}); over {INPUT_WAIT_LIMIT:.0%} the "
+        "input, not the devices, sets the pace"
+    )
+    return Finding("input-bound", "the step waits for its input", evidence, tuple(fixes))
+
+
+def _plan_differences(run: Run) -> list[str]:
+    """What plan.json was made for that differs from this run's config."""
+    config = run.config
+    expected = {
+        "model": config.model.name,
+        "global_batch": config.train.global_batch,
+        "seq_len": config.model.seq_len,
+        "grad_accum": config.train.grad_accum,
+        "zero": config.mesh.zero,
+        "precision": config.precision.policy,
+    }
+    return [
+        f"{key} {run.plan[key]} (the run has {value})"
+        for key, value in expected.items()
+        if key in run.plan and run.plan[key] != value
+    ]
+
+
+def communication_bound(run: Run) -> Finding | None:
+    """plan.json projects collectives over 30% of the step (no overlap)."""
+    times = (run.plan or {}).get("time_s")
+    if not times or not times.get("step_no_overlap"):
+        return None
+    share = times["communication"] / times["step_no_overlap"]
+    if share <= COMMUNICATION_LIMIT:
+        return None
+    plan, config = run.plan, run.config
+    link = plan.get("link", {})
+    largest = max(
+        plan.get("collectives", {}).items(),
+        key=lambda item: item[1].get("seconds", 0),
+        default=None,
+    )
+    evidence = (
+        f"plan.json projects {times['communication'] * 1e3:.3g} ms of collectives against "
+        f"{times['compute'] * 1e3:.3g} ms of compute per step on {link.get('name', 'its link')}"
+        f": {_percent(share)} of the step without overlap (over "
+        f"{COMMUNICATION_LIMIT:.0%}: the network sets the pace)"
+    )
+    if largest:
+        evidence += f"; most of it {largest[0]}, {_bytes(largest[1]['bytes'])} per device"
+    differences = _plan_differences(run)
+    if differences:
+        evidence += f"; note: plan.json was made for {', '.join(differences)}: plan again"
+    room = (
+        "`mesh.zero=1` or `remat.policy=dots`" if config.mesh.zero == 0 else "`remat.policy=dots`"
+    )
+    fixes = [_larger_batch(config, f"twice the compute for the same bytes ({room} make room)")]
+    # Moving devices off one axis needs another to take them: data=-1 takes the rest.
+    fill = " `mesh.data=-1`" if config.mesh.data != -1 else ""
+    if config.mesh.fsdp > 1:
+        fixes.append(
+            f"`mesh.fsdp=1`{fill} `mesh.zero=1`: data parallelism instead of FSDP: params stay "
+            "whole, so no all-gather per layer; optimizer state stays sharded"
+        )
+    elif config.mesh.zero == 3:
+        fixes.append(
+            "`mesh.zero=1`: params stay whole, so no all-gather per layer; optimizer state "
+            "stays sharded"
+        )
+    if config.mesh.tensor > 1:
+        fixes.append(
+            f"`mesh.tensor=1`{fill}: tensor parallelism all-reduces activations in every "
+            "layer; keep it within one node's NVLink"
+        )
+    fixes += [
+        "overlap collectives with compute: XLA_FLAGS=--xla_gpu_enable_latency_hiding_"
+        "scheduler=true and the pipelining flags (docs/multihost.md)",
+        "fewer, larger collectives: --xla_gpu_all_reduce_combine_threshold_bytes="
+        "134217728 (all_gather, reduce_scatter alike; docs/multihost.md)",
+    ]
+    return Finding(
+        "communication-bound", "communication dominates the step", evidence, tuple(fixes)
+    )
+
+
+def parameter_count(run: Run) -> int:
+    """The model's parameters: from plan.json or a record, else counted abstractly."""
+    if run.plan and run.plan.get("param_count"):
+        return int(run.plan["param_count"])
+    for record in run.records:
+        if record.get("param_count"):
+            return int(record["param_count"])
+    import jax
+    from flax import nnx
+
+    from paisoar_jax.models import build_model
+    from paisoar_jax.precision import get_policy
+
+    config = run.config
+
+    def create():  # traced only: no weights are built
+        with nnx.use_eager_sharding(False):
+            model = build_model(
+                config.model,
+                get_policy(config.precision.policy),
+                config.remat.policy,
+                nnx.Rngs(params=0),
+            )
+        return nnx.to_pure_dict(nnx.split(model)[1])
+
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(jax.eval_shape(create)))
+
+
+def low_mfu(run: Run) -> Finding | None:
+    """The median MFU is below what a model of this size reaches (EXPECTED_MFU)."""
+    values = [value for _, value in _series(_after_first(run.records), "mfu")]
+    if not values:
+        return None
+    params = parameter_count(run)
+    floor = next((share for size, share in EXPECTED_MFU if params >= size), None)
+    median = statistics.median(values)
+    if floor is None or median >= floor:
+        return None
+    config = run.config
+    fixes = [_larger_batch(config, "larger matmuls per device")]
+    if config.precision.policy == "fp32":
+        fixes.append("`precision.policy=bf16`: tensor cores run bf16, not fp32")
+    if config.remat.policy != "none":
+        fixes.append(
+            f"`remat.policy=none` (now {config.remat.policy}) if it fits: recomputation "
+            "takes time that MFU does not count"
+        )
+    if config.model.attention == "xla" and config.precision.policy != "fp32":
+        fixes.append("`model.attention=cudnn`: fused flash attention")
+    fixes.append("measure the step alone with `python -m paisoar_jax.bench` and the same overrides")
+    evidence = (
+        f"median MFU {_percent(median)} over {len(values)} log steps for {_count(params)} "
+        f"params; a healthy run of that size reaches {_percent(floor)} or more on an "
+        "H100/H200"
+    )
+    return Finding("low-mfu", "MFU is low for the model's size", evidence, tuple(fixes))
+
+
+def _no_loss_scale(config: Config) -> str:
+    """The fix that needs no loss scale: bf16 for an fp16 run, no scaling for the others."""
+    if config.precision.policy == "fp16":
+        return "`precision.policy=bf16`: fp32's range, so no loss scale and no skipped steps"
+    return f"`precision.loss_scale=none`: {config.precision.policy} needs no loss scale"
+
+
+def loss_scale_collapse(run: Run) -> Finding | None:
+    """The dynamic loss scale fell at each of the last 3 log steps: gradients blow up."""
+    if _loss_scale_mode(run.config) != "dynamic":
+        return None
+    scales = _series(run.records, "loss_scale")
+    recent = scales[-(TREND_LOGS + 1) :]
+    if len(recent) <= TREND_LOGS or not all(
+        later < earlier for (_, earlier), (_, later) in zip(recent, recent[1:], strict=False)
+    ):
+        return None
+    (first_step, first), (last_step, last) = scales[0], scales[-1]
+    config = run.config
+    fixes = [f"`optim.lr={config.optim.lr / 10:g}` (now {config.optim.lr:g})"]
+    if config.optim.clip_norm == 0:
+        fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
+    fixes.append(_no_loss_scale(config))
+    evidence = (
+        f"the loss scale fell at each of the last {TREND_LOGS} log steps: {_scale(first)} at "
+        f"step {first_step} -> {_scale(last)} at step {last_step}; a scale that keeps "
+        "falling means the gradients themselves blow up, not an occasional overflow"
+    )
+    return Finding("loss-scale-collapse", "the loss scale keeps falling", evidence, tuple(fixes))
+
+
+def skipped_steps(run: Run) -> Finding | None:
+    """Over 5% of the steps were skipped for non-finite gradients."""
+    skipped = _series(run.records, "skipped_steps")
+    if not skipped:
+        return None
+    last_step, count = skipped[-1]
+    if last_step <= 0 or count / last_step <= SKIPPED_LIMIT:
+        return None
+    precision = run.config.precision
+    scales = [scale for _, scale in _series(run.records, "loss_scale")]
+    fixes = []
+    # A scale that stopped falling settled where steps go through: start there. One still
+    # falling has no such value (loss_scale_collapse reports it).
+    if scales and scales[-1] < precision.initial_scale and loss_scale_collapse(run) is None:
+        fixes.append(
+            f"`precision.initial_scale={_scale(scales[-1])}`: start where the scale settled "
+            f"(it started at {_scale(precision.initial_scale)}; each halving skipped a step)"
+        )
+    if any(later > earlier for earlier, later in zip(scales, scales[1:], strict=False)):
+        fixes.append(
+            f"`precision.growth_interval={2 * precision.growth_interval}`: grow the scale "
+            "less often (each growth that overflows skips a step)"
+        )
+    fixes.append(_no_loss_scale(run.config))
+    fixes.append(
+        f"`optim.lr={run.config.optim.lr / 10:g}` if the skips go on: the gradients blow up"
+    )
+    evidence = (
+        f"{count} of {last_step} steps skipped ({_percent(count / last_step)}, over "
+        f"{SKIPPED_LIMIT:.0%}); {skipped[0][1]} of them by the first log step ({skipped[0][0]})"
+    )
+    return Finding("skipped-steps", "many steps were skipped", evidence, tuple(fixes))
+
+
+def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
+    """Lower lr, clip, warm up longer, bf16 over fp16, go on from a checkpoint before it."""
+    from paisoar_jax.checkpoint import checkpoint_directory
+
+    config = run.config
+    optim = config.optim
+    fixes = [f"`optim.lr={optim.lr / 10:g}` (now {optim.lr:g})"]
+    if optim.clip_norm == 0:
+        fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
+    warmup = max(100, 2 * optim.warmup_steps)
+    fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
+    if config.precision.policy == "fp16":
+        fixes.append("`precision.policy=bf16`: fp32's range")
+    saved = checkpoint_directory(config.checkpoint, run.directory)
+    earlier = sorted(
+        int(path.name)
+        for path in saved.glob("[0-9]*")
+        if path.name.isdigit() and int(path.name) <= last_good_step
+    )
+    if earlier:
+        fixes.append(
+            f"go on from the last step saved before that: `checkpoint.resume={earlier[-1]}`"
+        )
+    return tuple(fixes)
+
+
+def diverging(run: Run) -> Finding | None:
+    """A non-finite loss, or a loss rising for 3 log steps well above its minimum."""
+    losses = _series(run.records, "loss")
+    finite = [(step, loss) for step, loss in losses if math.isfinite(loss)]
+    best = min(finite, key=lambda item: item[1]) if finite else None
+    lowest = f"; lowest {best[1]:.4g} at step {best[0]}" if best else ""
+    bad = [(step, loss) for step, loss in losses if not math.isfinite(loss)]
+    # With a loss scaler a skipped step logs a non-finite loss; only a run of them diverged.
+    scaled = _loss_scale_mode(run.config) != "none"
+    recent = losses[-TREND_LOGS:]
+    recent_bad = len(recent) == TREND_LOGS and not any(math.isfinite(loss) for _, loss in recent)
+    if bad and (not scaled or recent_bad):
+        step, loss = bad[0]
+        evidence = f"the loss is {loss} at step {step}{lowest}"
+        if scaled:
+            evidence += f"; non-finite at each of the last {TREND_LOGS} log steps"
+        last_good = best[0] if best else step - 1
+        return Finding(
+            "diverging", "the loss diverged", evidence, _divergence_fixes(run, last_good)
+        )
+    rising = finite[-TREND_LOGS:]
+    if best is None or len(rising) < TREND_LOGS:
+        return None
+    increasing = all(b[1] > a[1] for a, b in zip(rising, rising[1:], strict=False))
+    last_step, last = rising[-1]
+    if not increasing or last - best[1] <= DIVERGED_MARGIN * abs(best[1]):
+        return None
+    evidence = (
+        f"the loss rose at each of the last {TREND_LOGS} log steps, {rising[0][1]:.4g} at step "
+        f"{rising[0][0]} -> {last:.4g} at step {last_step}{lowest}"
+    )
+    return Finding("diverging", "the loss is diverging", evidence, _divergence_fixes(run, best[0]))
+
+
+def _mesh_shape(run: Run) -> dict[str, int] | None:
+    """The run's mesh (axis -> size): from plan.json, else from a config without -1 sizes."""
+    if run.plan and run.plan.get("mesh"):
+        return run.plan["mesh"]
+    mesh = run.config.mesh
+    if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
+        return None  # the rest of the devices: how many, only the run knew
+    data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
+    return {"data": data, "fsdp": fsdp, "tensor": mesh.tensor}
+
+
+def memory_headroom(run: Run) -> Finding | None:
+    """Peak device memory far below the limit (room for more) or close to it."""
+    from paisoar_jax.oom import memory_fixes
+
+    measured = [
+        record
+        for record in run.records
+        if record.get("memory_peak_bytes") and record.get("memory_limit_bytes")
+    ]
+    if not measured:
+        return None
+    record = measured[-1]
+    peak, limit = record["memory_peak_bytes"], record["memory_limit_bytes"]
+    share, config = peak / limit, run.config
+    evidence = (
+        f"peak device memory {_bytes(peak)} of {_bytes(limit)} ({_percent(share)}) at step "
+        f"{record['step']}"
+    )
+    if share > MEMORY_TIGHT:
+        fixes = tuple(
+            f"`{override}`: {why}" for override, why in memory_fixes(config, _mesh_shape(run))
+        )
+        title = "device memory is close to its limit"
+        return Finding("memory-near-limit", title, evidence, fixes)
+    if share >= MEMORY_ROOMY:
+        return None
+    fixes = []
+    if config.remat.policy != "none":
+        fixes.append(f"`remat.policy=none` (now {config.remat.policy}): no recomputation")
+    if config.train.grad_accum > 1:
+        fixes.append(
+            f"`train.grad_accum={max(1, config.train.grad_accum // 2)}`: fewer, larger "
+            "micro-batches, same global batch"
+        )
+    fixes.append(_larger_batch(config, "more examples per step"))
+    title = "device memory has room for a larger batch"
+    return Finding("memory-headroom", title, evidence, tuple(fixes))
+
+
+def recompiles(run: Run) -> Finding | None:
+    """The train step compiled again after its first compilation."""
+    counts = _series(run.records, "recompiles")
+    if not counts or counts[-1][1] <= 0:
+        return None
+    first_step = next(step for step, count in counts if count > 0)
+    reasons = [
+        record["recompile_reason"] for record in run.records if record.get("recompile_reason")
+    ]
+    config = run.config
+    evidence = (
+        f"{counts[-1][1]} recompilation{'s' * (counts[-1][1] > 1)} by step {counts[-1][0]}, "
+        f"the first logged at step {first_step}; each one stops training for a compilation"
+    )
+    if reasons:
+        evidence += f" ({reasons[0]})"
+    same_shape = (
+        "keep every batch the shape and dtype of the first: full batches of "
+        f"`train.global_batch={config.train.global_batch}`"
+    )
+    if config.model.name == "gpt":  # token models: every sequence is seq_len + 1 tokens
+        same_shape += f", sequences packed or padded to `model.seq_len={config.model.seq_len}`"
+    fixes = (same_shape, "see which argument changed: run again with JAX_EXPLAIN_CACHE_MISSES=1")
+    return Finding("recompiles", "the train step recompiles", evidence, fixes)
+
+
+CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
+    input_bound,
+    communication_bound,
+    low_mfu,
+    loss_scale_collapse,
+    skipped_steps,
+    diverging,
+    memory_headroom,
+    recompiles,
+)

@@ -1,0 +1,365 @@
+"""`python -m paisoar_jax.doctor`: each finding comes from a real run that has the problem.
+
+The runs are short trainings through `paisoar_jax.loop.train` in this process, on the 8
+simulated CPU devices of conftest.py. Where a finding rests on numbers a CPU run cannot
+produce (MFU needs a known peak, device memory needs memory_stats, recompilations are not
+counted by the loop yet), the test takes a real run's files and edits only those fields;
+its docstring says which.
+"""
+
+import contextlib
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from conftest import PYTHON, TINY, subprocess_env
+
+from paisoar_jax import doctor, findings, loop, plan
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import DivergenceError
+
+QUIET = ["train.eval_every=0", "checkpoint.enabled=false"]
+# 12.75M params (over the 10M that has an MFU floor), split over 8 devices by tensor
+# parallelism: 0.2 s a step on 2 cores, where data parallelism would take 1-2 s.
+MEDIUM = [
+    "model.width=512",
+    "model.layers=4",
+    "model.heads=8",
+    "model.seq_len=8",
+    "train.global_batch=8",
+    "mesh.data=1",
+    "mesh.tensor=8",
+    "optim.lr=1e-3",
+]
+OVERRIDE = re.compile(r"`([a-z_]+\.[a-z_]+=[^`\s]+)`")
+
+
+def train_run(run_dir, *overrides):
+    """Trains TINY + overrides into run_dir; returns the summary."""
+    return loop.train(load_config(None, [*TINY, *QUIET, f"run.dir={run_dir}", *overrides]))
+
+
+def diagnose(run_dir, *arguments):
+    """(exit status, stdout, stderr) of the doctor on run_dir, in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = doctor.main([str(run_dir), *arguments])
+    return status, out.getvalue(), err.getvalue()
+
+
+def found(run_dir):
+    """{name: finding dict} of the doctor's --json answer for run_dir."""
+    status, out, err = diagnose(run_dir, "--json")
+    assert status == 0, err
+    return {finding["name"]: finding for finding in json.loads(out)["findings"]}
+
+
+def read_records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rewrite_records(run_dir, edit):
+    """Applies edit(index, record) to every record of run_dir's metrics.jsonl."""
+    records = read_records(run_dir)
+    for index, record in enumerate(records):
+        edit(index, record)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory, devices):
+    """A real 6-step run of a 12.75M-param GPT that trains normally."""
+    run_dir = tmp_path_factory.mktemp("healthy") / "run"
+    train_run(run_dir, *MEDIUM, "train.steps=6", "train.log_every=1")
+    return run_dir
+
+
+@pytest.fixture
+def healthy_copy(healthy_run, tmp_path):
+    """A copy of the healthy run's directory, to edit."""
+    return shutil.copytree(healthy_run, tmp_path / "copy")
+
+
+def test_a_healthy_run_has_no_findings(healthy_run):
+    status, out, err = diagnose(healthy_run)
+    assert status == 0 and err == ""
+    assert out.strip() == f"{healthy_run}: no findings"
+    losses = [record["loss"] for record in read_records(healthy_run)]
+    assert losses[-1] < losses[0]  # it did train
+
+
+def test_the_command_line_reads_a_run_directory(healthy_run, tmp_path):
+    completed = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.doctor", str(healthy_run)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip().endswith("no findings")
+
+
+def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run):
+    """The healthy run again, its grain pipeline given a last stage of 0.5 s per batch.
+
+    The step takes about 0.2 s, so after the batches made ready during compilation the
+    step waits about 0.3 s for each batch.
+
+    The stage is a grain map on the pipeline's iterator, so it runs in the thread that
+    feeds the devices and only `data.prefetch` batches are ready ahead of the step. A slow
+    source instead would be read ahead by grain's 16 threads into a 500-element buffer
+    during compilation, which hides it for the few steps a test can afford. (The healthy
+    run comes first so that this one finds the same step compiled in the cache.)
+    """
+    make_batches = loop.batch_dataset
+
+    def slow_batches(*arguments, **keywords):
+        return make_batches(*arguments, **keywords).map(slow_transform)
+
+    monkeypatch.setattr(loop, "batch_dataset", slow_batches)
+    run_dir = tmp_path / "run"
+    train_run(run_dir, *MEDIUM, "train.steps=6", "train.log_every=1")
+    finding = found(run_dir)["input-bound"]
+    share = int(re.search(r"waited for input (\d+)% of the step time", finding["evidence"])[1])
+    assert share > 20, finding["evidence"]  # about 65% here; 5% makes a finding
+    assert any("`data.workers=2`" in fix for fix in finding["fixes"])
+    assert any("`data.prefetch=4`" in fix for fix in finding["fixes"])
+    assert any("python -m paisoar_jax.convert text" in fix for fix in finding["fixes"])
+
+
+def slow_transform(batch):
+    """A batch transform that takes 0.5 s (decoding, augmentation, a slow tokenizer)."""
+    time.sleep(0.5)
+    return batch
+
+
+def test_a_learning_rate_that_diverges(tmp_path, healthy_run):
+    """optim.lr=1e4 with no loss scaler: the loop stops with DivergenceError.
+
+    Until the loop writes the record with the non-finite loss before it stops, the run's
+    last records show the loss exploding (5.7 -> 6e7 -> 5e10); after that change the last
+    record's loss is NaN. The doctor reports both as a divergence, with the evidence of each.
+    (After the healthy run, whose compiled init this run reuses.)
+    """
+    run_dir = tmp_path / "run"
+    with pytest.raises(DivergenceError):
+        train_run(
+            run_dir,
+            *MEDIUM,
+            "train.steps=12",
+            "train.log_every=1",
+            "optim.lr=1e4",
+            "precision.loss_scale=none",
+        )
+    records = read_records(run_dir)
+    finding = found(run_dir)["diverging"]
+    if math.isfinite(records[-1]["loss"]):
+        assert finding["evidence"].startswith("the loss rose at each of the last 3 log steps")
+    else:
+        step = records[-1]["step"]
+        assert finding["evidence"].startswith(f"the loss is nan at step {step}")
+    assert "`optim.lr=1000` (now 10000)" in finding["fixes"]
+
+
+def test_fp16_forced_overflow_skips_many_steps(tmp_path, devices):
+    """fp16 starting at a loss scale of 2^24: the first steps overflow until it falls."""
+    run_dir = tmp_path / "run"
+    train_run(
+        run_dir,
+        "train.steps=12",
+        "train.log_every=2",
+        "precision.policy=fp16",
+        "precision.initial_scale=16777216",
+    )
+    result = found(run_dir)
+    assert "skipped-steps" in result
+    assert not {"loss-scale-collapse", "diverging"} & set(result)  # the scale settled
+    last = read_records(run_dir)[-1]
+    finding = result["skipped-steps"]
+    assert finding["evidence"].startswith(f"{last['skipped_steps']} of 12 steps skipped")
+    assert finding["fixes"][0].startswith(f"`precision.initial_scale={last['loss_scale']:.0f}`")
+    assert any(fix.startswith("`precision.policy=bf16`") for fix in finding["fixes"])
+
+
+def test_fp16_exploding_gradients_collapse_the_loss_scale(tmp_path, devices):
+    """A huge step blows the params up: every later step overflows whatever the scale."""
+    run_dir = tmp_path / "run"
+    train_run(
+        run_dir,
+        "train.steps=8",
+        "train.log_every=1",
+        "precision.policy=fp16",
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+    )
+    result = found(run_dir)
+    assert {"loss-scale-collapse", "skipped-steps", "diverging"} <= set(result)
+    scales = [record["loss_scale"] for record in read_records(run_dir)]
+    assert f"-> {scales[-1]:.0f} at step 8" in result["loss-scale-collapse"]["evidence"]
+    assert "`optim.lr=1e+29` (now 1e+30)" in result["diverging"]["fixes"]
+    # Still falling: there is no settled scale to start from.
+    assert not any("initial_scale" in fix for fix in result["skipped-steps"]["fixes"])
+
+
+def test_low_mfu_for_the_model_size(healthy_copy):
+    """The healthy run's records with `mfu` set (a CPU has no known peak, so it is null).
+
+    The model has 12.75M params (counted abstractly from config.yaml: no plan.json), whose
+    floor is 5%: 2% is reported, 8% is not.
+    """
+    rewrite_records(healthy_copy, lambda index, record: record.update(mfu=0.08))
+    assert "low-mfu" not in found(healthy_copy)
+    rewrite_records(healthy_copy, lambda index, record: record.update(mfu=0.02))
+    finding = found(healthy_copy)["low-mfu"]
+    assert finding["evidence"].startswith("median MFU 2.0% over 5 log steps for 12.7M params")
+    assert "reaches 5.0% or more" in finding["evidence"]
+    assert any(fix.startswith("`precision.policy=bf16`") for fix in finding["fixes"])
+
+
+def test_communication_bound_from_the_runs_plan(healthy_copy):
+    """plan.json from `plan --output` for the run's own config: nothing is edited.
+
+    Tensor parallelism over 8 devices at 64 tokens a step all-reduces far more than it
+    computes, on any link: the projected step is almost all communication.
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        output = ["--output", str(healthy_copy / "plan.json")]
+        status = plan.main(["--devices", "8", *TINY, *MEDIUM, "--json", *output])
+    assert status == 0, err.getvalue()
+    written = json.loads((healthy_copy / "plan.json").read_text())
+    assert written == json.loads(out.getvalue())  # the file holds what --json prints
+    times = written["time_s"]
+    share = times["communication"] / times["step_no_overlap"]
+    assert share > 0.3
+    finding = found(healthy_copy)["communication-bound"]
+    assert f"{share:.0%} of the step without overlap" in finding["evidence"]
+    assert "note: plan.json was made for" not in finding["evidence"]
+    assert any(fix.startswith("`mesh.tensor=1`") for fix in finding["fixes"])
+    assert any("xla_gpu_enable_latency_hiding_scheduler" in fix for fix in finding["fixes"])
+
+
+@pytest.mark.parametrize(
+    "peak_share, expected",
+    [(0.3, "memory-headroom"), (0.7, None), (0.95, "memory-near-limit")],
+)
+def test_memory_headroom_and_memory_near_the_limit(healthy_copy, peak_share, expected):
+    """The healthy run's records with device memory added (null on CPU), limit 80 GiB."""
+    limit = 80 * 2**30
+
+    def add_memory(index, record):
+        peak = int(peak_share * limit * (index + 1) / 6)  # the peak grows to its last value
+        record.update(memory_peak_bytes=peak, memory_in_use_bytes=peak, memory_limit_bytes=limit)
+
+    rewrite_records(healthy_copy, add_memory)
+    result = found(healthy_copy)
+    names = {"memory-headroom", "memory-near-limit"} & set(result)
+    assert names == ({expected} if expected else set())
+    if expected == "memory-headroom":
+        assert result[expected]["evidence"].startswith("peak device memory 24 GiB of 80 GiB (30%)")
+        assert any(fix.startswith("`train.global_batch=16`") for fix in result[expected]["fixes"])
+    if expected == "memory-near-limit":
+        fixes = result[expected]["fixes"]
+        assert fixes[0].startswith("`remat.policy=dots`")
+        # mesh.data=1: ZeRO has nothing to shard over, so it is not offered.
+        assert not any("mesh.zero" in fix for fix in fixes)
+
+
+def test_recompilations(healthy_copy):
+    """The healthy run's records with `recompiles` added (the loop does not count them yet)."""
+    rewrite_records(healthy_copy, lambda index, record: record.update(recompiles=int(index >= 2)))
+    finding = found(healthy_copy)["recompiles"]
+    assert finding["evidence"].startswith("1 recompilation by step 6, the first logged at step 3")
+    assert "`model.seq_len=8`" in finding["fixes"][0]
+
+
+def every_check_firing(config_overrides):
+    """A Run of the given config whose records and plan make every check fire."""
+    config = load_config(None, [*TINY, *config_overrides])
+    records = [
+        {
+            "step": step,
+            "loss": loss,
+            "loss_scale": 2.0 ** (15 - step),
+            "skipped_steps": step,
+            "step_time_s": 0.1,
+            "data_wait_frac": 0.5,
+            "mfu": 0.01,
+            "memory_peak_bytes": 79 * 2**30,
+            "memory_limit_bytes": 80 * 2**30,
+            "recompiles": 1,
+        }
+        for step, loss in enumerate([3.0, 2.0, 2.5, 3.0, math.nan], start=1)
+    ]
+    plan_result = {
+        "param_count": 2 * 10**9,
+        "time_s": {"compute": 0.1, "communication": 0.2, "step_no_overlap": 0.3},
+        "collectives": {"all-reduce": {"count": 2, "bytes": 2**30, "seconds": 0.2}},
+        "link": {"name": "infiniband", "gb_per_s": 50.0},
+    }
+    return findings.Run(config.run_dir, config, records, plan_result)
+
+
+@pytest.mark.parametrize(
+    "config_overrides",
+    [
+        ["precision.loss_scale=dynamic"],
+        [
+            "precision.policy=fp16",
+            "remat.policy=dots",
+            "mesh.zero=3",
+            "mesh.tensor=2",
+            "optim.clip_norm=0",
+            "model.attention=xla",
+            "train.grad_accum=2",
+        ],
+        [
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "precision.policy=bf16",
+            "precision.loss_scale=dynamic",
+            "remat.policy=full",
+        ],
+    ],
+)
+def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
+    run = every_check_firing([f"run.dir={tmp_path}", *config_overrides])
+    results = doctor.diagnose(run)
+    names = {finding.name for finding in results}
+    expected = {check.__name__.replace("_", "-") for check in findings.CHECKS}
+    assert names == expected - {"memory-headroom"} | {"memory-near-limit"}
+    for finding in results:
+        assert any(OVERRIDE.search(fix) for fix in finding.fixes), finding
+        for fix in finding.fixes:  # the overrides of one fix go together
+            load_config(None, OVERRIDE.findall(fix))  # UserError: an unknown key or value
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda run_dir: None, "no such run directory"),
+        (lambda run_dir: run_dir.mkdir(), "is not a run directory (no config.yaml)"),
+        (lambda run_dir: (run_dir / "metrics.jsonl").unlink(), "cannot read"),
+        (lambda run_dir: (run_dir / "metrics.jsonl").write_text("not json\n"), ":1 is not a"),
+        (lambda run_dir: (run_dir / "metrics.jsonl").write_text(""), "holds no records yet"),
+        (lambda run_dir: (run_dir / "plan.json").write_text("{"), "cannot read"),
+    ],
+)
+def test_an_unreadable_run_is_one_line_and_status_2(healthy_run, tmp_path, make, message):
+    run_dir = tmp_path / "run"
+    if "config.yaml" not in message and "no such" not in message:
+        shutil.copytree(healthy_run, run_dir)
+    make(run_dir)
+    status, out, err = diagnose(run_dir)
+    assert status == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("paisoar_jax.doctor: error: ")
+    assert message in lines[0]
