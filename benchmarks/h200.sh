@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 benchmark, prepared to run as one device call (issues 2, 3, 4 and 7):
+# The H200 benchmark, prepared to run as one device call (issues 2, 3, 4, 7 and 8):
 #
 #   run(command="bash benchmarks/h200.sh", carry=[".whl", ".peers"], timeout_s=590)
 #
@@ -7,11 +7,14 @@
 # Each line of $OUT/results.jsonl is one measurement (ours from `python -m paisoar_jax.bench`,
 # the PyTorch peers' own JSON), tagged with its name; $OUT/log holds everything printed.
 # `bash benchmarks/h200.sh tiny` dry-runs the same steps here on a CPU with tiny shapes.
+# A second argument picks a part: `bash benchmarks/h200.sh full text` (GPT and the input
+# pipeline) or `... full vision` (ResNet-50, ViT-B/16 and the PyTorch ResNet-50 peer).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
 SIZE=${1:-full}
+PART=${2:-all}  # text (GPT and the pipeline), vision, or all: one part fits one device call
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then  # the GPU machine lacks grain and array-record
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -51,6 +54,7 @@ ours() {  # ours NAME CONFIG OVERRIDES...
   record "$name" python3 -m paisoar_jax.bench --config "$config" "${SHAPE[@]}" "${STEPS[@]}" "$@"
 }
 
+if [ "$PART" != vision ]; then
 # The input pipeline alone (issue 4): 16 cores, gpt2_124m's batch shape.
 record data_synthetic python3 -m paisoar_jax.bench --data-only --config gpt2_124m "${SHAPE[@]}"
 record data_embedded_w8 python3 -m paisoar_jax.bench --data-only --config gpt2_124m \
@@ -70,5 +74,22 @@ if [ "$SIZE" != tiny ]; then
   ours gpt1b_fp16_cudnn gpt_1b precision.policy=fp16 "$CUDNN" train.steps=30
   record peer_gpt1b_bf16_compile env L=24 D=2048 H=16 T=2048 B=8 \
     python3 .peers/gpt_torch.py bf16_compile
+fi
+fi
+
+if [ "$PART" != text ]; then
+# ResNet-50 and ViT-B/16 at B=256, 224 px, bf16, synthetic images (issue 8), then the peer.
+if [ "$SIZE" = tiny ]; then
+  record resnet_tiny python3 -m paisoar_jax.bench --config resnet_tiny train.steps=6
+  record vit_tiny python3 -m paisoar_jax.bench --config vit_tiny data.source=synthetic \
+    train.steps=6
+else
+  record resnet50_bf16 python3 -m paisoar_jax.bench --config resnet50 train.steps=60
+  record vit_b16_bf16 python3 -m paisoar_jax.bench --config vit_b16 train.steps=60
+  record data_resnet50_w8 python3 -m paisoar_jax.bench --data-only --config resnet50 \
+    --batches 50
+  record peer_resnet50_compile python3 .peers/resnet_torch.py compile
+  record peer_resnet50_eager python3 .peers/resnet_torch.py
+fi
 fi
 echo "== done: $(wc -l < "$OUT/results.jsonl") results in $OUT/results.jsonl"

@@ -175,6 +175,10 @@ class TrainConfig:
     eval_batches: int = 4
     sample_bytes: int = 160  # length of the text sample generated at the end (0: none)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 looks the device kind up
+    # [start, end]: a jax.profiler trace of steps start..end into run.dir/profile (TensorBoard's
+    # profile plugin or Perfetto); empty: no trace.
+    profile_steps: tuple[int, ...] = ()
+    memory_limit_gb: float = 0.0  # per-device GiB the compiled step must fit; 0: no check
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,14 @@ class Config:
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
     """Returns `value` as type `kind`, accepting strings from the command line."""
+    if typing.get_origin(kind) is tuple:  # a list of ints: [10, 20] in YAML, 10,20 or [10,20]
+        items = value.strip().strip("[]").split(",") if isinstance(value, str) else value
+        if isinstance(items, list | tuple):
+            try:
+                return tuple(_coerce(item, int, key) for item in items if str(item).strip())
+            except UserError:
+                pass
+        raise UserError(f"{key}: expected a list of integers like [10, 20], got {value!r}")
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         if value not in choices:
@@ -448,6 +460,7 @@ def _validate_ranges(config: Config) -> None:
         if value < minimum:
             raise UserError(f"{key} must be >= {minimum}, got {value}")
     non_negative = {
+        "train.memory_limit_gb": train.memory_limit_gb,
         "optim.clip_norm": optim.clip_norm,
         "optim.weight_decay": optim.weight_decay,
         "optim.final_lr_fraction": optim.final_lr_fraction,
@@ -456,6 +469,11 @@ def _validate_ranges(config: Config) -> None:
     for key, value in {**non_negative, "optim.lr": optim.lr}.items():
         if not math.isfinite(value) or value < 0:
             raise UserError(f"{key} must be a finite number >= 0, got {value}")
+    profile = train.profile_steps
+    if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
+        raise UserError(
+            f"train.profile_steps must be [start, end] with 1 <= start <= end, got {list(profile)}"
+        )
     if checkpoint.resume not in ("auto", "never") and not checkpoint.resume.isdigit():
         raise UserError(
             f"checkpoint.resume must be auto, never or a step number, got {checkpoint.resume!r}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-import sys
 import time
 from typing import Any
 
@@ -19,18 +18,20 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from paisoar_jax import __version__, sharding
+from paisoar_jax import __version__, oom, sharding
 from paisoar_jax.checkpoint import (
     Checkpointer,
     checkpoint_directory,
     describe_failure,
     load_params,
 )
+from paisoar_jax.compilation import CompiledStep
 from paisoar_jax.config import Config, dump_yaml, to_dict
 from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite, parse_mode
-from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
+from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
+from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.optim import build_optimizer
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.sample import generate
@@ -39,7 +40,6 @@ from paisoar_jax.step import jit_eval_step, jit_train_step
 from paisoar_jax.tasks import task_for
 
 SAMPLE_PROMPT = b"def "
-FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 
 
@@ -59,73 +59,6 @@ def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[
         results.append(eval_step(state.params, state.model_state, batch))
     results = jax.device_get(results)
     return {name: float(np.mean([result[name] for result in results])) for name in results[0]}
-
-
-class IntervalTimer:
-    """Wall time, input wait and throughput between two log steps.
-
-    Throughput is counted in the task's unit: tokens for language models, examples (images)
-    for classifiers; `flops_per_unit` turns it into MFU.
-    """
-
-    def __init__(
-        self,
-        units_per_step: int,
-        flops_per_unit: float,
-        peak_tflops: float | None,
-        unit: str = "tokens",
-    ):
-        self.units_per_step = units_per_step
-        self.flops_per_unit = flops_per_unit
-        self.peak_tflops = peak_tflops
-        self.throughput_key = f"{unit}_per_s"
-        self.restart(step=0)
-
-    def restart(self, step: int) -> None:
-        """Starts a new interval after `step` (also after eval, whose time is not step time)."""
-        self.start_time, self.start_step = time.perf_counter(), step
-        self.wait_s = self.save_s = 0.0
-
-    def timings(self, step: int) -> dict[str, Any]:
-        """step_time_s, tokens_per_s (or examples_per_s), mfu and data_wait_frac until `step`."""
-        elapsed = time.perf_counter() - self.start_time
-        step_time_s = elapsed / (step - self.start_step)
-        per_s = self.units_per_step / step_time_s
-        return {
-            "step_time_s": step_time_s,
-            self.throughput_key: per_s,
-            "mfu": mfu(per_s, self.flops_per_unit, self.peak_tflops),
-            "data_wait_frac": self.wait_s / elapsed,
-        }
-
-
-def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> None:
-    """Stops on a non-finite loss (unscaled runs); warns when the loss scale keeps falling.
-
-    With a loss scaler, an occasional overflow only halves the scale; a scale that falls at
-    every log step means the gradients themselves blow up: a real divergence.
-    """
-    step, loss = record["step"], record["loss"]
-    if not loss_scaled:  # history: the log steps with a finite loss
-        if not np.isfinite(loss):
-            last = f" (last finite at step {history[-1][0]})" if history else ""
-            raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
-        history.append((step, record["loss_scale"]))
-        return
-    # With a scaler, history: the scale at every log step (a skipped step has a nan loss).
-    history.append((step, record["loss_scale"]))
-    recent = history[-(FALLING_SCALE_LOGS + 1) :]
-    falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
-        later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
-    )
-    if falling and jax.process_index() == 0:  # every process sees it; one says it
-        print(
-            f"paisoar_jax: warning: the loss scale fell at each of the last {FALLING_SCALE_LOGS} "
-            f"log steps ({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
-            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def _checkpointer(config: Config) -> Checkpointer | None:
@@ -306,13 +239,13 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
     train_config, run_dir = config.train, config.run_dir
     is_main = jax.process_index() == 0
     first_batch = next(batches)
-    compile_start = time.perf_counter()
-    train_step = (
-        jit_train_step(layout, task, schedule, train_config.grad_accum, mesh)
-        .lower(state, first_batch)
-        .compile()
-    )
-    compile_s = time.perf_counter() - compile_start
+    limit_bytes = oom.device_limit_bytes(train_config.memory_limit_gb)
+    with oom.readable_out_of_memory(config, layout, limit_bytes):
+        jitted = jit_train_step(layout, task, schedule, train_config.grad_accum, mesh)
+        train_step = CompiledStep(jitted, state, first_batch)
+    compile_s = train_step.compile_s
+    if train_config.memory_limit_gb:  # the device's own limit: its allocator is the judge
+        oom.check_fits(config, layout, train_step.compiled, limit_bytes)
     eval_step = jit_eval_step(layout, task, mesh)
     resumed = f", resumed from step {start_step}" if start_step else ""
     if is_main:
@@ -322,6 +255,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
             f"compiled in {compile_s:.1f}s{resumed}",
             flush=True,
         )
+    profiler = StepProfiler(train_config.profile_steps, run_dir / "profile")
     timer = IntervalTimer(
         units_per_step=train_config.global_batch * task.units_per_example(),
         flops_per_unit=task.flops_per_unit(layout.param_count),
@@ -348,8 +282,16 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
     for step in range(start_step + 1, train_config.steps + 1):
         wait_start = time.perf_counter()
         batch = first_batch if step == start_step + 1 else next(batches)
-        timer.wait_s += time.perf_counter() - wait_start
-        state, metrics = train_step(state, batch)
+        dispatch_start = time.perf_counter()
+        timer.wait_s += dispatch_start - wait_start
+        profiler.before(step)
+        if step == start_step + 1:  # XLA reports running out of memory once the step runs
+            with oom.readable_out_of_memory(config, layout, limit_bytes, train_step.compiled):
+                state, metrics = jax.block_until_ready(train_step(state, batch))
+        else:
+            state, metrics = train_step(state, batch)
+        timer.dispatch_s += time.perf_counter() - dispatch_start
+        profiler.after(step, metrics)
         progress.update(1)
         is_last = step == train_config.steps
         is_eval_step = bool(train_config.eval_every) and (
@@ -370,10 +312,16 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
                 "skipped_steps": int(values["skipped_steps"]),
                 **timer.timings(step),
                 "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
+                **device_memory(),
+                "recompiles": train_step.recompiles,
             }
             if not losses:
-                record["compile_s"] = compile_s
-            check_health(record, scaled, scale_history)
+                record.update(compile_s=compile_s, param_count=layout.param_count)
+            try:
+                check_health(record, scaled, scale_history)
+            except DivergenceError:
+                writer.write(record)  # the record that shows the divergence is kept
+                raise
             losses.append(record["loss"])
             if is_eval_step:  # after the timings: eval time is not step time
                 eval_results = evaluate(eval_step, state, eval_source, task, config, mesh)
@@ -399,6 +347,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
             break
 
     progress.close()
+    profiler.close()
     writer.close()
     if checkpointer is not None:
         checkpointer.wait()  # committed before we say it is saved

@@ -19,7 +19,7 @@ import time
 import pytest
 from conftest import PYTHON, TINY, subprocess_env
 
-from paisoar_jax import doctor, findings, loop, plan
+from paisoar_jax import doctor, findings, loop, plan, tasks
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
 
@@ -118,12 +118,12 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     during compilation, which hides it for the few steps a test can afford. (The healthy
     run comes first so that this one finds the same step compiled in the cache.)
     """
-    make_batches = loop.batch_dataset
+    make_batches = tasks.batch_dataset
 
     def slow_batches(*arguments, **keywords):
         return make_batches(*arguments, **keywords).map(slow_transform)
 
-    monkeypatch.setattr(loop, "batch_dataset", slow_batches)
+    monkeypatch.setattr(tasks, "batch_dataset", slow_batches)
     run_dir = tmp_path / "run"
     train_run(run_dir, *MEDIUM, "train.steps=6", "train.log_every=1")
     finding = found(run_dir)["input-bound"]

@@ -11,7 +11,7 @@ import io
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY
+from conftest import TINY, run_module
 
 from paisoar_jax import cli, oom, plan
 from paisoar_jax.config import load_config
@@ -185,3 +185,15 @@ def test_the_limit_comes_from_the_config_or_the_device():
     # The CPU backend has no memory_stats(): no limit is known, so none is checked.
     assert jax.devices()[0].memory_stats() is None
     assert oom.device_limit_bytes(0) is None
+
+
+def test_the_trainer_prints_the_report_for_a_step_over_its_memory_budget(tmp_path):
+    """Through `python -m paisoar_jax.train`: the report, no traceback, exit status 2."""
+    result = run_module(
+        "train", *TINY, "train.memory_limit_gb=0.0001", "run.dir=out", cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("paisoar_jax.train: error: out of memory:")
+    assert "remat.policy=" in result.stderr and "train.grad_accum=" in result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before the first step

@@ -1,0 +1,151 @@
+"""What the training loop measures and watches: step times, memory, health and traces.
+
+The loop's instruments: the step-time breakdown, device memory, the health of the loss and
+the loss scale, and profiler traces of chosen steps.
+
+The step-time breakdown of each log interval (metrics.jsonl):
+
+    step_time_s     wall time per step (saves and eval excluded)
+    data_wait_frac  share of it the loop waited for the next batch
+    host_frac       share of it the host spent dispatching steps: near 1 - data_wait_frac,
+                    the host (Python, dispatch) sets the pace and the device idles
+    device_step_s   wall time per step with the input waits taken out: the device's step
+                    time when host_frac is small
+    checkpoint_s    seconds the loop blocked on saves in the interval (not in step_time_s)
+
+Device memory (`memory_in_use_bytes`, `memory_peak_bytes`, `memory_limit_bytes`) comes from
+the first local device's memory_stats(), which GPUs have and the CPU backend does not (null).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from paisoar_jax.errors import DivergenceError
+from paisoar_jax.metrics import mfu
+
+FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
+
+
+class IntervalTimer:
+    """Wall time, input wait and throughput between two log steps.
+
+    Throughput is counted in the task's unit: tokens for language models, examples (images)
+    for classifiers; `flops_per_unit` turns it into MFU.
+    """
+
+    def __init__(
+        self,
+        units_per_step: int,
+        flops_per_unit: float,
+        peak_tflops: float | None,
+        unit: str = "tokens",
+    ):
+        self.units_per_step = units_per_step
+        self.flops_per_unit = flops_per_unit
+        self.peak_tflops = peak_tflops
+        self.throughput_key = f"{unit}_per_s"
+        self.restart(step=0)
+
+    def restart(self, step: int) -> None:
+        """Starts a new interval after `step` (also after eval, whose time is not step time)."""
+        self.start_time, self.start_step = time.perf_counter(), step
+        self.wait_s = self.save_s = self.dispatch_s = 0.0
+
+    def timings(self, step: int) -> dict[str, Any]:
+        """The step-time breakdown of the interval ending at `step` (see the module docstring)."""
+        elapsed = time.perf_counter() - self.start_time
+        steps = step - self.start_step
+        step_time_s = elapsed / steps
+        per_s = self.units_per_step / step_time_s
+        return {
+            "step_time_s": step_time_s,
+            self.throughput_key: per_s,
+            "mfu": mfu(per_s, self.flops_per_unit, self.peak_tflops),
+            "data_wait_frac": self.wait_s / elapsed,
+            "host_frac": self.dispatch_s / elapsed,
+            "device_step_s": max(elapsed - self.wait_s, 0.0) / steps,
+        }
+
+
+def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> None:
+    """Stops on a non-finite loss (unscaled runs); warns when the loss scale keeps falling.
+
+    With a loss scaler, an occasional overflow only halves the scale; a scale that falls at
+    every log step means the gradients themselves blow up: a real divergence.
+    """
+    step, loss = record["step"], record["loss"]
+    if not loss_scaled:  # history: the log steps with a finite loss
+        if not np.isfinite(loss):
+            last = f" (last finite at step {history[-1][0]})" if history else ""
+            raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
+        history.append((step, record["loss_scale"]))
+        return
+    # With a scaler, history: the scale at every log step (a skipped step has a nan loss).
+    history.append((step, record["loss_scale"]))
+    recent = history[-(FALLING_SCALE_LOGS + 1) :]
+    falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
+        later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
+    )
+    if falling and jax.process_index() == 0:  # every process sees it; one says it
+        print(
+            f"paisoar_jax: warning: the loss scale fell at each of the last {FALLING_SCALE_LOGS} "
+            f"log steps ({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
+            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def device_memory() -> dict[str, int | None]:
+    """Bytes in use, peak and limit on the first local device (None where not reported)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {
+        "memory_in_use_bytes": stats.get("bytes_in_use"),
+        "memory_peak_bytes": stats.get("peak_bytes_in_use"),
+        "memory_limit_bytes": stats.get("bytes_limit"),
+    }
+
+
+class StepProfiler:
+    """A jax.profiler trace of steps [start, end] into `directory` (process 0 only).
+
+    `before(step)` starts the trace before step `start` runs; `after(step, state)` waits for
+    step `end` to finish on the device, then stops it, so the trace holds whole steps.
+    """
+
+    def __init__(self, steps: tuple[int, ...], directory: pathlib.Path):
+        self.start, self.end = steps if steps else (0, -1)
+        self.directory = directory
+        self.active = False
+
+    def before(self, step: int) -> None:
+        """Starts tracing when `step` is the first profiled step."""
+        if step == self.start and jax.process_index() == 0:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, outputs: Any) -> None:
+        """Stops tracing once `step`, the last profiled step, has run on the device."""
+        if self.active and step >= self.end:
+            jax.block_until_ready(outputs)
+            jax.profiler.stop_trace()
+            self.active = False
+            print(
+                f"paisoar_jax: profiled steps {self.start}-{self.end} into {self.directory} "
+                f"(tensorboard --logdir {self.directory}, or the .trace.json.gz in Perfetto)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Stops a trace still running (a run that ended or stopped inside the range)."""
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
