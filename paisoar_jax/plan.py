@@ -17,7 +17,10 @@ one link given (no ici/dcn split), so many small collectives look cheaper than t
 collectives are those of the platform that compiles the step: on CPU, XLA keeps an
 all-reduce followed by a slice where XLA GPU emits a reduce-scatter, so the gradient
 reduction of FSDP and ZeRO is counted (and timed) as an all-reduce there, at twice the
-ring cost. Temporaries come from the CPU compiler too (other fusions, no cuDNN attention).
+ring cost. XLA CPU also runs bf16 collectives in f32 (it converts around them), so the
+FSDP all-gathers of a bf16 run, which move bf16 weights on a GPU (step.params_for_compute),
+count twice their GPU bytes here. Temporaries come from the CPU compiler too (other fusions,
+no cuDNN attention).
 
 `--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
 `python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.

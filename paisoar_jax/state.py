@@ -49,6 +49,9 @@ class StateLayout:
     gradient_shardings: dict[str, Any]  # where gradients go before the update (ZeRO >= 1)
     param_count: int
     abstract_state: TrainState  # shapes, dtypes and shardings: the target of a restore
+    # The dtype weights are gathered in when params are split over devices (FSDP, ZeRO-3)
+    # and computed in a narrower dtype; None when nothing is gathered or nothing is cast.
+    gather_dtype: Any = None
 
 
 def _model_factory(config: Config):
@@ -126,8 +129,17 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         ),
         shardings,
     )
+    policy = get_policy(config.precision.policy)
+    params_split = not all(leaf.is_fully_replicated for leaf in jax.tree.leaves(param_shardings))
+    narrower = policy.compute_dtype != policy.param_dtype
     return StateLayout(
-        graphdef, optimizer, shardings, state_param_shardings, param_count, abstract_state
+        graphdef,
+        optimizer,
+        shardings,
+        state_param_shardings,
+        param_count,
+        abstract_state,
+        gather_dtype=policy.compute_dtype if params_split and narrower else None,
     )
 
 

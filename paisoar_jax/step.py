@@ -20,7 +20,49 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paisoar_jax import loss_scale, sharding
+from paisoar_jax.optim import decay_mask
 from paisoar_jax.state import StateLayout, TrainState
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_where_stored(weight: jax.Array, dtype, where: NamedSharding) -> jax.Array:
+    """`weight` in `dtype`, pinned to its own (sharded) layout.
+
+    The cast comes before any gather, so FSDP moves bf16 weights, not fp32 ones (half the
+    all-gather bytes).
+    """
+    return jax.lax.with_sharding_constraint(weight.astype(dtype), where)
+
+
+def _cast_forward(weight, dtype, where):
+    return _cast_where_stored(weight, dtype, where), None
+
+
+def _cast_backward(dtype, where, _, cotangent):
+    # Back to fp32 with no layout pinned: the gradient is reduced (reduce-scattered into the
+    # optimizer's layout) in fp32, not in the compute dtype.
+    return (cotangent.astype(jnp.float32),)
+
+
+_cast_where_stored.defvjp(_cast_forward, _cast_backward)
+
+
+def params_for_compute(params, layout: StateLayout):
+    """Weights (not norms or biases) cast to layout.gather_dtype where they are stored.
+
+    Only when the params are split over devices and computed in a narrower dtype
+    (layout.gather_dtype); otherwise the params unchanged, and each layer casts as it uses
+    them.
+    """
+    if layout.gather_dtype is None:
+        return params
+    dtype = layout.gather_dtype
+    return jax.tree.map(
+        lambda weight, where, cast: _cast_where_stored(weight, dtype, where) if cast else weight,
+        params,
+        layout.shardings.params,
+        decay_mask(params),
+    )
 
 
 def loss_fn(params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array):
@@ -55,6 +97,7 @@ def loss_and_grads(
     scale: jax.Array | float = 1.0,
     gradient_shardings=None,
     key: jax.Array | None = None,
+    layout: StateLayout | None = None,
 ):
     """(loss, grads, metrics, model_state) of `scale` x loss of the batch, over micro-batches.
 
@@ -63,11 +106,13 @@ def loss_and_grads(
     `gradient_shardings` (ZeRO >= 1) the accumulator lives in the optimizer-state layout, so
     each micro-batch's gradients are reduce-scattered into it rather than all-reduced, and
     each device holds only its slice of the sum. Micro-batch j draws from fold_in(key, j).
+    With `layout`, weights are cast where they are stored first (`params_for_compute`).
     """
     key = jax.random.PRNGKey(0) if key is None else key
 
     def scaled_loss(params, model_state, micro_batch, micro_key):
-        loss, aux = loss_fn(params, model_state, graphdef, micro_batch, task, micro_key)
+        compute_params = params if layout is None else params_for_compute(params, layout)
+        loss, aux = loss_fn(compute_params, model_state, graphdef, micro_batch, task, micro_key)
         return loss * scale, (loss, aux)
 
     def grad_fn(model_state, micro_batch, micro_key):
@@ -131,6 +176,7 @@ def train_step(
         scale=scale,
         gradient_shardings=layout.gradient_shardings,
         key=jax.random.fold_in(state.rng, state.step),
+        layout=layout,
     )
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
