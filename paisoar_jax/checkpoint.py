@@ -242,7 +242,16 @@ class Checkpointer:
         meta = meta["meta"]
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
         check_compatible(saved_tree, target, step_dir)
-        items = {"state": ocp.args.StandardRestore(target)}
+        # Written before the state had model_state (0.1 checkpoints of models without
+        # BatchNorm): restore the fields it has, the model state is empty anyway.
+        older = (
+            isinstance(saved_tree, dict)
+            and "model_state" not in saved_tree
+            and not jax.tree.leaves(target.model_state)
+        )
+        fields = ("step", "params", "opt_state", "rng")
+        state_target = {name: getattr(target, name) for name in fields} if older else target
+        items = {"state": ocp.args.StandardRestore(state_target)}
         holder = IteratorState()
         signature = {"process_count": jax.process_count(), **(input_signature or {})}
         saved_signature = meta.get("input_signature", {})
@@ -260,9 +269,12 @@ class Checkpointer:
                 f"input order cannot continue exactly, so it starts afresh with a new shuffle"
             )
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        _verify(restored["state"], meta.get("checksums"), step_dir)
+        state = restored["state"]
+        if older:
+            state = target.replace(**state, model_state=target.model_state)
+        _verify(state, meta.get("checksums"), step_dir)
         data_state = json.loads(holder.state) if not changed else None
-        return Restored(step, restored["state"], data_state, meta)
+        return Restored(step, state, data_state, meta)
 
     def restore_latest(
         self, target: Any, input_signature: dict[str, Any] | None = None
@@ -341,13 +353,23 @@ def _params_item(path: pathlib.Path) -> pathlib.Path:
     )
 
 
-def load_params(path: pathlib.Path, abstract_state: Any) -> dict[str, Any]:
-    """Params only, from an export or any checkpoint step, into the current shardings."""
+def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | None]:
+    """(params, model state) from an export or any checkpoint step, in the current shardings.
+
+    The model state (BatchNorm's running statistics) is None when the model has none, or
+    when the export was written without it (with a warning: eval then starts from fresh
+    statistics).
+    """
     item = _params_item(path.absolute())
-    target = {"params": abstract_state.params}
     checkpointer = ocp.PyTreeCheckpointer()
     saved_tree = _saved_tree(checkpointer.metadata(item))
-    check_compatible({"params": saved_tree["params"]}, target, item)
+    target = {"params": abstract_state.params}
+    if jax.tree.leaves(abstract_state.model_state):
+        if "model_state" in saved_tree:
+            target["model_state"] = abstract_state.model_state
+        else:
+            warn(f"{item} has no BatchNorm statistics: they start afresh")
+    check_compatible({name: saved_tree[name] for name in target}, target, item)
     restored = checkpointer.restore(
         item,
         args=ocp.args.PyTreeRestore(
@@ -356,11 +378,14 @@ def load_params(path: pathlib.Path, abstract_state: Any) -> dict[str, Any]:
             partial_restore=True,
         ),
     )
-    return restored["params"]
+    return restored["params"], restored.get("model_state")
 
 
-def export_params(params: dict[str, Any], output: pathlib.Path) -> None:
-    """Writes params alone (`output/params`), the input of inference and `init_from`."""
+def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> None:
+    """Writes params and model state (`output/params`): the input of inference, `init_from`."""
+    weights = {"params": params}
+    if jax.tree.leaves(model_state):
+        weights["model_state"] = model_state
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(output.absolute() / "params", {"params": params})
+    checkpointer.save(output.absolute() / "params", weights)
     checkpointer.wait_until_finished()

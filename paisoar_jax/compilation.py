@@ -88,4 +88,5 @@ class CompiledStep:
 
 
 def _key(batch_signature: dict[str, tuple]) -> tuple:
+    """A signature as a hashable, order-independent key."""
     return tuple(sorted(batch_signature.items()))

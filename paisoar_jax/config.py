@@ -9,7 +9,6 @@ wrong types and values outside a field's choices raise `UserError` with one line
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -282,10 +281,27 @@ def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> A
     for key, value in values.items():
         if key not in known:
             raise UserError(
-                f"unknown config key {prefix}.{key} (known: {', '.join(sorted(known))})"
+                f"unknown config key {prefix}.{key}{_model_hint(prefix, key, values)} "
+                f"(known: {', '.join(sorted(known))})"
             )
         kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
     return section_type(**kwargs)
+
+
+def _model_hint(prefix: str, key: str, values: dict[str, Any]) -> str:
+    """For a model key of another family: which model.name it belongs to."""
+    if prefix != "model":
+        return ""
+    owners = sorted(
+        {
+            name
+            for name, section_type in MODEL_CONFIGS.items()
+            if key in {f.name for f in dataclasses.fields(section_type)}
+        }
+    )
+    if not owners:
+        return ""
+    return f": it belongs to model.name={'|'.join(owners)}, not {values.get('name', 'gpt')}"
 
 
 def resolve_config_path(path_or_name: str) -> pathlib.Path:
@@ -342,6 +358,8 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             for name in sections
         }
     )
+    from paisoar_jax.validation import validate  # it imports this module's dataclasses
+
     validate(config)
     return config
 
@@ -358,126 +376,6 @@ def _section_type(name: str, raw: dict[str, Any]) -> type:
             f"model.name={model_name!r} is not one of {', '.join(sorted(MODEL_CONFIGS))}"
         )
     return MODEL_CONFIGS[model_name]
-
-
-def validate(config: Config) -> None:
-    """Checks what one section cannot check alone; mesh-size checks live in sharding.py."""
-    train, optim, mesh = config.train, config.optim, config.mesh
-    if isinstance(config.model, VisionConfig):
-        _validate_vision(config)
-    else:
-        _validate_language_model(config.model)
-    positive = {
-        "train.steps": train.steps,
-        "train.global_batch": train.global_batch,
-        "train.grad_accum": train.grad_accum,
-        "train.log_every": train.log_every,
-        "data.prefetch": config.data.prefetch,
-    }
-    _check_positive(positive)
-    if train.global_batch % train.grad_accum:
-        raise UserError(
-            f"train.global_batch={train.global_batch} is not divisible by "
-            f"train.grad_accum={train.grad_accum}"
-        )
-    if mesh.zero not in (0, 1, 2, 3):
-        raise UserError(f"mesh.zero must be 0, 1, 2 or 3, got {mesh.zero}")
-    for key in ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp"):
-        size = getattr(mesh, key)
-        if size == 0 or size < -1:
-            raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
-    from paisoar_jax.loss_scale import parse_mode  # late: keeps `--help` free of jax
-
-    parse_mode(config.precision.loss_scale, config.precision.policy)
-    if optim.lr_scaling != "none" and optim.base_batch < 1:
-        raise UserError(f"optim.lr_scaling={optim.lr_scaling} needs optim.base_batch >= 1")
-    if not optim.lr > 0:
-        raise UserError(f"optim.lr must be > 0, got {optim.lr}")
-    if not 0 <= config.data.eval_fraction < 1:
-        raise UserError(f"data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
-    if config.data.eval_fraction == 0 and train.eval_every > 0:
-        raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
-    _validate_ranges(config)
-
-
-def _check_positive(values: dict[str, int]) -> None:
-    """Each named count must be at least 1."""
-    for key, value in values.items():
-        if value < 1:
-            raise UserError(f"{key} must be >= 1, got {value}")
-
-
-def _validate_language_model(model: ModelConfig) -> None:
-    """The GPT shape: positive sizes, heads that divide the width."""
-    _check_positive(
-        {
-            "model.vocab_size": model.vocab_size,
-            "model.seq_len": model.seq_len,
-            "model.layers": model.layers,
-            "model.width": model.width,
-            "model.heads": model.heads,
-        }
-    )
-    if model.mlp_width < 0:
-        raise UserError(f"model.mlp_width must be >= 0 (0 means 4 * width), got {model.mlp_width}")
-    if model.width % model.heads:
-        raise UserError(f"model.width={model.width} is not divisible by model.heads={model.heads}")
-    if model.position == "rotary" and (model.width // model.heads) % 2:
-        raise UserError("model.position=rotary needs an even head width (width / heads)")
-
-
-def _validate_vision(config: Config) -> None:
-    """The image model's shape (checked by its family) and the augmentation ranges."""
-    from paisoar_jax.models import resolve_model_config  # late: keeps `--help` free of jax
-
-    resolve_model_config(config.model)
-    if not 0 <= config.model.label_smoothing < 1:
-        raise UserError(
-            f"model.label_smoothing must be in [0, 1), got {config.model.label_smoothing}"
-        )
-    if not 0 < config.data.min_crop_scale <= 1:
-        raise UserError(f"data.min_crop_scale must be in (0, 1], got {config.data.min_crop_scale}")
-    if not (math.isfinite(config.data.mixup_alpha) and config.data.mixup_alpha >= 0):
-        raise UserError(
-            f"data.mixup_alpha must be a finite number >= 0, got {config.data.mixup_alpha}"
-        )
-
-
-def _validate_ranges(config: Config) -> None:
-    """Non-negative counts, finite rates and the checkpoint.resume choices."""
-    train, optim, checkpoint = config.train, config.optim, config.checkpoint
-    at_least = {
-        "train.eval_every": (train.eval_every, 0),
-        "train.eval_batches": (train.eval_batches, 1),
-        "train.sample_bytes": (train.sample_bytes, 0),
-        "optim.warmup_steps": (optim.warmup_steps, 0),
-        "data.workers": (config.data.workers, 0),
-        "checkpoint.every": (checkpoint.every, 0),
-        "checkpoint.keep": (checkpoint.keep, 1),
-        "checkpoint.keep_period": (checkpoint.keep_period, 0),
-    }
-    for key, (value, minimum) in at_least.items():
-        if value < minimum:
-            raise UserError(f"{key} must be >= {minimum}, got {value}")
-    non_negative = {
-        "train.memory_limit_gb": train.memory_limit_gb,
-        "optim.clip_norm": optim.clip_norm,
-        "optim.weight_decay": optim.weight_decay,
-        "optim.final_lr_fraction": optim.final_lr_fraction,
-        "train.peak_tflops": train.peak_tflops,
-    }
-    for key, value in {**non_negative, "optim.lr": optim.lr}.items():
-        if not math.isfinite(value) or value < 0:
-            raise UserError(f"{key} must be a finite number >= 0, got {value}")
-    profile = train.profile_steps
-    if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
-        raise UserError(
-            f"train.profile_steps must be [start, end] with 1 <= start <= end, got {list(profile)}"
-        )
-    if checkpoint.resume not in ("auto", "never") and not checkpoint.resume.isdigit():
-        raise UserError(
-            f"checkpoint.resume must be auto, never or a step number, got {checkpoint.resume!r}"
-        )
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -508,5 +406,4 @@ __all__ = [
     "dump_yaml",
     "load_config",
     "resolve_config_path",
-    "validate",
 ]

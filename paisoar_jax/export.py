@@ -1,7 +1,8 @@
-"""`python -m paisoar_jax.export RUN_DIR --output DIR [--step N]`: params only, for inference.
+"""`python -m paisoar_jax.export RUN_DIR --output DIR [--step N]`: weights only, for inference.
 
 Reads the run's config.yaml and a checkpoint (the newest, or --step), and writes the
-params alone to DIR/params with the run's config beside them. The export is the input of
+params (and BatchNorm's running statistics, for models that have them) without the
+optimizer state to DIR/params, with the run's config beside them. The export is the input of
 inference code and of fine-tuning: `python -m paisoar_jax.train checkpoint.init_from=DIR`
 starts a new run from these params with a fresh optimizer.
 """
@@ -22,7 +23,7 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     import jax
 
     from paisoar_jax import sharding
-    from paisoar_jax.checkpoint import checkpoint_directory, export_params, load_params
+    from paisoar_jax.checkpoint import checkpoint_directory, export_weights, load_weights
     from paisoar_jax.config import MeshConfig, dump_yaml, load_config
     from paisoar_jax.optim import build_optimizer
     from paisoar_jax.state import plan_state
@@ -40,15 +41,15 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
         wanted = f"step {step}" if step is not None else "a checkpoint"
         raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
     step = steps[-1] if step is None else step
-    # One device is enough to hold the params alone; the export has no mesh of its own.
+    # One device is enough to hold the weights alone; the export has no mesh of its own.
     mesh = sharding.build_mesh(MeshConfig(data=1), jax.devices()[:1])
     optimizer, _ = build_optimizer(
         config.optim, config.train.steps, config.train.global_batch, config.precision
     )
     with jax.set_mesh(mesh):
         layout = plan_state(config, mesh, optimizer)
-        params = load_params(checkpoints / str(step), layout.abstract_state)
-        export_params(params, output)
+        params, model_state = load_weights(checkpoints / str(step), layout.abstract_state)
+        export_weights(params, model_state or {}, output)
     (output / "config.yaml").write_text(dump_yaml(config))
     print(
         f"paisoar_jax.export: {layout.param_count / 1e6:.2f}M params of step {step} -> "

@@ -23,7 +23,7 @@ from paisoar_jax.checkpoint import (
     Checkpointer,
     checkpoint_directory,
     describe_failure,
-    load_params,
+    load_weights,
 )
 from paisoar_jax.compilation import CompiledStep
 from paisoar_jax.config import Config, dump_yaml, to_dict
@@ -103,8 +103,10 @@ def _starting_point(
         )
     state = init_state(config, layout)
     if config.checkpoint.init_from:
-        params = load_params(pathlib.Path(config.checkpoint.init_from), layout.abstract_state)
-        state = state.replace(params=params)
+        params, model_state = load_weights(
+            pathlib.Path(config.checkpoint.init_from), layout.abstract_state
+        )
+        state = state.replace(params=params, model_state=model_state or state.model_state)
     return state, 0, None
 
 
@@ -162,7 +164,7 @@ def train(config: Config) -> dict[str, Any]:
     for split, source in (("train", train_source), ("eval", eval_source)):
         if (split == "train" or train_config.eval_every) and len(source) < jax.process_count():
             raise UserError(
-                f"the {split} split has {len(source)} windows, fewer than the "
+                f"the {split} split has {len(source)} {task.unit_of_data}, fewer than the "
                 f"{jax.process_count()} processes that each need a share"
             )
     optimizer, schedule = build_optimizer(
@@ -316,7 +318,10 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
                 "recompiles": train_step.recompiles,
             }
             if not losses:
-                record.update(compile_s=compile_s, param_count=layout.param_count)
+                platform = jax.devices()[0].platform
+                record.update(
+                    compile_s=compile_s, param_count=layout.param_count, platform=platform
+                )
             try:
                 check_health(record, scaled, scale_history)
             except DivergenceError:
@@ -347,7 +352,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
             break
 
     progress.close()
-    profiler.close()
+    profiler.close(step)
     writer.close()
     if checkpointer is not None:
         checkpointer.wait()  # committed before we say it is saved
@@ -395,7 +400,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         eval_text += f", eval_accuracy {summary['eval_accuracy']:.4f}"
     unit = "tokens" if "tokens_per_s" in summary else "examples"
     loss_text = (
-        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}" if first_loss else "no loss logged"
+        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
+        if first_loss is not None
+        else "no loss logged"
     )
     print(
         f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, "

@@ -116,36 +116,42 @@ def device_memory() -> dict[str, int | None]:
 class StepProfiler:
     """A jax.profiler trace of steps [start, end] into `directory` (process 0 only).
 
-    `before(step)` starts the trace before step `start` runs; `after(step, state)` waits for
-    step `end` to finish on the device, then stops it, so the trace holds whole steps.
+    `before(step)` starts the trace before the first step of the range this run reaches (a
+    resumed run may start inside it); `after(step, outputs)` waits for step `end` to finish
+    on the device, then stops it, so the trace holds whole steps.
     """
 
     def __init__(self, steps: tuple[int, ...], directory: pathlib.Path):
         self.start, self.end = steps if steps else (0, -1)
         self.directory = directory
-        self.active = False
+        self.active = self.done = False
+        self.first = self.start
 
     def before(self, step: int) -> None:
-        """Starts tracing when `step` is the first profiled step."""
-        if step == self.start and jax.process_index() == 0:
+        """Starts tracing when `step` is the first step of the range this run runs."""
+        in_range = self.start <= step <= self.end
+        if in_range and not (self.active or self.done) and jax.process_index() == 0:
             jax.profiler.start_trace(str(self.directory))
-            self.active = True
+            self.active, self.first = True, step
 
     def after(self, step: int, outputs: Any) -> None:
         """Stops tracing once `step`, the last profiled step, has run on the device."""
         if self.active and step >= self.end:
             jax.block_until_ready(outputs)
-            jax.profiler.stop_trace()
-            self.active = False
-            print(
-                f"paisoar_jax: profiled steps {self.start}-{self.end} into {self.directory} "
-                f"(tensorboard --logdir {self.directory}, or the .trace.json.gz in Perfetto)",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._stop(step)
 
-    def close(self) -> None:
-        """Stops a trace still running (a run that ended or stopped inside the range)."""
+    def close(self, step: int) -> None:
+        """Stops a trace still running (a run stopped by a signal inside the range)."""
         if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
+            self._stop(step)
+
+    def _stop(self, step: int) -> None:
+        """Stops the trace and says where it went."""
+        jax.profiler.stop_trace()
+        self.active, self.done = False, True
+        print(
+            f"paisoar_jax: profiled steps {self.first}-{step} into {self.directory} "
+            f"(tensorboard --logdir {self.directory}, or the .trace.json.gz in Perfetto)",
+            file=sys.stderr,
+            flush=True,
+        )

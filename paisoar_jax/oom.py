@@ -25,7 +25,7 @@ from typing import Any
 from paisoar_jax import plan
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.plan import _size  # the units `plan` prints, so both reports read alike
+from paisoar_jax.plan import format_bytes  # the units `plan` prints, so both reports read alike
 
 # XLA's words for an allocation that failed: "RESOURCE_EXHAUSTED: Out of memory allocating
 # N bytes." (CPU), "... Out of memory while trying to allocate N bytes." (GPU BFC allocator).
@@ -136,7 +136,7 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
     """
     state = layout.abstract_state
     mesh_shape = dict(state.step.sharding.mesh.shape)
-    limit = f"the {_size(limit_bytes)} limit" if limit_bytes else "the device's memory"
+    limit = f"the {format_bytes(limit_bytes)} limit" if limit_bytes else "the device's memory"
     if compiled is None:
         rows = {
             "params": plan.per_device_bytes(state.params),
@@ -157,7 +157,7 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
             "total": needed["total"],
         }
         headline = (
-            f"out of memory: the train step needs {_size(needed['total'])} per device, "
+            f"out of memory: the train step needs {format_bytes(needed['total'])} per device, "
             f"more than {limit}"
         )
         notes = {
@@ -168,7 +168,7 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
     mesh = " ".join(f"{axis}={size}" for axis, size in mesh_shape.items())
     lines = [headline, f"per device (mesh {mesh}, zero={config.mesh.zero}):"]
     lines += [
-        f"  {name:<17}{_size(value):>10}  {notes.get(name, '')}".rstrip()
+        f"  {name:<17}{format_bytes(value):>10}  {notes.get(name, '')}".rstrip()
         for name, value in rows.items()
     ]
     fixes = memory_fixes(config, mesh_shape)

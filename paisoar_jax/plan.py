@@ -257,7 +257,7 @@ def plan(
     }
 
 
-def _size(count: float) -> str:
+def format_bytes(count: float) -> str:
     """Bytes in binary units, three significant digits."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(count) >= scale:
@@ -309,13 +309,13 @@ def format_table(result: dict) -> str:
     }
     for key, value in memory_bytes.items():
         label = key.replace("_", " ")
-        lines.append(f"  {label:<22}{_size(value):>11}   {notes.get(key, '')}".rstrip())
+        lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
     lines += ["", f"collectives per step  {'runs':>6}{'bytes/device':>14}{'time':>11}"]
     for kind, totals in result["collectives"].items() or [("none", None)]:
         if totals is None:
             lines.append("  none")
             continue
-        size, seconds = _size(totals["bytes"]), _duration(totals["seconds"])
+        size, seconds = format_bytes(totals["bytes"]), _duration(totals["seconds"])
         lines.append(f"  {kind:<19}{totals['count']:>6}{size:>14}{seconds:>11}")
     lines += [
         "",

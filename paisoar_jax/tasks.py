@@ -35,6 +35,7 @@ class LanguageModelling:
     """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
 
     unit = "tokens"
+    unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
 
     def __init__(self, config: Config):
         self.config = config
@@ -85,6 +86,7 @@ class ImageClassification:
     """Softmax classification of images: label smoothing, optional mixup, accuracy."""
 
     unit = "examples"
+    unit_of_data = "images"
 
     def __init__(self, config: Config):
         self.config = config
@@ -96,26 +98,27 @@ class ImageClassification:
         """(train, eval) of images:<dir>, digits or synthetic images."""
         data, model = self.config.data, self.model_config
         if data.source.startswith("images:"):
-            train, held_out, classes = image_data.open_image_source(data.source, data.eval_fraction)
+            train, held_out, _ = image_data.open_image_source(data.source, data.eval_fraction)
             _warn_of_skipped_files(train, held_out)
-            if len(classes) > model.num_classes:
-                raise UserError(
-                    f"{data.source} has {len(classes)} classes, more than model.num_classes="
-                    f"{model.num_classes}"
-                )
-            return train, held_out
-        if data.source == "digits":
-            return open_digits(data.eval_fraction)
-        if data.source == "synthetic":
+        elif data.source == "digits":
+            train, held_out = open_digits(data.eval_fraction)
+        elif data.source == "synthetic":
             seed = self.config.train.seed
-            make = lambda offset: SyntheticImages(  # noqa: E731
-                model.image_size, model.channels, model.num_classes, seed + offset
+            train, held_out = (
+                SyntheticImages(model.image_size, model.channels, model.num_classes, seed + offset)
+                for offset in (0, 1)
             )
-            return make(0), make(1)
-        raise UserError(
-            f"data.source={data.source!r}: model.name={model.name} reads images: use "
-            f"images:<dir>, digits or synthetic"
-        )
+        else:
+            raise UserError(
+                f"data.source={data.source!r}: model.name={model.name} reads images: use "
+                f"images:<dir>, digits or synthetic"
+            )
+        if len(train.classes) > model.num_classes:  # labels past the head would train nothing
+            raise UserError(
+                f"data.source={data.source} has {len(train.classes)} classes, more than "
+                f"model.num_classes={model.num_classes}"
+            )
+        return train, held_out
 
     def host_batches(
         self, source, *, batch_per_process: int, seed: int, train: bool, workers: int = 0

@@ -7,9 +7,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY, build_run, plan_run, token_batches
+from flax import struct
 
 from paisoar_jax import sharding
-from paisoar_jax.checkpoint import Checkpointer, check_writable, load_params
+from paisoar_jax.checkpoint import Checkpointer, check_writable, load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.export import export
@@ -234,10 +235,11 @@ def test_export_params_and_fine_tune_from_them(tmp_path, devices):
     layout, mesh = layout_on(["mesh.fsdp=4", "mesh.tensor=2"], devices)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=3)
     with jax.set_mesh(mesh):
-        exported = load_params(tmp_path / "export", layout.abstract_state)
+        exported, model_state = load_weights(tmp_path / "export", layout.abstract_state)
         final = checkpointer.restore(4, layout.abstract_state).state.params
     checkpointer.close()
     assert_states_equal(exported, final)
+    assert model_state is None  # the GPT has no BatchNorm statistics
     assert jax.tree.leaves(exported)[0].sharding == jax.tree.leaves(layout.shardings.params)[0]
     tuned = train(run_config(tmp_path / "tuned", f"checkpoint.init_from={tmp_path / 'export'}"))
     fresh = train(run_config(tmp_path / "fresh"))
@@ -305,3 +307,29 @@ def test_export_skips_a_half_written_step_and_refuses_a_file_as_output(tmp_path)
     blocker.write_text("x")
     with pytest.raises(UserError, match="is not an empty directory"):
         export(run_dir, blocker)
+
+
+def test_a_checkpoint_written_before_the_state_had_model_state_still_resumes(
+    saved, devices, tmp_path
+):
+    """0.1 checkpoints hold step, params, opt_state and rng only; a model without BatchNorm
+    restores them exactly (checked by hand against a run of commit 0684fb8 too)."""
+    _, state = saved
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=3)
+
+    @struct.dataclass
+    class OlderTrainState:  # TrainState as 0.1 had it
+        step: jax.Array
+        params: dict
+        opt_state: object
+        rng: jax.Array
+
+    older = OlderTrainState(state.step, state.params, state.opt_state, state.rng)
+    checkpointer.save(2, older, DATA_STATE, {"step": 2})
+    checkpointer.wait()
+    layout, mesh = layout_on(["mesh.data=8"], devices)
+    with jax.set_mesh(mesh):
+        restored = checkpointer.restore(2, layout.abstract_state).state
+    checkpointer.close()
+    assert restored.model_state == {}
+    assert_states_equal(restored, state)

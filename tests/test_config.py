@@ -102,6 +102,15 @@ def test_sections_are_frozen():
         (["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
         (["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
         (["checkpoint.resume=latest"], "checkpoint.resume must be auto, never or a step"),
+        (["model.variant=resnet50"], "model.variant: it belongs to model.name=resnet|vgg|vit"),
+        (["model.name=vit", "model.seq_len=8"], "model.seq_len: it belongs to model.name=gpt"),
+        (["model.name=alexnet"], "model.name='alexnet' is not one of gpt, resnet, vgg, vit"),
+        (["model.name=resnet", "model.num_classes=1"], "model.num_classes must be >= 2"),
+        (["data.mixup_alpha=0.2"], "data.mixup_alpha is for image models"),
+        (["train.steps=10", "train.profile_steps=[5,20]"], "ends after the last step"),
+        (["train.profile_steps=[0,3]"], "train.profile_steps must be [start, end]"),
+        (["train.profile_steps=x"], "expected a list of integers like [10, 20]"),
+        (["train.memory_limit_gb=-1"], "train.memory_limit_gb must be a finite number >= 0"),
     ],
 )
 def test_bad_overrides_raise_one_clear_line(overrides, message):

@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, run_module
+from conftest import TINY_RESNET, build_run, plan_run, run_module
 from flax import nnx
 from PIL import Image
 
@@ -213,3 +213,28 @@ def test_an_image_folder_trains_with_unreadable_files_skipped(tmp_path, capfd):
     summary = train(load_config(None, overrides))
     assert summary["steps"] == 4 and 0 <= summary["eval_accuracy"] <= 1
     assert "skipped 1" in capfd.readouterr().err
+
+
+def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
+    """The running statistics travel with the params: an export holds them and a run that
+    starts from it (checkpoint.init_from) starts from them, not from fresh ones."""
+    from paisoar_jax.checkpoint import Checkpointer, load_weights
+    from paisoar_jax.export import export
+    from paisoar_jax.loop import _starting_point
+
+    common = [*TINY_RESNET, "train.steps=3", "train.eval_every=0", "checkpoint.every=3"]
+    train(load_config(None, [*common, f"run.dir={tmp_path}/run"]))
+    export(tmp_path / "run", tmp_path / "export")
+    config, mesh, layout, _ = plan_run([], devices[:1], base=TINY_RESNET)
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", keep=3)
+    with jax.set_mesh(mesh):
+        saved = checkpointer.restore(3, layout.abstract_state).state
+        params, model_state = load_weights(tmp_path / "export", layout.abstract_state)
+        tuned = load_config(None, [*common, f"checkpoint.init_from={tmp_path}/export"])
+        started, step, _ = _starting_point(tuned, layout, None)
+    checkpointer.close()
+    assert step == 0
+    for tree in (model_state, started.model_state):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(tree), saved.model_state)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), saved.params)
+    assert np.abs(saved.model_state["stem_norm"]["mean"]).max() > 0  # not the fresh zeros

@@ -138,7 +138,8 @@ class DecodeImage(grain.transforms.Map):
             pixels = element["image"]
             if pixels.shape[-1] != self.channels:  # grey -> RGB or RGB -> grey, as Pillow does
                 mode = "RGB" if self.channels == 3 else "L"
-                pixels = np.asarray(Image.fromarray(pixels.squeeze(-1)).convert(mode))
+                image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+                pixels = np.asarray(image.convert(mode))
             return self._item(pixels, element["label"])
         try:
             with Image.open(io.BytesIO(element["image"])) as image:
@@ -151,6 +152,7 @@ class DecodeImage(grain.transforms.Map):
         return self._item(pixels, element["label"])
 
     def _item(self, pixels: np.ndarray, label: int) -> dict:
+        """The output element: HWC uint8 pixels and an int32 label."""
         return {"image": pixels.reshape(*pixels.shape[:2], self.channels), "label": np.int32(label)}
 
 

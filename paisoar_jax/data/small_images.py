@@ -17,7 +17,6 @@ import numpy as np
 from paisoar_jax.errors import UserError
 
 DIGITS_CLASSES = 10
-DIGITS_SIZE = 8  # pixels per side
 DIGITS_LEVELS = 16  # the images hold grey levels 0..16
 SYNTHETIC_POOL = 64  # distinct random images a synthetic source cycles through
 SYNTHETIC_LENGTH = 1 << 20  # items per epoch of a synthetic source
