@@ -273,6 +273,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         mininterval=1.0,
     )
     every = config.checkpoint.every
+    rate_name = "tok_s" if task.unit == "tokens" else "img_s"  # the progress bar's rate
     losses: list[float] = []
     scale_history: list[tuple[int, float]] = []
     scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
@@ -335,9 +336,8 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
                     shown = ", ".join(f"eval_{k} {v:.4f}" for k, v in eval_results.items())
                     progress.write(f"step {step}: {shown}")
             writer.write(record)
-            progress.set_postfix(
-                loss=f"{record['loss']:.3f}", per_s=f"{record[timer.throughput_key]:,.0f}"
-            )
+            rate = f"{record[timer.throughput_key]:,.0f}"
+            progress.set_postfix({"loss": f"{record['loss']:.3f}", rate_name: rate})
             timer.restart(step)
 
         stop_now = _stop_agreed(stop, step, is_log_step)
