@@ -291,9 +291,9 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         if step == start_step + 1:  # XLA reports running out of memory once the step runs
             with oom.readable_out_of_memory(config, layout, limit_bytes, train_step.compiled):
                 state, metrics = jax.block_until_ready(train_step(state, batch))
-        else:
+        else:  # (the first step waited for the device: its time is not host time)
             state, metrics = train_step(state, batch)
-        timer.dispatch_s += time.perf_counter() - dispatch_start
+            timer.dispatch_s += time.perf_counter() - dispatch_start
         profiler.after(step, metrics)
         progress.update(1)
         is_last = step == train_config.steps
