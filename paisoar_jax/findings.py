@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paisoar_jax.config import Config
+from paisoar_jax.plan import format_bytes, format_count  # the units plan prints
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores
@@ -66,22 +67,9 @@ def _percent(value: float) -> str:
     return f"{value:.0%}" if value >= 0.1 else f"{value:.1%}"
 
 
-def _count(number: float) -> str:
-    """A count as 842K, 124M or 1.31B."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.3g}{unit}"
-    return f"{number:.0f}"
-
-
 def _scale(value: float) -> str:
     """A loss scale as a whole number where it is one (65536, not 6.5536e+04)."""
     return f"{value:.0f}" if value >= 1 and value == int(value) else f"{value:g}"
-
-
-def _bytes(count: float) -> str:
-    """Bytes in GiB (or MiB below 1 GiB)."""
-    return f"{count / 2**30:.3g} GiB" if count >= 2**30 else f"{count / 2**20:.3g} MiB"
 
 
 def _loss_scale_mode(config: Config) -> str:
@@ -186,7 +174,7 @@ def communication_bound(run: Run) -> Finding | None:
         f"{COMMUNICATION_LIMIT:.0%}: the network sets the pace)"
     )
     if largest:
-        evidence += f"; most of it {largest[0]}, {_bytes(largest[1]['bytes'])} per device"
+        evidence += f"; most of it {largest[0]}, {format_bytes(largest[1]['bytes'])} per device"
     differences = _plan_differences(run)
     if differences:
         evidence += f"; note: plan.json was made for {', '.join(differences)}: plan again"
@@ -274,7 +262,7 @@ def low_mfu(run: Run) -> Finding | None:
         fixes.append("`model.attention=cudnn`: fused flash attention")
     fixes.append("measure the step alone with `python -m paisoar_jax.bench` and the same overrides")
     evidence = (
-        f"median MFU {_percent(median)} over {len(values)} log steps for {_count(params)} "
+        f"median MFU {_percent(median)} over {len(values)} log steps for {format_count(params)} "
         f"params; a healthy run of that size reaches {_percent(floor)} or more on an "
         "H100/H200"
     )
@@ -432,8 +420,8 @@ def memory_headroom(run: Run) -> Finding | None:
     peak, limit = record["memory_peak_bytes"], record["memory_limit_bytes"]
     share, config = peak / limit, run.config
     evidence = (
-        f"peak device memory {_bytes(peak)} of {_bytes(limit)} ({_percent(share)}) at step "
-        f"{record['step']}"
+        f"peak device memory {format_bytes(peak)} of {format_bytes(limit)} ({_percent(share)}) "
+        f"at step {record['step']}"
     )
     if share > MEMORY_TIGHT:
         fixes = tuple(

@@ -67,17 +67,9 @@ def build_optimizer(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer chain (loss-scaled where the precision asks) and its lr schedule."""
     schedule = build_schedule(optim_config, total_steps, global_batch)
-    if optim_config.name == "adamw":
-        optimizer = optax.adamw(
-            schedule,
-            b1=optim_config.b1,
-            b2=optim_config.b2,
-            eps=optim_config.eps,
-            weight_decay=optim_config.weight_decay,
-            mask=decay_mask,
-        )
-    elif optim_config.name == "lamb":  # Adam with a per-layer trust ratio (large batches)
-        optimizer = optax.lamb(
+    if optim_config.name in ("adamw", "lamb"):  # lamb: Adam with a per-layer trust ratio
+        adam_like = optax.adamw if optim_config.name == "adamw" else optax.lamb
+        optimizer = adam_like(
             schedule,
             b1=optim_config.b1,
             b2=optim_config.b2,

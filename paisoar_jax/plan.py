@@ -265,7 +265,7 @@ def format_bytes(count: float) -> str:
     return f"{count:.0f} B"
 
 
-def _count(number: float) -> str:
+def format_count(number: float) -> str:
     """A count as 842K, 124M or 1.31B."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if number >= scale:
@@ -294,7 +294,7 @@ def format_table(result: dict) -> str:
     memory_bytes, times = result["memory_bytes"], result["time_s"]
     link = result["link"]
     lines = [
-        f"{result['model']}: {_count(result['param_count'])} params, {result['precision']}, "
+        f"{result['model']}: {format_count(result['param_count'])} params, {result['precision']}, "
         f"batch {result['global_batch']}{_example_shape(result)}, "
         f"grad_accum {result['grad_accum']}",
         f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "

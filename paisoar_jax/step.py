@@ -139,13 +139,7 @@ def loss_and_grads(
         return (sums, jax.tree.map(jnp.add, grad_sum, in_layout(grads)), model_state), None
 
     micro_batches = _split_micro_batches(batch, grad_accum)
-    # The metrics' structure, from a trace of one micro-batch (nothing is computed).
-    first = jax.tree.map(lambda array: array[0], micro_batches)
-    metric_shapes = jax.eval_shape(lambda: grad_fn(model_state, first, key)[2])
-    zero_sums = jax.tree.map(
-        lambda shape: jnp.zeros(shape.shape, shape.dtype),
-        {"loss": jax.ShapeDtypeStruct((), jnp.float32), **metric_shapes},
-    )
+    zero_sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", *task.metric_names)}
     zeros = (zero_sums, in_layout(jax.tree.map(jnp.zeros_like, params)), model_state)
     (sums, grad_sum, model_state), _ = jax.lax.scan(
         accumulate, zeros, (jnp.arange(grad_accum), micro_batches)

@@ -36,6 +36,7 @@ class LanguageModelling:
 
     unit = "tokens"
     unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
+    metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
 
     def __init__(self, config: Config):
         self.config = config
@@ -87,6 +88,7 @@ class ImageClassification:
 
     unit = "examples"
     unit_of_data = "images"
+    metric_names = ("accuracy",)
 
     def __init__(self, config: Config):
         self.config = config
