@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The H200 benchmark, prepared to run as one device call (issues 2, 3, 4, 7 and 8):
+# The H200 benchmark, prepared to run in device calls of one part each (issues 2-4, 7, 8):
 #
-#   run(command="bash benchmarks/h200.sh", carry=[".whl", ".peers"], timeout_s=590)
+#   run(command="bash benchmarks/h200.sh full targets", carry=[".whl", ".peers"], timeout_s=590)
 #
 # after `bash ../shared/gpu/wheels.sh` (fills .whl/) and `cp -r ../shared/peers .peers`.
 # Each line of $OUT/results.jsonl is one measurement (ours from `python -m paisoar_jax.bench`,
 # the PyTorch peers' own JSON), tagged with its name; $OUT/log holds everything printed.
 # `bash benchmarks/h200.sh tiny` dry-runs the same steps here on a CPU with tiny shapes.
-# A second argument picks a part: `bash benchmarks/h200.sh full text` (GPT and the input
-# pipeline) or `... full vision` (ResNet-50, ViT-B/16 and the PyTorch ResNet-50 peer).
+# A second argument picks a part; one part fits one device call, most important first:
+#   targets   gpt2_124m and gpt_1b in bf16 and fp16 beside the PyTorch compile peer (issue 7)
+#   variants  fp8, XLA attention, remat dots, fp32, the fp32 eager peer, the input pipeline
+#   vision    ResNet-50 and ViT-B/16 beside the PyTorch ResNet-50 peer (issue 8)
+#   all       the three in order (too long for one device call at full size)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
 SIZE=${1:-full}
-PART=${2:-all}  # text (GPT and the pipeline), vision, or all: one part fits one device call
+PART=${2:-all}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then  # the GPU machine lacks grain and array-record
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -54,22 +57,13 @@ ours() {  # ours NAME CONFIG OVERRIDES...
   record "$name" python3 -m paisoar_jax.bench --config "$config" "${SHAPE[@]}" "${STEPS[@]}" "$@"
 }
 
-if [ "$PART" != vision ]; then
-# The input pipeline alone (issue 4): 16 cores, gpt2_124m's batch shape.
-record data_synthetic python3 -m paisoar_jax.bench --data-only --config gpt2_124m "${SHAPE[@]}"
-record data_embedded_w8 python3 -m paisoar_jax.bench --data-only --config gpt2_124m \
-  "${SHAPE[@]}" data.source=embedded model.vocab_size=50304 data.workers=8
-
-# gpt2_124m, B=16, T=1024 (issues 2, 3, 7): the precisions and the attention variants.
+if [ "$PART" = targets ] || [ "$PART" = all ]; then
+# Issue 7's targets first: gpt2_124m (B=16, T=1024) and gpt_1b (L24 D2048 T2048 B=8) in bf16
+# and fp16, each beside the PyTorch bf16 + torch.compile peer.
 ours gpt2_bf16_cudnn gpt2_124m precision.policy=bf16 "$CUDNN"
-ours gpt2_bf16_xla gpt2_124m precision.policy=bf16 model.attention=xla
 ours gpt2_fp16_cudnn gpt2_124m precision.policy=fp16 "$CUDNN"
-ours gpt2_fp32 gpt2_124m precision.policy=fp32 model.attention=xla
-ours gpt2_bf16_cudnn_dots gpt2_124m precision.policy=bf16 "$CUDNN" remat.policy=dots
 if [ "$SIZE" != tiny ]; then
   record peer_gpt2_bf16_compile python3 .peers/gpt_torch.py bf16_compile
-  record peer_gpt2_fp32_eager python3 .peers/gpt_torch.py fp32_eager
-  # gpt_1b, L24 D2048 T2048 B=8 (issue 7): bf16 and fp16, then the peer.
   ours gpt1b_bf16_cudnn gpt_1b precision.policy=bf16 "$CUDNN" train.steps=30
   ours gpt1b_fp16_cudnn gpt_1b precision.policy=fp16 "$CUDNN" train.steps=30
   record peer_gpt1b_bf16_compile env L=24 D=2048 H=16 T=2048 B=8 \
@@ -77,7 +71,23 @@ if [ "$SIZE" != tiny ]; then
 fi
 fi
 
-if [ "$PART" != text ]; then
+if [ "$PART" = variants ] || [ "$PART" = all ]; then
+# What each setting changes (the variants table of RESULTS.md), fp8, and the input pipeline.
+ours gpt2_fp8_cudnn gpt2_124m precision.policy=fp8 "$CUDNN"
+ours gpt2_bf16_xla gpt2_124m precision.policy=bf16 model.attention=xla
+ours gpt2_bf16_cudnn_dots gpt2_124m precision.policy=bf16 "$CUDNN" remat.policy=dots
+ours gpt2_fp32 gpt2_124m precision.policy=fp32 model.attention=xla
+if [ "$SIZE" != tiny ]; then
+  ours gpt1b_fp8_cudnn gpt_1b precision.policy=fp8 "$CUDNN" train.steps=30
+  record peer_gpt2_fp32_eager python3 .peers/gpt_torch.py fp32_eager
+fi
+# The input pipeline alone (issue 4): 16 cores, gpt2_124m's batch shape.
+record data_synthetic python3 -m paisoar_jax.bench --data-only --config gpt2_124m "${SHAPE[@]}"
+record data_embedded_w8 python3 -m paisoar_jax.bench --data-only --config gpt2_124m \
+  "${SHAPE[@]}" data.source=embedded model.vocab_size=50304 data.workers=8
+fi
+
+if [ "$PART" = vision ] || [ "$PART" = all ]; then
 # ResNet-50 and ViT-B/16 at B=256, 224 px, bf16, synthetic images (issue 8), then the peer.
 if [ "$SIZE" = tiny ]; then
   record resnet_tiny python3 -m paisoar_jax.bench --config resnet_tiny train.steps=6

@@ -368,7 +368,7 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
         if "model_state" in saved_tree:
             target["model_state"] = abstract_state.model_state
         else:
-            warn(f"{item} has no BatchNorm statistics: they start afresh")
+            warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")
     check_compatible({name: saved_tree[name] for name in target}, target, item)
     restored = checkpointer.restore(
         item,

@@ -123,7 +123,7 @@ class OptimConfig:
 class PrecisionConfig:
     """Mixed-precision policy: params stay fp32, compute runs in the policy's dtype."""
 
-    policy: Literal["fp32", "bf16", "fp16"] = "fp32"
+    policy: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"  # fp8: bf16 + fp8 block matmuls
     loss_scale: str = "auto"  # auto (dynamic for fp16, else none) | dynamic | none | static:<v>
     initial_scale: float = 2.0**15
     growth_interval: int = 2000  # finite steps in a row before the scale doubles

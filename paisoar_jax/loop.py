@@ -380,6 +380,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         text = generate(
             layout,
             state.params,
+            state.model_state,
             mesh,
             SAMPLE_PROMPT,
             train_config.sample_bytes,

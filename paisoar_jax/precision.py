@@ -2,8 +2,8 @@
 
 Params stay fp32 (the master weights); a module casts them to `compute_dtype` where it uses
 them. Layer norm, attention logits and softmax, the final logits and the loss run in fp32
-whatever the policy. To keep more in fp32 (what PyTorch's autocast(enabled=False) or
-custom_fwd do):
+whatever the policy. fp8 is bf16 with the GPT blocks' matmuls in fp8 (fp8.py). To keep more
+in fp32 (what PyTorch's autocast(enabled=False) or custom_fwd do):
 
 - a function: decorate it with `@fp32_function`; its floating inputs arrive in fp32;
 - a submodule: `force_policy(model.blocks, "fp32")` before training; every module under it
@@ -30,6 +30,9 @@ class Policy:
     param_dtype: jnp.dtype = jnp.float32
     compute_dtype: jnp.dtype = jnp.float32
     output_dtype: jnp.dtype = jnp.float32
+    # The transformer blocks' matmuls in fp8 with delayed scaling (fp8.py); the rest of the
+    # math in compute_dtype.
+    fp8: bool = False
 
     def cast_to_compute(self, x: jax.Array) -> jax.Array:
         """Casts a floating array to the compute dtype (integers pass unchanged)."""
@@ -40,11 +43,12 @@ PRESETS = {
     "fp32": Policy(),
     "bf16": Policy(compute_dtype=jnp.bfloat16),
     "fp16": Policy(compute_dtype=jnp.float16),
+    "fp8": Policy(compute_dtype=jnp.bfloat16, fp8=True),
 }
 
 
 def get_policy(name: str) -> Policy:
-    """The preset policy called `name` (fp32, bf16, fp16)."""
+    """The preset policy called `name` (fp32, bf16, fp16, fp8)."""
     if name not in PRESETS:
         raise UserError(f"precision.policy={name!r} is not one of {', '.join(PRESETS)}")
     return PRESETS[name]

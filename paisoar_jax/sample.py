@@ -15,6 +15,7 @@ from paisoar_jax.state import StateLayout
 def generate(
     layout: StateLayout,
     params,
+    model_state,
     mesh: Mesh,
     prompt: bytes,
     length: int,
@@ -27,8 +28,9 @@ def generate(
     rows = sharding.batch_shards(mesh)
 
     @jax.jit
-    def next_token(params, window_RxT, index, key):
-        logits_RxTxV = nnx.merge(layout.graphdef, params)(window_RxT)
+    def next_token(params, model_state, window_RxT, index, key):
+        # model_state: the fp8 scales of an fp8 model; empty for other language models.
+        logits_RxTxV = nnx.merge(layout.graphdef, params, model_state)(window_RxT)
         logits_V = logits_RxTxV[0, index] / temperature
         return jax.random.categorical(key, logits_V)
 
@@ -40,5 +42,6 @@ def generate(
         window_RxT[:, : len(window)] = window
         key, subkey = jax.random.split(key)
         batch = jax.device_put(window_RxT, sharding.batch_sharding(mesh))
-        tokens.append(int(next_token(params, batch, jnp.int32(len(window) - 1), subkey)))
+        index = jnp.int32(len(window) - 1)
+        tokens.append(int(next_token(params, model_state, batch, index, subkey)))
     return bytes(tokens)

@@ -5,8 +5,9 @@
 gradients in a `lax.scan` inside the same compiled program, so the optimizer sees exactly
 the gradient of the whole batch. What a batch is and what the loss is belong to the task
 (tasks.py): token windows for a language model, images and labels for a classifier.
-Variables the forward pass updates (BatchNorm's running statistics) are threaded through
-the micro-batches in order and come back as the new `model_state`.
+Variables the forward pass updates (BatchNorm's running statistics) and the fp8 scaling
+state the backward pass updates (fp8.py) are threaded through the micro-batches in order and
+come back as the new `model_state`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import loss_scale, sharding
+from paisoar_jax import fp8, loss_scale, sharding
 from paisoar_jax.optim import decay_mask
 from paisoar_jax.state import StateLayout, TrainState
 
@@ -115,11 +116,23 @@ def loss_and_grads(
         loss, aux = loss_fn(compute_params, model_state, graphdef, micro_batch, task, micro_key)
         return loss * scale, (loss, aux)
 
+    # fp8 scaling state (fp8.Fp8Meta) is differentiated too: its "gradient" is its next value.
+    overwritten = fp8.meta_mask(graphdef, params, model_state)
+    argnums = (0, 1) if any(jax.tree.leaves(overwritten)) else 0
+
     def grad_fn(model_state, micro_batch, micro_key):
-        (_, (loss, (metrics, model_state))), grads = jax.value_and_grad(scaled_loss, has_aux=True)(
-            params, model_state, micro_batch, micro_key
-        )
-        return loss, grads, metrics, model_state
+        (_, (loss, (metrics, new_model_state))), grads = jax.value_and_grad(
+            scaled_loss, argnums=argnums, has_aux=True
+        )(params, model_state, micro_batch, micro_key)
+        if argnums != 0:
+            grads, next_values = grads
+            new_model_state = jax.tree.map(
+                lambda is_meta, next_value, updated: next_value if is_meta else updated,
+                overwritten,
+                next_values,
+                new_model_state,
+            )
+        return loss, grads, metrics, new_model_state
 
     if grad_accum == 1:
         return grad_fn(model_state, batch, key)

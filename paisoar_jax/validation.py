@@ -96,7 +96,12 @@ def _validate_vision(config: Config) -> None:
     """The image model's shape (checked by its family) and the augmentation ranges."""
     from paisoar_jax.models import resolve_model_config  # late: keeps `--help` free of jax
 
-    resolve_model_config(config.model)
+    model = resolve_model_config(config.model)
+    if config.precision.policy == "fp8" and model.name != "vit":
+        raise UserError(
+            f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name gpt or "
+            f"vit); {model.name} is convolutional: use bf16"
+        )
     if config.model.num_classes < 2:
         raise UserError(f"model.num_classes must be >= 2, got {config.model.num_classes}")
     if not 0 <= config.model.label_smoothing < 1:

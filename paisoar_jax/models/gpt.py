@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from paisoar_jax import fp8
 from paisoar_jax.config import ModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy, float32_island
@@ -115,12 +116,15 @@ class Block(nnx.Module):
         self.mlp_in_bias = _param(rngs, zeros, (F,), ("mlp",))
         self.mlp_out_kernel = _param(rngs, residual, (F, D), ("mlp", "embed"))
         self.mlp_out_bias = _param(rngs, zeros, (D,), ("embed",))
+        # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
+        self.fp8 = fp8.block_dots(policy)
 
     def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
         """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
         cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         h_BxTxD = cast(self.attention_norm(x_BxTxD))
-        qkv_BxTx3xHxE = jnp.einsum("btd,dkhe->btkhe", h_BxTxD, cast(self.qkv_kernel[...]))
+        qkv_BxTx3xHxE = matmul("btd,dkhe->btkhe", h_BxTxD, self.qkv_kernel[...], "qkv")
         qkv_BxTx3xHxE = qkv_BxTx3xHxE + cast(self.qkv_bias[...])
         heads = ("batch", "length", "act_heads", "head_dim")
         q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = (
@@ -131,15 +135,17 @@ class Block(nnx.Module):
             k_BxTxHxE = apply_rotary(k_BxTxHxE, *rotary)
         attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, self.attention_impl)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
-        out_BxTxD = jnp.einsum("bthe,hed->btd", attention_BxTxHxE, cast(self.out_kernel[...]))
+        out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
         x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
 
         h_BxTxD = cast(self.mlp_norm(x_BxTxD))
-        hidden_BxTxF = h_BxTxD @ cast(self.mlp_in_kernel[...]) + cast(self.mlp_in_bias[...])
+        hidden_BxTxF = matmul("btd,df->btf", h_BxTxD, self.mlp_in_kernel[...], "mlp_in")
+        hidden_BxTxF = hidden_BxTxF + cast(self.mlp_in_bias[...])
         hidden_BxTxF = constrain(jax.nn.gelu(hidden_BxTxF), ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
-        out_BxTxD = hidden_BxTxF @ cast(self.mlp_out_kernel[...]) + cast(self.mlp_out_bias[...])
+        out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.mlp_out_kernel[...], "mlp_out")
+        out_BxTxD = out_BxTxD + cast(self.mlp_out_bias[...])
         return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
 
 

@@ -12,11 +12,14 @@ K heads, E head width, F MLP width, N classes.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from paisoar_jax import fp8
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.layers import (
     Conv,
@@ -78,12 +81,15 @@ class EncoderBlock(nnx.Module):
         self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
         self.mlp_out_kernel = param(rngs, normal, (F, D), ("mlp", "embed"))
         self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
+        # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
+        self.fp8 = fp8.block_dots(policy)
 
     def __call__(self, x_BxTxD: jax.Array, train: bool | None = None) -> jax.Array:
         """Applies the block (`train` is accepted for a uniform interface: no dropout)."""
         cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         h_BxTxD = cast(self.attention_norm(x_BxTxD))
-        qkv_BxTx3xKxE = jnp.einsum("btd,dske->btske", h_BxTxD, cast(self.qkv_kernel[...]))
+        qkv_BxTx3xKxE = matmul("btd,dske->btske", h_BxTxD, self.qkv_kernel[...], "qkv")
         qkv_BxTx3xKxE = qkv_BxTx3xKxE + cast(self.qkv_bias[...])
         heads = ("batch", "length", "act_heads", "head_dim")
         q_BxTxKxE, k_BxTxKxE, v_BxTxKxE = (
@@ -92,17 +98,19 @@ class EncoderBlock(nnx.Module):
         attention_BxTxKxE = attention(q_BxTxKxE, k_BxTxKxE, v_BxTxKxE)
         # Tagged for the `minimal` remat policy, which keeps exactly these two values.
         attention_BxTxKxE = checkpoint_name(attention_BxTxKxE, "attention_out")
-        out_BxTxD = jnp.einsum("btke,ked->btd", attention_BxTxKxE, cast(self.out_kernel[...]))
+        out_BxTxD = matmul("btke,ked->btd", attention_BxTxKxE, self.out_kernel[...], "out")
         x_BxTxD = constrain(x_BxTxD + out_BxTxD + cast(self.out_bias[...]), TOKEN_AXES)
 
         h_BxTxD = cast(self.mlp_norm(x_BxTxD))
-        hidden_BxTxF = h_BxTxD @ cast(self.mlp_in_kernel[...]) + cast(self.mlp_in_bias[...])
+        hidden_BxTxF = matmul("btd,df->btf", h_BxTxD, self.mlp_in_kernel[...], "mlp_in")
+        hidden_BxTxF = hidden_BxTxF + cast(self.mlp_in_bias[...])
         # Exact (erf) GELU, as in the ViT paper and timm.
         hidden_BxTxF = jax.nn.gelu(hidden_BxTxF, approximate=False)
         hidden_BxTxF = checkpoint_name(
             constrain(hidden_BxTxF, ("batch", "length", "act_mlp")), "mlp_hidden"
         )
-        out_BxTxD = hidden_BxTxF @ cast(self.mlp_out_kernel[...]) + cast(self.mlp_out_bias[...])
+        out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.mlp_out_kernel[...], "mlp_out")
+        out_BxTxD = out_BxTxD + cast(self.mlp_out_bias[...])
         return constrain(x_BxTxD + out_BxTxD, TOKEN_AXES)
 
 

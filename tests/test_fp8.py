@@ -1,0 +1,129 @@
+"""fp8 matmuls with delayed scaling: numerics, the scaling state, sharding, resume, refusals."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_RESNET, build_run, token_batches
+from flax import nnx
+
+from paisoar_jax import sharding
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.fp8 import Fp8Dot
+from paisoar_jax.loop import train
+
+E4M3_MAX = 448.0
+
+
+def test_fp8_dot_records_amax_and_scales_from_the_history():
+    """One matmul, two steps: step 1 records each tensor's amax (the backward pass hands the
+    new scaling state back as its gradient); step 2 scales by amax / 448 and lands within
+    fp8's error of the bf16 product."""
+    x = jax.random.normal(jax.random.key(0), (4, 16, 64)).astype(jnp.bfloat16)
+    kernel = (0.05 * jax.random.normal(jax.random.key(1), (64, 32))).astype(jnp.bfloat16)
+    with nnx.use_eager_sharding(False):  # no mesh here: the trainer builds models the same way
+        graphdef, meta = nnx.split(Fp8Dot(history=4))
+
+    def loss(meta, x, kernel):
+        y = nnx.merge(graphdef, meta)(x, kernel)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (next_meta, _, _), y = step(meta, x, kernel)
+    dy = 2 * y.astype(jnp.float32)
+    for tensor, value in (("lhs", x), ("rhs", kernel), ("grad", dy)):
+        history = np.asarray(next_meta[f"{tensor}_amax_history"][...])
+        np.testing.assert_allclose(history[0], jnp.abs(value).max(), rtol=1e-2, err_msg=tensor)
+        assert np.count_nonzero(history) == 1, tensor
+
+    (after, _, _), y = step(next_meta, x, kernel)
+    np.testing.assert_allclose(
+        after["lhs_scale"][...], jnp.abs(x).max().astype(jnp.float32) / E4M3_MAX, rtol=1e-2
+    )
+    reference = jnp.einsum("btd,df->btf", x, kernel, preferred_element_type=jnp.float32)
+    error = jnp.linalg.norm(y.astype(jnp.float32) - reference) / jnp.linalg.norm(reference)
+    assert 0 < float(error) < 0.05  # quantized (not exact), but close
+
+
+def train_steps(overrides, devices, steps, same_batch=True):
+    """(losses, state, train_step, first batch) after `steps` steps of the tiny GPT."""
+    _, mesh, _, state, train_step = build_run(overrides, devices)
+    batches = token_batches(1 if same_batch else steps)
+    losses = []
+    with jax.set_mesh(mesh):
+        for index in range(steps):
+            batch = jax.device_put(batches[index % len(batches)], sharding.batch_sharding(mesh))
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses, state, train_step, batch
+
+
+def test_fp8_trains_like_bf16_and_compiles_to_fp8_matmuls(devices):
+    steps = 12  # one batch over and over at full lr: the loss falls steeply in both
+    common = ["optim.warmup_steps=0", "optim.schedule=constant"]
+    fp8_losses, state, train_step, batch = train_steps(
+        [*common, "precision.policy=fp8"], devices[:1], steps
+    )
+    bf16_losses, *_ = train_steps([*common, "precision.policy=bf16"], devices[:1], steps)
+    assert fp8_losses[-1] < 0.8 * fp8_losses[0]
+    np.testing.assert_allclose(fp8_losses, bf16_losses, rtol=0.01)
+    # Four matmuls per block, each with its own state, stacked over the 2 scanned layers.
+    fp8_state = state.model_state["blocks"]["fp8"]
+    assert sorted(fp8_state) == ["mlp_in", "mlp_out", "out", "qkv"]
+    history = np.asarray(fp8_state["mlp_out"]["grad_amax_history"])
+    assert history.shape == (2, 1024)
+    assert (np.count_nonzero(history, axis=1) == steps).all()
+    assert (np.asarray(fp8_state["qkv"]["lhs_scale"]) != 1).all()
+    # The compiled step quantizes to e4m3 (inputs, weights) and e5m2 (gradients).
+    hlo = train_step.lower(state, batch).compile().as_text()
+    assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
+
+
+def test_sharded_fp8_step_matches_one_device(devices):
+    """Each amax is the max over the global tensor, so the scales match one device's (to
+    the bf16 rounding of gradients summed in another order)."""
+    common = ["precision.policy=fp8"]
+    one_losses, one, *_ = train_steps([*common, "mesh.data=1"], devices[:1], 3, same_batch=False)
+    losses, sharded, *_ = train_steps(
+        [*common, "mesh.data=4", "mesh.fsdp=2"], devices, 3, same_batch=False
+    )
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-3)
+    pairs = zip(
+        jax.tree_util.tree_leaves_with_path(jax.device_get(sharded.model_state)),
+        jax.tree.leaves(jax.device_get(one.model_state)),
+        strict=True,
+    )
+    for (path, actual), expected in pairs:
+        np.testing.assert_allclose(actual, expected, rtol=5e-2, err_msg=jax.tree_util.keystr(path))
+
+
+def test_grad_accumulation_threads_the_scaling_state_through_micro_batches(devices):
+    overrides = ["precision.policy=fp8", "train.grad_accum=2"]
+    _, state, *_ = train_steps(overrides, devices[:1], 1)
+    history = np.asarray(state.model_state["blocks"]["fp8"]["qkv"]["lhs_amax_history"])
+    assert (np.count_nonzero(history, axis=1) == 2).all()  # one entry per micro-batch
+
+
+def test_resume_restores_the_scaling_state_and_continues_exactly(tmp_path):
+    common = ["precision.policy=fp8", "model.layers=1", "model.width=32", "model.seq_len=32"]
+    common += ["train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]
+    common += ["train.sample_bytes=0", "run.progress=false", "run.tensorboard=false"]
+    common += ["optim.schedule=constant", "optim.warmup_steps=0"]
+    straight = train(load_config(None, [*common, "train.steps=6", f"run.dir={tmp_path}/a"]))
+    train(load_config(None, [*common, "train.steps=3", f"run.dir={tmp_path}/b"]))
+    resumed = train(load_config(None, [*common, "train.steps=6", f"run.dir={tmp_path}/b"]))
+    assert resumed["resumed_from"] == 3
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in "ab"
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert straight["final_loss"] == resumed["final_loss"]
+
+
+def test_fp8_is_refused_for_convolutional_models():
+    with pytest.raises(UserError, match="resnet is convolutional: use bf16"):
+        load_config(None, [*TINY_RESNET, "precision.policy=fp8"])
