@@ -117,10 +117,22 @@ def bench_train(config: Config) -> dict[str, Any]:
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind,
-        "attention": getattr(config.model, "attention", None),
+        "attention": _attention(config),
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def _attention(config: Config) -> str | None:
+    """The attention implementation a language model ran (auto resolved); None for images."""
+    from paisoar_jax.models.gpt import resolve_attention
+    from paisoar_jax.precision import get_policy
+
+    model = config.model
+    if not hasattr(model, "attention"):
+        return None
+    policy = get_policy(config.precision.policy)
+    return resolve_attention(model.attention, policy, model.width // model.heads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,7 +47,7 @@ class ModelConfig:
     position: Literal["learned", "rotary"] = "learned"
     tie_embeddings: bool = True
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
-    attention: Literal["auto", "xla", "cudnn"] = "auto"  # jax.nn.dot_product_attention backend
+    attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
     init_std: float = 0.02
 
 

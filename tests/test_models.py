@@ -92,3 +92,19 @@ def test_flops_per_token_formula():
 def test_unknown_model_name():
     with pytest.raises(UserError, match="model.name='resnet7' is not one of gpt"):
         model_class("resnet7")
+
+
+def test_auto_attention_takes_xla_where_cudnn_cannot_run(capsys):
+    from paisoar_jax.models.gpt import cudnn_attention_compiles, resolve_attention
+
+    bf16, fp32 = get_policy("bf16"), get_policy("fp32")
+    assert resolve_attention("auto", bf16, 64) == "xla"  # a CPU: no cuDNN
+    assert resolve_attention("xla", bf16, 64) == "xla"
+    with pytest.raises(UserError, match="model.attention=cudnn needs an NVIDIA GPU"):
+        resolve_attention("cudnn", fp32, 64)
+    # The probe itself (run once per process on a GPU): here the cuDNN kernel cannot
+    # compile, so it answers False and says why in one line.
+    assert cudnn_attention_compiles.__wrapped__() is False
+    message = capsys.readouterr().out
+    assert message.startswith("paisoar_jax: cuDNN attention unavailable (")
+    assert message.count("\n") == 1
