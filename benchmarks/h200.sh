@@ -9,7 +9,8 @@
 # `bash benchmarks/h200.sh tiny` dry-runs the same steps here on a CPU with tiny shapes.
 # A second argument picks a part; one part fits one device call, most important first:
 #   targets   gpt2_124m and gpt_1b in bf16 and fp16 beside the PyTorch compile peer (issue 7)
-#   variants  fp8, XLA attention, remat dots, fp32, the fp32 eager peer, the input pipeline
+#   variants  fp8, XLA attention, remat dots, fp32, XLA flags, the fp32 eager peer, the input
+#             pipeline
 #   vision    ResNet-50 and ViT-B/16 beside the PyTorch ResNet-50 peer (issue 8)
 #   all       the three in order (too long for one device call at full size)
 set -uo pipefail
@@ -74,9 +75,16 @@ fi
 if [ "$PART" = variants ] || [ "$PART" = all ]; then
 # What each setting changes (the variants table of RESULTS.md), fp8, and the input pipeline.
 ours gpt2_fp8_cudnn gpt2_124m precision.policy=fp8 "$CUDNN"
+ours gpt2_bf16_auto gpt2_124m  # the shipped config as a user runs it: "attention" says what auto took
 ours gpt2_bf16_xla gpt2_124m precision.policy=bf16 model.attention=xla
 ours gpt2_bf16_cudnn_dots gpt2_124m precision.policy=bf16 "$CUDNN" remat.policy=dots
 ours gpt2_fp32 gpt2_124m precision.policy=fp32 model.attention=xla
+# XLA GPU flags, one at a time against gpt2_bf16_cudnn: command buffers (CUDA graphs, on by
+# default) off, and the latency-hiding scheduler on (it matters once there are collectives).
+record gpt2_bf16_cudnn_no_command_buffers env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+  python3 -m paisoar_jax.bench --config gpt2_124m "${SHAPE[@]}" "${STEPS[@]}" "$CUDNN"
+record gpt2_bf16_cudnn_latency_hiding env XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+  python3 -m paisoar_jax.bench --config gpt2_124m "${SHAPE[@]}" "${STEPS[@]}" "$CUDNN"
 if [ "$SIZE" != tiny ]; then
   ours gpt1b_fp8_cudnn gpt_1b precision.policy=fp8 "$CUDNN" train.steps=30
   record peer_gpt2_fp32_eager python3 .peers/gpt_torch.py fp32_eager

@@ -356,16 +356,17 @@ def _params_item(path: pathlib.Path) -> pathlib.Path:
 def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | None]:
     """(params, model state) from an export or any checkpoint step, in the current shardings.
 
-    The model state (BatchNorm's running statistics) is None when the model has none, or
-    when the export was written without it (with a warning: eval then starts from fresh
-    statistics).
+    The model state (BatchNorm's running statistics, fp8 scales) is None when the model has
+    none, or when the export or step was written without it (with a warning: it then starts
+    afresh).
     """
     item = _params_item(path.absolute())
     checkpointer = ocp.PyTreeCheckpointer()
     saved_tree = _saved_tree(checkpointer.metadata(item))
     target = {"params": abstract_state.params}
     if jax.tree.leaves(abstract_state.model_state):
-        if "model_state" in saved_tree:
+        # A step of a model with no model state (a bf16 GPT for an fp8 run) holds it empty.
+        if jax.tree.leaves(saved_tree.get("model_state", {})):
             target["model_state"] = abstract_state.model_state
         else:
             warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")

@@ -12,7 +12,8 @@ elsewhere (so CPU tests check the numerics, not the speed).
 The scales and histories are `Fp8Meta` variables: part of the train state's
 `model_state`, saved in checkpoints, never seen by the optimizer. flax returns their new
 values as their "gradients" (the backward pass is where the gradient's amax is known); the
-train step (step.py) writes those over the old values instead of applying them.
+train step (step.py) writes those over the old values instead of applying them. So each
+Fp8Dot must be called once per forward pass: two calls would sum their "gradients".
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from flax.linen import fp8_ops
 
 from paisoar_jax.precision import Policy
 
-# Steps of amax history a scale is taken from (Transformer Engine's default length).
+# Steps of amax history a scale is taken from (Transformer Engine's default length). Each
+# micro-batch is a step here: with train.grad_accum = k the history spans 1024 / k
+# optimizer steps.
 AMAX_HISTORY = 1024
 
 # The three quantized tensors of one matmul, in flax's argument names.
@@ -58,19 +61,43 @@ class Fp8Dot(nnx.Module):
         """
         x_axes = tuple(range(x.ndim - contracting, x.ndim))
         kernel_axes = tuple(range(contracting))
-        meta = {
-            name: getattr(self, name)[...]
-            for tensor in _TENSORS
-            for name in (f"{tensor}_scale", f"{tensor}_amax_history")
-        }
         return fp8_ops.fp8_scaled_dot_general(
             x,
             kernel,
             ((x_axes, kernel_axes), ((), ())),
             preferred_element_type=x.dtype,
             quantize_compute_type=x.dtype,
-            **meta,
+            **self.meta(),
         )
+
+    def meta(self) -> dict[str, jax.Array]:
+        """The scales and amax histories, by flax's argument names."""
+        return {
+            name: getattr(self, name)[...]
+            for tensor in _TENSORS
+            for name in (f"{tensor}_scale", f"{tensor}_amax_history")
+        }
+
+
+@jax.custom_vjp
+def _keep_meta(y: jax.Array, meta: dict[str, jax.Array]) -> jax.Array:
+    """`y`; in the backward pass, `meta` comes back as its own "gradient".
+
+    For a matmul that skips its fp8 state: the train step writes each Fp8Meta's gradient
+    over it, and without this the unused state's zero gradient would set every scale to 0.
+    """
+    return y
+
+
+def _keep_meta_forward(y, meta):
+    return y, meta
+
+
+def _keep_meta_backward(meta, cotangent):
+    return cotangent, meta
+
+
+_keep_meta.defvjp(_keep_meta_forward, _keep_meta_backward)
 
 
 def block_dots(policy: Policy) -> nnx.Dict | None:
@@ -89,21 +116,29 @@ def matmul(
 ) -> jax.Array:
     """`einsum(equation, x, kernel)` in the compute dtype, through `dots[name]` under fp8.
 
-    The equation must contract x's last axes with the kernel's first ones ("btd,df->btf").
-    A block forced to another policy (precision.force_policy) skips its fp8 matmuls.
+    The equation must contract x's last axes with the kernel's first ones and keep the rest
+    in order ("btd,df->btf"). A block forced to another policy (precision.force_policy)
+    skips its fp8 matmuls and keeps their scaling state as it is.
     """
     kernel = policy.cast_to_compute(kernel)
-    if dots is None or not policy.fp8:
-        return jnp.einsum(equation, x, kernel)
+    if not policy.fp8:
+        y = jnp.einsum(equation, x, kernel)
+        return y if dots is None else _keep_meta(y, dots[name].meta())
+    if dots is None:
+        raise ValueError("this block was built without fp8 state: build it under the fp8 policy")
     inputs, output = equation.split("->")
     x_axes, kernel_axes = inputs.split(",")
     contracting = len(set(x_axes) - set(output))
-    if x_axes[len(x_axes) - contracting :] != kernel_axes[:contracting]:
-        raise ValueError(f"{equation}: fp8 matmuls contract x's last axes with the kernel's first")
+    x_free, x_contracted = x_axes[: len(x_axes) - contracting], x_axes[len(x_axes) - contracting :]
+    if x_contracted != kernel_axes[:contracting] or output != x_free + kernel_axes[contracting:]:
+        raise ValueError(
+            f"{equation}: an fp8 matmul contracts x's last axes with the kernel's first and "
+            "keeps the other axes in order"
+        )
     return dots[name](x, kernel, contracting)
 
 
-def meta_mask(graphdef: nnx.GraphDef, params, model_state):
+def meta_mask(graphdef: nnx.GraphDef, params: dict, model_state: dict) -> dict:
     """`model_state` (a pure dict) with True at every Fp8Meta leaf and False elsewhere."""
     model = nnx.merge(graphdef, params, model_state)
     meta = nnx.to_pure_dict(nnx.state(model, Fp8Meta))

@@ -12,13 +12,16 @@ them, each as the override to type:
 3. `train.grad_accum`: a smaller micro-batch, same global batch;
 4. `precision.policy=bf16`: half the activation bytes.
 
-Fixes already in effect are left out. The error is an `OutOfMemoryError`, a `UserError`:
-the entrypoints print it and exit with status 2, like any other config that cannot run.
+Fixes already in effect are left out. On a GPU where jax took its default 75% of memory,
+the report also says how to give it more (XLA_PYTHON_CLIENT_MEM_FRACTION). The error is an
+`OutOfMemoryError`, a `UserError`: the entrypoints print it and exit with status 2, like any
+other config that cannot run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,6 +174,9 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
         f"  {name:<17}{format_bytes(value):>10}  {notes.get(name, '')}".rstrip()
         for name, value in rows.items()
     ]
+    hint = memory_fraction_hint(config)
+    if hint:
+        lines.append(hint)
     fixes = memory_fixes(config, mesh_shape)
     if fixes:
         width = max(len(override) for override, _ in fixes)
@@ -179,6 +185,26 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
     else:
         lines.append("every fix is in effect already: use more devices or a smaller model")
     return "\n".join(lines)
+
+
+def memory_fraction_hint(config: Config) -> str | None:
+    """On a GPU where jax holds under 90% of the memory: how to give it more; else None.
+
+    jax preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU (0.75 unless set) and that
+    is the step's limit; raising it leaves less for anything else on the GPU (another
+    process, cuDNN or NCCL buffers outside jax's pool).
+    """
+    import jax
+
+    if config.train.memory_limit_gb > 0 or jax.default_backend() != "gpu":
+        return None
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or 0.75)
+    if fraction >= 0.9:
+        return None
+    return (
+        f"jax holds {fraction:.0%} of each GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION): "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 in the environment gives the step most of the rest"
+    )
 
 
 def check_fits(config: Config, layout: Any, compiled: Any, limit_bytes: int | None) -> None:

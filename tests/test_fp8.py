@@ -127,3 +127,55 @@ def test_resume_restores_the_scaling_state_and_continues_exactly(tmp_path):
 def test_fp8_is_refused_for_convolutional_models():
     with pytest.raises(UserError, match="resnet is convolutional: use bf16"):
         load_config(None, [*TINY_RESNET, "precision.policy=fp8"])
+
+
+def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, capsys):
+    common = ["model.layers=1", "model.width=32", "model.seq_len=32", "train.eval_every=0"]
+    common += ["train.sample_bytes=0", "run.progress=false", "run.tensorboard=false"]
+    train(
+        load_config(
+            None, [*common, "precision.policy=bf16", "train.steps=2", f"run.dir={tmp_path}/a"]
+        )
+    )
+    fine_tune = [*common, "precision.policy=fp8", "train.steps=2", f"run.dir={tmp_path}/b"]
+    summary = train(
+        load_config(None, [*fine_tune, f"checkpoint.init_from={tmp_path}/a/checkpoints/2"])
+    )
+    assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+    assert "(BatchNorm statistics, fp8 scales): they start afresh" in capsys.readouterr().err
+
+
+def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
+    """precision.force_policy on an fp8 model: the skipped matmuls' state is kept, not
+    overwritten by a zero gradient (scales of 0 would make the next fp8 step NaN)."""
+    from paisoar_jax.precision import force_policy
+    from paisoar_jax.step import loss_and_grads
+    from paisoar_jax.tasks import task_for
+
+    config, mesh, layout, state, _ = build_run(["precision.policy=fp8"], devices[:1])
+    model = nnx.merge(layout.graphdef, state.params, state.model_state)
+    force_policy(model.blocks, "bf16")
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    batch = token_batches(1)[0]
+    with jax.set_mesh(mesh):
+        _, grads, _, new_model_state = jax.jit(
+            lambda p, s, b: loss_and_grads(p, s, graphdef, b, task_for(config))
+        )(params, model_state, batch)
+    jax.tree.map(np.testing.assert_array_equal, new_model_state, model_state)
+    assert any(np.abs(leaf).max() > 0 for leaf in jax.tree.leaves(grads))
+
+
+def test_fp8_matmul_refuses_an_equation_it_would_compute_wrongly():
+    from paisoar_jax.fp8 import matmul
+    from paisoar_jax.precision import get_policy
+
+    with nnx.use_eager_sharding(False):
+        dots = nnx.Dict({"mlp": Fp8Dot(history=4)})
+    x, kernel = jnp.ones((2, 3, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.bfloat16)
+    policy = get_policy("fp8")
+    assert matmul("btd,df->btf", x, kernel, "mlp", policy=policy, dots=dots).shape == (2, 3, 4)
+    with pytest.raises(ValueError, match="keeps the other axes in order"):
+        matmul("btd,df->fbt", x, kernel, "mlp", policy=policy, dots=dots)
+    with pytest.raises(ValueError, match="built without fp8 state"):
+        matmul("btd,df->btf", x, kernel, "mlp", policy=policy, dots=None)

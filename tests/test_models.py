@@ -104,7 +104,7 @@ def test_auto_attention_takes_xla_where_cudnn_cannot_run(capsys):
         resolve_attention("cudnn", fp32, 64)
     # The probe itself (run once per process on a GPU): here the cuDNN kernel cannot
     # compile, so it answers False and says why in one line.
-    assert cudnn_attention_compiles.__wrapped__() is False
-    message = capsys.readouterr().out
+    assert cudnn_attention_compiles.__wrapped__("bfloat16", 64) is False
+    message = capsys.readouterr().err
     assert message.startswith("paisoar_jax: cuDNN attention unavailable (")
     assert message.count("\n") == 1

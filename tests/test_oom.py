@@ -197,3 +197,19 @@ def test_the_trainer_prints_the_report_for_a_step_over_its_memory_budget(tmp_pat
     assert result.stderr.startswith("paisoar_jax.train: error: out of memory:")
     assert "remat.policy=" in result.stderr and "train.grad_accum=" in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+def test_on_a_gpu_the_report_says_how_to_give_jax_more_memory(tiny, monkeypatch):
+    """The GPU-only line, with the backend query answering "gpu" (the CPU has no fraction)."""
+    config, layout, compiled, _ = tiny
+    assert oom.memory_fraction_hint(config) is None  # a CPU: jax holds no share of it
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    report = oom.memory_report(config, layout, compiled, 2**20)
+    assert "jax holds 75% of each GPU's memory" in report
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in report
+    assert "jax" not in fix_lines(report)  # a note, not one of the overrides
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert oom.memory_fraction_hint(config) is None
+    budget = load_config(None, [*TINY, "train.memory_limit_gb=1"])
+    assert oom.memory_fraction_hint(budget) is None  # the user set the limit

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -99,24 +100,27 @@ def resolve_attention(name: str, policy: Policy, head_width: int) -> str:
     """The attention implementation model.attention=`name` runs: "cudnn" or "xla".
 
     auto takes cuDNN flash attention where it can run (an NVIDIA GPU, bf16 or fp16, a head
-    width that is a multiple of 8 up to 128, and a cuDNN that compiles it): on this
-    project's H200 it ran GPT-2 124M at 467k tokens/s against XLA attention's 251k
-    (shared/gpu/README.md). Everywhere else auto is XLA's attention.
+    width that is a multiple of 8 up to 128, and a cuDNN that compiles it): on the H200 this
+    project measures on, a plain JAX GPT-2 124M step ran at 467k tokens/s with it against
+    251k with XLA's attention (benchmarks/RESULTS.md). Everywhere else auto is XLA's.
     """
     check_attention(name, policy)
     if name != "auto":
         return name
     shape_fits = head_width % 8 == 0 and head_width <= 128
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and _is_half(policy) and shape_fits and cudnn_attention_compiles():
-        return "cudnn"
+    if jax.default_backend() == "gpu" and _is_half(policy) and shape_fits:
+        if cudnn_attention_compiles(jnp.dtype(policy.compute_dtype).name, head_width):
+            return "cudnn"
     return "xla"
 
 
 @functools.cache
-def cudnn_attention_compiles() -> bool:
-    """Whether cuDNN flash attention (forward and backward) compiles here; checked once."""
-    q_BxTxHxE = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
+    """Whether cuDNN flash attention (forward and backward) compiles here for this head.
+
+    Checked once per process, dtype and head width, from abstract inputs.
+    """
+    q_BxTxHxE = jax.ShapeDtypeStruct((1, 128, 1, head_width), jnp.dtype(dtype))
 
     def loss(q_BxTxHxE):
         out = jax.nn.dot_product_attention(
@@ -128,7 +132,11 @@ def cudnn_attention_compiles() -> bool:
         jax.jit(jax.grad(loss)).lower(q_BxTxHxE).compile()
     except Exception as error:  # any failure means: use XLA's attention, and say why
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"paisoar_jax: cuDNN attention unavailable ({reason}); using XLA attention")
+        if jax.process_index() == 0:  # stderr: bench's stdout carries its JSON line
+            print(
+                f"paisoar_jax: cuDNN attention unavailable ({reason}); using XLA attention",
+                file=sys.stderr,
+            )
         return False
     return True
 
