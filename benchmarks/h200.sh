@@ -13,6 +13,7 @@
 #             pipeline
 #   vision    ResNet-50 and ViT-B/16 beside the PyTorch ResNet-50 peer (issue 8)
 #   all       the three in order (too long for one device call at full size)
+# Each result line is written as it comes, so a call cut short keeps what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200_out}
@@ -62,6 +63,7 @@ if [ "$PART" = targets ] || [ "$PART" = all ]; then
 # Issue 7's targets first: gpt2_124m (B=16, T=1024) and gpt_1b (L24 D2048 T2048 B=8) in bf16
 # and fp16, each beside the PyTorch bf16 + torch.compile peer.
 ours gpt2_bf16_cudnn gpt2_124m precision.policy=bf16 "$CUDNN"
+ours gpt2_bf16_cudnn_bf16_logits gpt2_124m precision.policy=bf16 "$CUDNN" model.fp32_logits=false
 ours gpt2_fp16_cudnn gpt2_124m precision.policy=fp16 "$CUDNN"
 if [ "$SIZE" != tiny ]; then
   record peer_gpt2_bf16_compile python3 .peers/gpt_torch.py bf16_compile
@@ -78,6 +80,7 @@ ours gpt2_fp8_cudnn gpt2_124m precision.policy=fp8 "$CUDNN"
 ours gpt2_bf16_auto gpt2_124m  # the shipped config as a user runs it: "attention" says what auto took
 ours gpt2_bf16_xla gpt2_124m precision.policy=bf16 model.attention=xla
 ours gpt2_bf16_cudnn_dots gpt2_124m precision.policy=bf16 "$CUDNN" remat.policy=dots
+ours gpt2_bf16_cudnn_unrolled gpt2_124m precision.policy=bf16 "$CUDNN" model.scan_layers=false
 ours gpt2_fp32 gpt2_124m precision.policy=fp32 model.attention=xla
 # XLA GPU flags, one at a time against gpt2_bf16_cudnn: command buffers (CUDA graphs, on by
 # default) off, and the latency-hiding scheduler on (it matters once there are collectives).
@@ -87,6 +90,8 @@ record gpt2_bf16_cudnn_latency_hiding env XLA_FLAGS=--xla_gpu_enable_latency_hid
   python3 -m paisoar_jax.bench --config gpt2_124m "${SHAPE[@]}" "${STEPS[@]}" "$CUDNN"
 if [ "$SIZE" != tiny ]; then
   ours gpt1b_fp8_cudnn gpt_1b precision.policy=fp8 "$CUDNN" train.steps=30
+  ours gpt1b_bf16_cudnn_bf16_logits gpt_1b precision.policy=bf16 "$CUDNN" \
+    model.fp32_logits=false train.steps=30
   record peer_gpt2_fp32_eager python3 .peers/gpt_torch.py fp32_eager
 fi
 # The input pipeline alone (issue 4): 16 cores, gpt2_124m's batch shape.

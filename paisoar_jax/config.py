@@ -48,6 +48,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
+    # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
+    # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
+    fp32_logits: bool = True
     init_std: float = 0.02
 
 

@@ -1,9 +1,10 @@
 """Mixed-precision policies: which dtype params are stored in and which dtype math runs in.
 
 Params stay fp32 (the master weights); a module casts them to `compute_dtype` where it uses
-them. Layer norm, attention logits and softmax, the final logits and the loss run in fp32
-whatever the policy. fp8 is bf16 with the GPT blocks' matmuls in fp8 (fp8.py). To keep more
-in fp32 (what PyTorch's autocast(enabled=False) or custom_fwd do):
+them. Layer norm, attention logits and softmax, the final logits (unless
+model.fp32_logits=false) and the loss run in fp32 whatever the policy. fp8 is bf16 with the
+transformer blocks' matmuls in fp8 (fp8.py). To keep more in fp32 (what PyTorch's
+autocast(enabled=False) or custom_fwd do):
 
 - a function: decorate it with `@fp32_function`; its floating inputs arrive in fp32;
 - a submodule: `force_policy(model.blocks, "fp32")` before training; every module under it

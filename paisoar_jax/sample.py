@@ -31,7 +31,7 @@ def generate(
     def next_token(params, model_state, window_RxT, index, key):
         # model_state: the fp8 scales of an fp8 model; empty for other language models.
         logits_RxTxV = nnx.merge(layout.graphdef, params, model_state)(window_RxT)
-        logits_V = logits_RxTxV[0, index] / temperature
+        logits_V = logits_RxTxV[0, index].astype(jnp.float32) / temperature
         return jax.random.categorical(key, logits_V)
 
     tokens = list(prompt)

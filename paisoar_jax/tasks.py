@@ -28,7 +28,7 @@ from paisoar_jax.data.small_images import SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import is_image_model, model_class, resolve_model_config
-from paisoar_jax.precision import get_policy
+from paisoar_jax.precision import float32_island, get_policy
 
 
 class LanguageModelling:
@@ -68,7 +68,9 @@ class LanguageModelling:
     def loss(self, model, tokens_BxT1: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (fp32) and no extra metrics."""
         del key  # no randomness (no dropout)
-        logits_BxTxV = model(tokens_BxT1[:, :-1])
+        # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are
+        # never normalised in bf16.
+        logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1]))
         losses_BxT = optax.softmax_cross_entropy_with_integer_labels(
             logits_BxTxV, tokens_BxT1[:, 1:]
         )

@@ -197,7 +197,10 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer language model returning fp32 logits (B x T x V)."""
+    """Decoder-only transformer language model returning logits (B x T x V).
+
+    The logits are fp32, or in the compute dtype with model.fp32_logits=false.
+    """
 
     def __init__(self, config: ModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs):
         self.config, self.policy, self.remat_policy = config, policy, remat_policy
@@ -215,7 +218,7 @@ class GPT(nnx.Module):
             self.head = _param(rngs, normal, (D, V), ("embed", "vocab"))
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        """Next-token logits for each position of `tokens_BxT` (fp32)."""
+        """Next-token logits for each position of `tokens_BxT`."""
         cast = self.policy.cast_to_compute
         T = tokens_BxT.shape[1]
         # Gather the (cast) table whole before the lookup: a lookup into a table split over
@@ -247,8 +250,9 @@ class GPT(nnx.Module):
             head_DxV = self.token_embedding[...].T
         else:
             head_DxV = self.head[...]
+        logits_dtype = jnp.float32 if self.config.fp32_logits else None
         logits_BxTxV = jnp.einsum(
-            "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=jnp.float32
+            "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=logits_dtype
         )
         return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
