@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from paisoar_jax import sharding
+from paisoar_jax.precision import float32_island
 from paisoar_jax.state import StateLayout
 
 
@@ -31,7 +32,7 @@ def generate(
     def next_token(params, model_state, window_RxT, index, key):
         # model_state: the fp8 scales of an fp8 model; empty for other language models.
         logits_RxTxV = nnx.merge(layout.graphdef, params, model_state)(window_RxT)
-        logits_V = logits_RxTxV[0, index].astype(jnp.float32) / temperature
+        logits_V = float32_island(logits_RxTxV[0, index]) / temperature
         return jax.random.categorical(key, logits_V)
 
     tokens = list(prompt)

@@ -120,3 +120,11 @@ def token_batches(count, batch=16, seq_len=32, seed=0):
 
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, (batch, seq_len + 1), dtype=np.int32) for _ in range(count)]
+
+
+def run_records(run_dir):
+    """The records of run_dir/metrics.jsonl, in order."""
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

@@ -1,12 +1,10 @@
 """fp8 matmuls with delayed scaling: numerics, the scaling state, sharding, resume, refusals."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, token_batches
+from conftest import TINY_RESNET, build_run, run_records, token_batches
 from flax import nnx
 
 from paisoar_jax import sharding
@@ -116,10 +114,7 @@ def test_resume_restores_the_scaling_state_and_continues_exactly(tmp_path):
     train(load_config(None, [*common, "train.steps=3", f"run.dir={tmp_path}/b"]))
     resumed = train(load_config(None, [*common, "train.steps=6", f"run.dir={tmp_path}/b"]))
     assert resumed["resumed_from"] == 3
-    losses = [
-        [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
-        for name in "ab"
-    ]
+    losses = [[record["loss"] for record in run_records(tmp_path / name)] for name in "ab"]
     assert losses[0] == losses[1] and len(losses[0]) == 6
     assert straight["final_loss"] == resumed["final_loss"]
 

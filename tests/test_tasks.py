@@ -1,12 +1,10 @@
 """Image classification through the trainer: global BatchNorm, statistics in the state,
 accumulation, eval with running statistics, resume, the digits run and bad input."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, plan_run, run_module
+from conftest import TINY_RESNET, build_run, plan_run, run_module, run_records
 from flax import nnx
 from PIL import Image
 
@@ -110,11 +108,6 @@ def test_skipped_fp16_step_keeps_the_statistics(devices):
         )
     assert int(metrics["skipped_steps"]) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.model_state), before)
-
-
-def run_records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def test_resume_restores_the_statistics_and_continues_exactly(tmp_path):
