@@ -1,6 +1,41 @@
 """paisoar_jax: one YAML config turns a model and an optax optimizer into a fast JAX run.
 
-Sharded over a device mesh, mixed precision, checkpointed; see README.md for the tour.
+Sharded over a device mesh, mixed precision, checkpointed; see README.md for the tour. The
+public API (paisoar_jax/api.py and the helpers a model of one's own uses):
+
+    fit(config, overrides, *, model, loss, optimizer, data, eval_data)  train
+    plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
+    export_run(run_dir, output)            a run's weights, for checkpoint.init_from
+    initialize()                           join a multi-process run (fit does it itself)
+    load_config(path, overrides), Config   the run's configuration
+    remat_block(block)                     checkpoint a block with the run's remat.policy
+    force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
+    UserError                              bad input (one line, exit status 2 from the CLI)
+
+Names are imported on first use, so `python -m paisoar_jax.train --help` starts fast.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "fit": "paisoar_jax.api",
+    "plan_fit": "paisoar_jax.api",
+    "bench_fit": "paisoar_jax.api",
+    "initialize": "paisoar_jax.api",
+    "export_run": "paisoar_jax.api",
+    "load_config": "paisoar_jax.config",
+    "Config": "paisoar_jax.config",
+    "remat_block": "paisoar_jax.remat",
+    "force_policy": "paisoar_jax.precision",
+    "fp32_function": "paisoar_jax.precision",
+    "UserError": "paisoar_jax.errors",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'paisoar_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

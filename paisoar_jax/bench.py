@@ -40,7 +40,7 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
 
     from paisoar_jax import sharding
     from paisoar_jax.data.prefetch import DevicePrefetcher
-    from paisoar_jax.tasks import task_for
+    from paisoar_jax.zoo import task_for
 
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
@@ -81,15 +81,20 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def bench_train(config: Config) -> dict[str, Any]:
-    """Trains the config on synthetic input and summarises its speed from metrics.jsonl."""
+def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
+    """Trains the config and summarises its speed from metrics.jsonl.
+
+    `workload`: a model of one's own (as `paisoar_jax.bench` builds it); default: the
+    config's zoo model.
+    """
     import jax
 
     from paisoar_jax.loop import train
-    from paisoar_jax.tasks import task_for
+    from paisoar_jax.zoo import zoo_workload
 
-    task = task_for(config)
-    summary = train(config)
+    workload = zoo_workload(config) if workload is None else workload
+    task = workload.task
+    summary = train(config, workload)
     records = [
         json.loads(line)
         for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()

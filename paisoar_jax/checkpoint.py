@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -350,6 +351,20 @@ def _params_item(path: pathlib.Path) -> pathlib.Path:
     raise UserError(
         f"checkpoint.init_from={path}: not a params export or a checkpoint step directory "
         f"(expected {path}/params or {path}/state)"
+    )
+
+
+def abstract_weights(path: pathlib.Path, sharding: jax.sharding.Sharding) -> Any:
+    """The params and model state an export or step holds, as shapes placed on `sharding`.
+
+    Read from the checkpoint's metadata: a target for `load_weights` with no model built.
+    """
+    item = _params_item(path.absolute())
+    saved = _saved_tree(ocp.PyTreeCheckpointer().metadata(item))
+    place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return types.SimpleNamespace(
+        params=jax.tree.map(place, saved["params"]),
+        model_state=jax.tree.map(place, saved.get("model_state") or {}),
     )
 
 

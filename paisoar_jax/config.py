@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,7 +19,13 @@ import yaml
 
 from paisoar_jax.errors import UserError
 
-CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+# The shipped recipes: paisoar_jax/configs inside an installed wheel, configs/ beside the
+# package in a checkout and an editable install (pyproject.toml maps the one to the other).
+_PACKAGE_DIR = pathlib.Path(__file__).parent
+CONFIG_DIR = next(
+    (path for path in (_PACKAGE_DIR / "configs", _PACKAGE_DIR.parent / "configs") if path.is_dir()),
+    _PACKAGE_DIR / "configs",
+)
 
 
 @dataclass(frozen=True)
@@ -77,13 +84,58 @@ class VisionConfig:
     label_smoothing: float = 0.0  # share of the target spread evenly over all classes
 
 
+@dataclass(frozen=True)
+class CustomModelConfig:
+    """A model of the user's own, given to `paisoar_jax.fit(model=...)`: it has no zoo keys."""
+
+    name: str = "custom"
+    factory: str = ""  # written by fit: the model factory's qualified name (for config.yaml)
+
+
 # model.name -> the dataclass of the `model` section: each family has its own keys.
 MODEL_CONFIGS: dict[str, type] = {
     "gpt": ModelConfig,
     "resnet": VisionConfig,
     "vgg": VisionConfig,
     "vit": VisionConfig,
+    "custom": CustomModelConfig,
 }
+
+# One mesh-axis entry of a sharding rule: a mesh axis (data, fsdp, tensor), a logical name
+# of the rules table (embed, mlp, heads, vocab, ...), several mesh axes, or None (whole).
+AxisEntry = str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How parameters the rules table does not know are split (models of one's own).
+
+    Each parameter's sharding comes from, in this order: the first of `rules` whose regex
+    is found in its dotted path (`blocks.0.attn.kernel`); else its own logical axis names
+    (flax `nnx.with_partitioning`), through the table in paisoar_jax/sharding.py; else the
+    default: whole on every device, except that under FSDP or ZeRO-3 a parameter of at
+    least `min_split_size` elements is split on its largest dimension that the shard count
+    divides. In a rule, `fsdp` (like the logical `embed`) also takes `data` under ZeRO-3
+    for params and under ZeRO >= 1 for optimizer state.
+    """
+
+    # [[regex, [axis entry per dimension]], ...], e.g. [["mlp.*kernel", [fsdp, tensor]]]
+    rules: tuple[tuple[str, tuple[AxisEntry, ...]], ...] = ()
+    min_split_size: int = 2**14  # default inference: smaller parameters stay whole
+
+    def __post_init__(self):
+        for pattern, _ in self.rules:
+            _check_regex(pattern, "sharding.rules")
+        if self.min_split_size < 1:
+            raise UserError(f"sharding.min_split_size must be >= 1, got {self.min_split_size}")
+
+
+def _check_regex(pattern: str, key: str) -> None:
+    """A regex of a config key must compile."""
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise UserError(f"{key}: {pattern!r} is not a valid regex ({error})") from None
 
 
 @dataclass(frozen=True)
@@ -137,7 +189,7 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class RematConfig:
-    """Activation checkpointing per transformer block (names in paisoar_jax.remat)."""
+    """Activation checkpointing per block (policy names in paisoar_jax.remat)."""
 
     policy: Literal[
         "none",
@@ -148,6 +200,13 @@ class RematConfig:
         "offload_dots_no_batch",
         "offload_minimal",
     ] = "none"
+    # Models of one's own: regexes of module paths (`blocks\.\d+`, found with re.search)
+    # whose calls are checkpointed with `policy`, as paisoar_jax.remat_block(module) does.
+    blocks: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for pattern in self.blocks:
+            _check_regex(pattern, "remat.blocks")
 
 
 @dataclass(frozen=True)
@@ -219,6 +278,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -232,14 +292,20 @@ class Config:
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
     """Returns `value` as type `kind`, accepting strings from the command line."""
-    if typing.get_origin(kind) is tuple:  # a list of ints: [10, 20] in YAML, 10,20 or [10,20]
-        items = value.strip().strip("[]").split(",") if isinstance(value, str) else value
-        if isinstance(items, list | tuple):
-            try:
-                return tuple(_coerce(item, int, key) for item in items if str(item).strip())
-            except UserError:
-                pass
-        raise UserError(f"{key}: expected a list of integers like [10, 20], got {value!r}")
+    if typing.get_origin(kind) is tuple:
+        item_kind = typing.get_args(kind)[0]
+        if item_kind in (int, str):  # [10, 20] in YAML, 10,20 or [10,20] on the command line
+            items = value.strip().strip("[]").split(",") if isinstance(value, str) else value
+            if isinstance(items, list | tuple):
+                try:
+                    return tuple(
+                        _coerce(item, item_kind, key) for item in items if str(item).strip()
+                    )
+                except UserError:
+                    pass
+            example = "integers like [10, 20]" if item_kind is int else "strings like [a, b]"
+            raise UserError(f"{key}: expected a list of {example}, got {value!r}")
+        return _coerce_rules(value, key)
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         if value not in choices:
@@ -272,6 +338,39 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
     raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _coerce_rules(value: Any, key: str) -> tuple:
+    """Sharding rules: [[regex, [entry, ...]], ...] or {regex: [entry, ...]}, YAML on the CLI."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UserError(f"{key}: not valid YAML: {value!r}") from None
+    if isinstance(value, dict):
+        value = list(value.items())
+    if not isinstance(value, list | tuple):
+        raise UserError(f"{key}: expected a list of [regex, [axes per dimension]], got {value!r}")
+    rules = []
+    for rule in value:
+        if not (isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise UserError(f"{key}: a rule is [regex, [axes per dimension]], got {rule!r}")
+        pattern, entries = rule
+        if isinstance(entries, str) or not isinstance(entries, list | tuple):
+            entries = [entries]
+        rules.append((pattern, tuple(_axis_entry(entry, key, pattern) for entry in entries)))
+    return tuple(rules)
+
+
+def _axis_entry(entry: Any, key: str, pattern: str) -> str | tuple[str, ...] | None:
+    """One dimension of a rule: None, a name, or a list of mesh-axis names."""
+    if entry is None or (isinstance(entry, str) and entry.lower() in ("none", "null", "")):
+        return None
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, list | tuple) and all(isinstance(name, str) for name in entry):
+        return tuple(entry)
+    raise UserError(f"{key}: rule {pattern!r}: {entry!r} is not an axis name or a list of them")
 
 
 def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> Any:
@@ -343,6 +442,14 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         if not isinstance(raw, dict):
             raise UserError(f"{config_path}: expected a mapping of sections at the top level")
         raw.setdefault("run", {}).setdefault("name", config_path.stem)
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds and validates a Config from plain sections (as YAML gives them) and overrides."""
+    raw = {
+        name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()
+    }
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for text in overrides:
         section, key, value = _parse_override(text)
@@ -375,8 +482,10 @@ def _section_type(name: str, raw: dict[str, Any]) -> type:
         (raw.get("model") or {}).get("name", "gpt") if isinstance(raw.get("model"), dict) else "gpt"
     )
     if model_name not in MODEL_CONFIGS:
+        zoo = sorted(name for name in MODEL_CONFIGS if name != "custom")
         raise UserError(
-            f"model.name={model_name!r} is not one of {', '.join(sorted(MODEL_CONFIGS))}"
+            f"model.name={model_name!r} is not one of {', '.join(zoo)} (custom: a model of "
+            f"your own, given to paisoar_jax.fit)"
         )
     return MODEL_CONFIGS[model_name]
 
@@ -404,8 +513,11 @@ __all__ = [
     "PrecisionConfig",
     "RematConfig",
     "RunConfig",
+    "ShardingConfig",
+    "CustomModelConfig",
     "TrainConfig",
     "VisionConfig",
+    "config_from_dict",
     "dump_yaml",
     "load_config",
     "resolve_config_path",

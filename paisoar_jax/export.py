@@ -20,13 +20,17 @@ from paisoar_jax.errors import UserError
 
 def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None) -> int:
     """Writes the params of `step` (default: the newest) of the run in `run_dir` to `output`."""
+    import math
+
     import jax
 
-    from paisoar_jax import sharding
-    from paisoar_jax.checkpoint import checkpoint_directory, export_weights, load_weights
-    from paisoar_jax.config import MeshConfig, dump_yaml, load_config
-    from paisoar_jax.optim import build_optimizer
-    from paisoar_jax.state import plan_state
+    from paisoar_jax.checkpoint import (
+        abstract_weights,
+        checkpoint_directory,
+        export_weights,
+        load_weights,
+    )
+    from paisoar_jax.config import dump_yaml, load_config
 
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
@@ -41,19 +45,16 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
         wanted = f"step {step}" if step is not None else "a checkpoint"
         raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
     step = steps[-1] if step is None else step
-    # One device is enough to hold the weights alone; the export has no mesh of its own.
-    mesh = sharding.build_mesh(MeshConfig(data=1), jax.devices()[:1])
-    optimizer, _ = build_optimizer(
-        config.optim, config.train.steps, config.train.global_batch, config.precision
-    )
-    with jax.set_mesh(mesh):
-        layout = plan_state(config, mesh, optimizer)
-        params, model_state = load_weights(checkpoints / str(step), layout.abstract_state)
-        export_weights(params, model_state or {}, output)
+    # The weights' shapes come from the checkpoint itself, so no model is rebuilt (a model
+    # of one's own cannot be: only its factory knows it); one device holds them.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = abstract_weights(checkpoints / str(step), device)
+    params, model_state = load_weights(checkpoints / str(step), target)
+    export_weights(params, model_state or {}, output)
     (output / "config.yaml").write_text(dump_yaml(config))
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     print(
-        f"paisoar_jax.export: {layout.param_count / 1e6:.2f}M params of step {step} -> "
-        f"{output}/params",
+        f"paisoar_jax.export: {count / 1e6:.2f}M params of step {step} -> {output}/params",
         flush=True,
     )
     return step

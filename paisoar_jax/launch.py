@@ -1,7 +1,9 @@
 """`python -m paisoar_jax.launch --nproc N [--devices-per-proc K] -- [train arguments ...]`.
 
-Starts N processes of `python -m paisoar_jax.train` on this machine, joined by
-jax.distributed through the PAISOAR_* variables (paisoar_jax/distributed.py): a free port
+Starts N processes of `python -m paisoar_jax.train` on this machine (or of any script:
+`-- python my_script.py ARGS`, whose `paisoar_jax.fit` or `paisoar_jax.initialize()` joins
+them), joined by jax.distributed through the PAISOAR_* variables
+(paisoar_jax/distributed.py): a free port
 on 127.0.0.1 for one node, `--coordinator HOST:PORT` for several (`--nnodes`,
 `--node-rank`, one launcher per node). On CPU each process gets K simulated devices; on a
 GPU node, K GPUs (default: an equal share).
@@ -294,11 +296,28 @@ def _supervise(children: list[Child], args: argparse.Namespace, signals: SignalL
         time.sleep(0.1)
 
 
+def child_command(module: str, arguments: Sequence[str]) -> list[str]:
+    """The command each process runs: `python -m MODULE ARGS`, or the script given.
+
+    `-- python my_script.py ARGS` (any python, python3, python3.12 ...) and
+    `-- my_script.py ARGS` run the script with this interpreter, as torchrun does; anything
+    else is arguments of `--module` (the trainer by default).
+    """
+    arguments = list(arguments)
+    if arguments and re.fullmatch(r"python[\d.]*", os.path.basename(arguments[0])):
+        if len(arguments) < 2:
+            raise UserError("-- python needs a script (or -m MODULE) to run")
+        return [sys.executable, *arguments[1:]]
+    if arguments and arguments[0].endswith(".py"):
+        return [sys.executable, *arguments]
+    return [sys.executable, "-m", module, *arguments]
+
+
 def launch(args: argparse.Namespace) -> int:
     """Starts the processes, copies their output and supervises them; the exit status."""
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     environments = child_environments(args, os.environ, local_gpu_count(os.environ), coordinator)
-    command = [sys.executable, "-m", args.module, *args.arguments]
+    command = child_command(args.module, args.arguments)
     lock = threading.Lock()
     children: list[Child] = []
     with SignalLog() as signals:

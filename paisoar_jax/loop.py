@@ -32,12 +32,12 @@ from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite, parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
-from paisoar_jax.optim import build_optimizer
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.sample import generate
-from paisoar_jax.state import StateLayout, init_state, plan_state
+from paisoar_jax.state import StateLayout, init_state
 from paisoar_jax.step import jit_eval_step, jit_train_step
-from paisoar_jax.tasks import task_for
+from paisoar_jax.workload import Task, Workload, setup
+from paisoar_jax.zoo import zoo_workload
 
 SAMPLE_PROMPT = b"def "
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
@@ -71,10 +71,10 @@ def _checkpointer(config: Config) -> Checkpointer | None:
 
 
 def _starting_point(
-    config: Config, layout: StateLayout, checkpointer: Checkpointer | None
+    config: Config, layout: StateLayout, checkpointer: Checkpointer | None, task: Task
 ) -> tuple[Any, int, dict | None]:
     """(state, step, data iterator state): resumed, fine-tuned from params, or fresh."""
-    resume, signature = config.checkpoint.resume, input_signature(config)
+    resume, signature = config.checkpoint.resume, input_signature(config, task)
     if checkpointer is not None and resume != "never":
         if resume == "auto":
             restored = checkpointer.restore_latest(layout.abstract_state, signature)
@@ -110,13 +110,13 @@ def _starting_point(
     return state, 0, None
 
 
-def input_signature(config: Config) -> dict[str, Any]:
+def input_signature(config: Config, task: Task) -> dict[str, Any]:
     """What a saved input position belongs to; a resume that changes it starts afresh."""
     return {
         "source": config.data.source,
         "workers": config.data.workers,  # grain's state differs with and without workers
         "global_batch": config.train.global_batch,
-        **task_for(config).signature(),  # seq_len, or image size and channels
+        **task.signature(),  # seq_len, image size and channels, or a user's data
         "seed": config.train.seed,
     }
 
@@ -138,7 +138,7 @@ def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
 _params_finite = jax.jit(all_finite)
 
 
-def _save(checkpointer, step, state, batches, config, mesh) -> None:
+def _save(checkpointer, step, state, batches, config, mesh, task) -> None:
     """Starts an async save of `step`; params that are no longer finite are never saved."""
     if not bool(_params_finite(state.params)):
         raise DivergenceError(
@@ -151,25 +151,20 @@ def _save(checkpointer, step, state, batches, config, mesh) -> None:
         "version": __version__,
         "config": to_dict(config),
     }
-    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config))
+    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config, task))
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Trains as configured and returns the run's summary (also printed as one line)."""
-    train_config = config.train
-    mesh = sharding.build_mesh(config.mesh)
-    sharding.check_batch(train_config.global_batch, train_config.grad_accum, mesh)
-    task = task_for(config)
+def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
+    """Trains as configured and returns the run's summary (also printed as one line).
+
+    `workload`: the model, task and optimizer to train; default: the config's zoo model.
+    """
+    workload = zoo_workload(config) if workload is None else workload
+    train_config, task = config.train, workload.task
     train_source, eval_source = task.open_sources()
-    for split, source in (("train", train_source), ("eval", eval_source)):
-        if (split == "train" or train_config.eval_every) and len(source) < jax.process_count():
-            raise UserError(
-                f"the {split} split has {len(source)} {task.unit_of_data}, fewer than the "
-                f"{jax.process_count()} processes that each need a share"
-            )
-    optimizer, schedule = build_optimizer(
-        config.optim, train_config.steps, train_config.global_batch, config.precision
-    )
+    _check_split_sizes(task, train_source, eval_source, train_config.eval_every)
+    run = setup(config, workload)
+    mesh, layout = run.mesh, run.layout
     run_dir, is_main = config.run_dir, jax.process_index() == 0
     if is_main:
         try:
@@ -184,8 +179,7 @@ def train(config: Config) -> dict[str, Any]:
         # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
         # and a signal that comes before the first step saves right after it.
         stop = cleanup.enter_context(StopRequest())
-        layout = plan_state(config, mesh, optimizer)
-        state, start_step, data_state = _starting_point(config, layout, checkpointer)
+        state, start_step, data_state = _starting_point(config, layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
         if start_step >= train_config.steps:
@@ -208,15 +202,33 @@ def train(config: Config) -> dict[str, Any]:
         )
         if data_state is not None:
             host_iterator.set_state(data_state)
+        elif start_step and not hasattr(host_iterator, "get_state") and is_main:
+            print(
+                f"paisoar_jax: resumed at step {start_step}, but the input has no position to "
+                f"save (a plain iterable): it restarts from its first batch",
+                flush=True,
+            )
         batches = DevicePrefetcher(
             host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
         )
         cleanup.callback(batches.close)
-        parts = RunParts(config, mesh, task, layout, schedule, eval_source, checkpointer, stop)
+        parts = RunParts(config, mesh, task, layout, run.schedule, eval_source, checkpointer, stop)
         summary = _run_loop(parts, state, start_step, batches)
     if is_main:
         _print_summary(summary)
     return summary
+
+
+def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -> None:
+    """Each process needs a share of every split it reads (sources of known length)."""
+    for split, source in (("train", train_source), ("eval", eval_source)):
+        if split == "eval" and (not eval_every or source is None):
+            continue
+        if hasattr(source, "__len__") and len(source) < jax.process_count():
+            raise UserError(
+                f"the {split} split has {len(source)} {task.unit_of_data}, fewer than the "
+                f"{jax.process_count()} processes that each need a share"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +237,9 @@ class RunParts:
 
     config: Config
     mesh: Any
-    task: Any  # tasks.LanguageModelling or tasks.ImageClassification
+    task: Task
     layout: StateLayout
-    schedule: Any
+    schedule: Any  # None: a user's optimizer whose learning rate is its own
     eval_source: Any
     checkpointer: Checkpointer | None
     stop: StopRequest
@@ -273,7 +285,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         mininterval=1.0,
     )
     every = config.checkpoint.every
-    rate_name = "tok_s" if task.unit == "tokens" else "img_s"  # the progress bar's rate
+    eval_every = train_config.eval_every if eval_source is not None else 0  # None: no eval data
     losses: list[float] = []
     scale_history: list[tuple[int, float]] = []
     scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
@@ -297,9 +309,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         profiler.after(step, metrics)
         progress.update(1)
         is_last = step == train_config.steps
-        is_eval_step = bool(train_config.eval_every) and (
-            step % train_config.eval_every == 0 or is_last
-        )
+        is_eval_step = bool(eval_every) and (step % eval_every == 0 or is_last)
         # An eval step is also a log step: its eval_loss joins that step's metrics record.
         is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
 
@@ -308,8 +318,8 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
             record = {
                 "step": step,
                 "loss": float(values["loss"]),
-                **({"accuracy": float(values["accuracy"])} if "accuracy" in values else {}),
-                "lr": float(values["lr"]),
+                **{name: float(values[name]) for name in task.metric_names},
+                "lr": float(values["lr"]) if "lr" in values else None,
                 "grad_norm": float(values["grad_norm"]),
                 "loss_scale": float(values["loss_scale"]),
                 "skipped_steps": int(values["skipped_steps"]),
@@ -337,13 +347,13 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
                     progress.write(f"step {step}: {shown}")
             writer.write(record)
             rate = f"{record[timer.throughput_key]:,.0f}"
-            progress.set_postfix({"loss": f"{record['loss']:.3f}", rate_name: rate})
+            progress.set_postfix({"loss": f"{record['loss']:.3f}", task.rate_name: rate})
             timer.restart(step)
 
         stop_now = _stop_agreed(stop, step, is_log_step)
         if checkpointer is not None and ((every and step % every == 0) or is_last or stop_now):
             save_start = time.perf_counter()
-            _save(checkpointer, step, state, batches, config, mesh)
+            _save(checkpointer, step, state, batches, config, mesh, task)
             save_s = time.perf_counter() - save_start
             timer.start_time += save_s  # not step time
             timer.save_s += save_s
@@ -366,7 +376,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "eval_loss": eval_results.get("loss"),
-        **({"eval_accuracy": eval_results["accuracy"]} if "accuracy" in eval_results else {}),
+        **{f"eval_{name}": value for name, value in eval_results.items() if name != "loss"},
         timer.throughput_key: timer.units_per_step * steps_run / train_s,
         "compile_s": compile_s,
         "train_s": train_s,
@@ -397,8 +407,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"sample:\n{summary['sample']}\n", flush=True)
     eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
-    if "eval_accuracy" in summary:
-        eval_text += f", eval_accuracy {summary['eval_accuracy']:.4f}"
+    for key, value in summary.items():
+        if key.startswith("eval_") and key != "eval_loss":
+            eval_text += f", {key} {value:.4f}"
     unit = "tokens" if "tokens_per_s" in summary else "examples"
     loss_text = (
         f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"

@@ -31,9 +31,11 @@ def device_peak_tflops(configured: float = 0.0) -> float | None:
     return next((peak for prefix, peak in PEAK_TFLOPS.items() if kind.startswith(prefix)), None)
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
+def mfu(
+    tokens_per_s: float, flops_per_token: float | None, peak_tflops: float | None
+) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
-    if not peak_tflops:
+    if not peak_tflops or flops_per_token is None:
         return None
     return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * jax.device_count())
 

@@ -93,6 +93,15 @@ def build_optimizer(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
             optax.sgd(schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
+    return wrap_optimizer(optimizer, optim_config, precision), schedule
+
+
+def wrap_optimizer(
+    optimizer: optax.GradientTransformation,
+    optim_config: OptimConfig,
+    precision: PrecisionConfig | None = None,
+) -> optax.GradientTransformation:
+    """`optimizer` (the config's or a user's) inside global-norm clipping and the loss scaler."""
     if optim_config.clip_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(optim_config.clip_norm), optimizer)
     if precision is not None:
@@ -108,4 +117,4 @@ def build_optimizer(
                 min_scale=min(precision.min_scale, static_scale),
                 max_scale=max(precision.max_scale, static_scale),
             )
-    return optimizer, schedule
+    return optimizer

@@ -119,33 +119,34 @@ def per_device_bytes(tree) -> int:
     )
 
 
-def compile_step(config: Config, devices: Sequence) -> tuple[Any, Any, Any, float]:
-    """(compiled step, layout, mesh, seconds to compile) for the config on `devices`."""
+def compile_step(
+    config: Config, devices: Sequence, workload: Any = None
+) -> tuple[Any, Any, Any, float]:
+    """(compiled step, layout, mesh, seconds to compile) for the config on `devices`.
+
+    `workload`: a model of one's own (workload.Workload, as `paisoar_jax.fit` builds it);
+    default: the config's zoo model.
+    """
     import jax
 
     from paisoar_jax import sharding
-    from paisoar_jax.optim import build_optimizer
-    from paisoar_jax.state import plan_state
     from paisoar_jax.step import jit_train_step
-    from paisoar_jax.tasks import task_for
+    from paisoar_jax.workload import setup
+    from paisoar_jax.zoo import zoo_workload
 
     train = config.train
-    mesh = sharding.build_mesh(config.mesh, devices)
-    sharding.check_batch(train.global_batch, train.grad_accum, mesh)
-    optimizer, schedule = build_optimizer(
-        config.optim, train.steps, train.global_batch, config.precision
-    )
+    workload = zoo_workload(config) if workload is None else workload
     start = time.perf_counter()
+    run = setup(config, workload, devices)
+    mesh, layout, task = run.mesh, run.layout, run.task
     with jax.set_mesh(mesh):
-        layout = plan_state(config, mesh, optimizer)
-        task = task_for(config)
         batch = jax.tree.map(
             lambda shape: jax.ShapeDtypeStruct(
                 shape.shape, shape.dtype, sharding=sharding.batch_sharding(mesh)
             ),
             task.batch_shape(train.global_batch),
         )
-        step = jit_train_step(layout, task, schedule, train.grad_accum, mesh)
+        step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh)
         compiled = step.lower(layout.abstract_state, batch).compile()
     return compiled, layout, mesh, time.perf_counter() - start
 
@@ -201,18 +202,26 @@ def plan(
     link: tuple[str, float] = ("nvlink", LINKS["nvlink"]),
     efficiency: float = DEFAULT_EFFICIENCY,
     simulated: bool = False,
+    workload: Any = None,
 ) -> dict[str, Any]:
-    """Every number of the plan, as one JSON-ready dict (`simulated`: --devices was given)."""
-    from paisoar_jax.tasks import task_for
+    """Every number of the plan, as one JSON-ready dict (`simulated`: --devices was given).
 
-    task = task_for(config)
-    compiled, layout, mesh, compile_s = compile_step(config, devices)
+    `workload`: a model of one's own, as for compile_step; default: the config's zoo model.
+    """
+    from paisoar_jax import rules
+    from paisoar_jax.zoo import zoo_workload
+
+    workload = zoo_workload(config) if workload is None else workload
+    task = workload.task
+    compiled, layout, mesh, compile_s = compile_step(config, devices, workload)
     found, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
     link_name, gb_per_s = link
     by_kind = hlo.totals_by_kind(found, gb_per_s)
     model, train = config.model, config.train
     units_per_step = train.global_batch * task.units_per_example()
-    flops = task.flops_per_unit(layout.param_count) * units_per_step / len(devices)
+    # A model of one's own without flops_per_example: compute time unknown, counted as 0.
+    flops_per_unit = task.flops_per_unit(layout.param_count) or 0.0
+    flops = flops_per_unit * units_per_step / len(devices)
     peak, peak_source = peak_tflops(config, simulated)
     compute_s = flops / (peak * 1e12 * efficiency)
     communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
@@ -233,6 +242,12 @@ def plan(
         "grad_accum": train.grad_accum,
         "compile_s": round(compile_s, 2),
         "memory_bytes": memory(layout, compiled),
+        "parameters": [
+            {"path": path, "shape": list(shape), "sharding": where}
+            for path, shape, where in rules.describe(
+                layout.abstract_state.params, layout.shardings.params
+            )
+        ],
         "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
         "collective_ops": [
             {key: getattr(op, key) for key in ("kind", "bytes", "group_size", "count", "name")}
@@ -251,8 +266,8 @@ def plan(
             "step_perfect_overlap": overlap_s,
         },
         "scaling_efficiency": {
-            "no_overlap": compute_s / no_overlap_s,
-            "perfect_overlap": compute_s / overlap_s,
+            "no_overlap": compute_s / no_overlap_s if no_overlap_s else 1.0,
+            "perfect_overlap": compute_s / overlap_s if overlap_s else 1.0,
         },
     }
 
@@ -284,7 +299,9 @@ def _example_shape(result: dict) -> str:
     """The shape of one example: " x 1024 tokens" or " x 224 px images"."""
     if "seq_len" in result:
         return f" x {result['seq_len']} tokens"
-    return f" x {result['image_size']} px images"
+    if "image_size" in result:
+        return f" x {result['image_size']} px images"
+    return f" ({result['unit']})"  # a model of one's own: its batch has no known shape
 
 
 def format_table(result: dict) -> str:
@@ -310,6 +327,12 @@ def format_table(result: dict) -> str:
     for key, value in memory_bytes.items():
         label = key.replace("_", " ")
         lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
+    lines += ["", "parameters (mesh axes per dimension; - whole)"]
+    parameters = result["parameters"]
+    width = max((len(row["path"]) for row in parameters), default=0)
+    for row in parameters:
+        shape = "x".join(map(str, row["shape"])) or "scalar"
+        lines.append(f"  {row['path']:<{width}}  {shape:>14}  {row['sharding']}")
     lines += ["", f"collectives per step  {'runs':>6}{'bytes/device':>14}{'time':>11}"]
     for kind, totals in result["collectives"].items() or [("none", None)]:
         if totals is None:

@@ -7,8 +7,8 @@ transformer blocks' matmuls in fp8 (fp8.py). To keep more in fp32 (what PyTorch'
 autocast(enabled=False) or custom_fwd do):
 
 - a function: decorate it with `@fp32_function`; its floating inputs arrive in fp32;
-- a submodule: `force_policy(model.blocks, "fp32")` before training; every module under it
-  that follows a policy computes in fp32 from then on.
+- a submodule: `force_policy(model.blocks, "fp32")` before training (for a model of one's
+  own, in the factory given to fit); every module under it computes in fp32 from then on.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def force_policy(module, name: str) -> None:
     """Makes `module` and every module under it compute with the preset policy `name`."""
     policy = get_policy(name)
     for _, submodule in nnx.iter_modules(module):
-        if isinstance(getattr(submodule, "policy", None), Policy):
+        # The zoo's modules read `policy`; in a model of one's own it marks the weights the
+        # step casts to this policy's dtype (state.compute_casts). Another `policy` stays.
+        if isinstance(getattr(submodule, "policy", None), Policy | None):
             submodule.policy = policy
 
 

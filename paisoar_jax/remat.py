@@ -1,4 +1,4 @@
-"""Named activation-checkpointing (remat) policies, applied per transformer block.
+r"""Named activation-checkpointing (remat) policies, applied per transformer block.
 
 Each policy says which of a block's intermediate values the backward pass finds saved; the
 rest it recomputes from the block's input (which is always kept, by the scan over layers).
@@ -21,13 +21,28 @@ offload_dots_no_batch   like dots_no_batch, but the saved values move to pinned 
 offload_minimal         like minimal, with the kept values offloaded to pinned host memory.
 
 Measured figures (compiled temporary memory, step time) are in benchmarks/RESULTS.md.
+
+A model of one's own picks its blocks without edits: `remat.blocks=[blocks\\.\\d+]` names
+them by module path, or the model wraps them itself with `paisoar_jax.remat_block(block)` (a
+module, changed in place, or a function), which takes the run's remat.policy while the run
+builds the model. Parameter paths stay as they were, so checkpoints and sharding rules do
+not depend on remat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
+from flax import nnx
+
+from paisoar_jax.errors import UserError
 
 # checkpoint_name tags the model puts on the values the `minimal` policy keeps.
 SAVED_NAMES = ("attention_out", "mlp_hidden")
@@ -50,10 +65,117 @@ POLICIES: dict[str, Callable | None] = {
 }
 
 
-def remat_block(block_call: Callable, policy_name: str, scanned: bool) -> Callable:
+def wrap_block_call(block_call: Callable, policy_name: str, scanned: bool) -> Callable:
     """Wraps a block's forward function in jax.checkpoint with the named policy."""
     if policy_name == "none":
         return block_call
     # Under scan the loop already stops XLA from merging the recomputation back into the
     # forward pass, so the CSE barrier (which slows things down) is only needed unrolled.
     return jax.checkpoint(block_call, policy=POLICIES[policy_name], prevent_cse=not scanned)
+
+
+@dataclasses.dataclass
+class _Building:
+    """The remat settings of the model being built, and how many blocks asked for them."""
+
+    policy: str
+    wrapped: int = 0
+
+
+_BUILDING: contextvars.ContextVar[_Building | None] = contextvars.ContextVar(
+    "paisoar_jax_remat", default=None
+)
+Target = TypeVar("Target")
+
+
+@contextlib.contextmanager
+def building(policy_name: str) -> Iterator[_Building]:
+    """While a run builds its model: `remat_block(block)` takes `policy_name`."""
+    token = _BUILDING.set(_Building(policy_name))
+    try:
+        yield _BUILDING.get()
+    finally:
+        _BUILDING.reset(token)
+
+
+def remat_block(target: Target, policy: str | None = None) -> Target:
+    """Checkpoints a block with a named policy (default: the run's remat.policy).
+
+    A module is changed in place (its class gains a checkpointed `__call__`; its
+    parameters keep their paths) and returned; a function comes back wrapped. Under
+    remat.policy=none (or outside a run with no policy given) the target is unchanged.
+    """
+    context = _BUILDING.get()
+    name = policy if policy is not None else (context.policy if context else "none")
+    if name not in POLICIES:
+        raise UserError(f"remat policy {name!r} is not one of {', '.join(POLICIES)}")
+    if context is not None:
+        context.wrapped += 1
+    if name == "none":
+        return target
+    if isinstance(target, nnx.Module):
+        if getattr(type(target), "_remat_policy", None) is None:
+            target.__class__ = _checkpointed_class(type(target), name)
+        return target
+    return lambda *args, **kwargs: _checkpointed_call(target, name, args, kwargs)
+
+
+def remat_blocks(model: nnx.Module, patterns: Sequence[str], policy_name: str) -> None:
+    """Checkpoints every submodule whose dotted path a pattern is found in (re.search)."""
+    modules = [(".".join(map(str, path)), module) for path, module in nnx.iter_modules(model)]
+    for pattern in patterns:
+        matched = [module for path, module in modules if path and re.search(pattern, path)]
+        if not matched:
+            shown = ", ".join(path for path, _ in modules if path)[:200]
+            raise UserError(f"remat.blocks: {pattern!r} matches no module (modules: {shown})")
+        for module in matched:
+            remat_block(module, policy_name)
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _checkpointed_class(cls: type, policy_name: str) -> type:
+    """A subclass of `cls` whose `__call__` runs under jax.checkpoint (one per class)."""
+    key = (cls, policy_name)
+    if key not in _CLASSES:
+        call = cls.__call__
+
+        def checkpointed(self, *args, **kwargs):
+            return _checkpointed_call(call, policy_name, (self, *args), kwargs)
+
+        _CLASSES[key] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": checkpointed,
+                "__qualname__": cls.__qualname__,
+                "_remat_policy": policy_name,
+            },
+        )
+    return _CLASSES[key]
+
+
+def _is_traced(value: Any) -> bool:
+    """Modules and trees of arrays go through the checkpoint; other values stay static."""
+    if isinstance(value, nnx.Module):
+        return True
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(leaf, jax.Array | np.ndarray) for leaf in leaves)
+
+
+def _checkpointed_call(function: Callable, policy_name: str, args: tuple, kwargs: dict):
+    """function(*args, **kwargs) under nnx.remat; flags and other Python values closed over."""
+    names = list(kwargs)
+    values = [*args, *kwargs.values()]
+    traced = [index for index, value in enumerate(values) if _is_traced(value)]
+
+    def body(*traced_values):
+        filled = list(values)
+        for index, value in zip(traced, traced_values, strict=True):
+            filled[index] = value
+        positional, keyword = filled[: len(args)], filled[len(args) :]
+        return function(*positional, **dict(zip(names, keyword, strict=True)))
+
+    checkpointed = nnx.remat(body, policy=POLICIES[policy_name], prevent_cse=True)
+    return checkpointed(*(values[index] for index in traced))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,10 +19,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from paisoar_jax import sharding
+from paisoar_jax import rules, sharding
 from paisoar_jax.config import Config
-from paisoar_jax.models import build_model
-from paisoar_jax.precision import get_policy
+from paisoar_jax.optim import decay_mask
+from paisoar_jax.precision import Policy, get_policy
 
 
 @struct.dataclass
@@ -49,28 +50,26 @@ class StateLayout:
     gradient_shardings: dict[str, Any]  # where gradients go before the update (ZeRO >= 1)
     param_count: int
     abstract_state: TrainState  # shapes, dtypes and shardings: the target of a restore
-    # The dtype weights are gathered in when params are split over devices (FSDP, ZeRO-3)
-    # and computed in a narrower dtype; None when nothing is gathered or nothing is cast.
-    gather_dtype: Any = None
+    # Builds the model (the run's seed, remat and precision settings applied); traced only.
+    create_model: Callable[[], nnx.Module]
+    # Per parameter, the dtype it is cast to before the forward pass where it is stored (so
+    # an FSDP gather moves that dtype), or None to pass it as stored; None for the whole
+    # tree when nothing is cast here (each zoo layer then casts as it uses its weights).
+    compute_dtypes: Any = None
 
 
-def _model_factory(config: Config):
-    """A zero-argument function that builds the configured model from the run's seed."""
-    policy = get_policy(config.precision.policy)
+def plan_state(
+    config: Config,
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+    create_model: Callable[[], nnx.Module],
+    follows_policy: bool,
+) -> StateLayout:
+    """Traces model and optimizer abstractly and derives every sharding.
 
-    def create() -> nnx.Module:
-        # Eager sharding off: shardings are given to jit below, not attached at creation.
-        with nnx.use_eager_sharding(False):
-            return build_model(
-                config.model, policy, config.remat.policy, nnx.Rngs(params=config.train.seed)
-            )
-
-    return create
-
-
-def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation) -> StateLayout:
-    """Traces model and optimizer abstractly and derives every sharding from the rules."""
-    create_model = _model_factory(config)
+    `follows_policy`: the model's own modules cast to the precision policy (the zoo's);
+    otherwise the step casts its weights (not norms or biases) to the compute dtype.
+    """
     graphdefs = []
 
     def split_model():
@@ -85,14 +84,8 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
     abstract_params = nnx.to_pure_dict(abstract_variables)
     abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
     logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
-    param_shardings = sharding.tree_shardings(
-        logical_specs, abstract_params, mesh, sharding.parameter_rules(config.mesh.zero)
-    )
-    state_param_shardings = sharding.tree_shardings(
-        logical_specs,
-        abstract_params,
-        mesh,
-        sharding.parameter_rules(config.mesh.zero, optimizer_state=True),
+    param_shardings, state_param_shardings = rules.parameter_shardings(
+        abstract_params, logical_specs, mesh, config.sharding, config.mesh.zero
     )
     model_state_shardings = sharding.tree_shardings(
         nnx.to_pure_dict(nnx.get_partition_spec(abstract_model_variables)),
@@ -130,25 +123,72 @@ def plan_state(config: Config, mesh: Mesh, optimizer: optax.GradientTransformati
         shardings,
     )
     policy = get_policy(config.precision.policy)
-    params_split = not all(leaf.is_fully_replicated for leaf in jax.tree.leaves(param_shardings))
-    narrower = policy.compute_dtype != policy.param_dtype
+    if follows_policy:
+        compute_dtypes = _gather_dtypes(abstract_params, param_shardings, policy)
+    else:
+        compute_dtypes = compute_casts(
+            graphdef, abstract_variables, abstract_model_variables, policy
+        )
     return StateLayout(
-        graphdef,
-        optimizer,
-        shardings,
-        state_param_shardings,
-        param_count,
-        abstract_state,
-        gather_dtype=policy.compute_dtype if params_split and narrower else None,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        shardings=shardings,
+        gradient_shardings=state_param_shardings,
+        param_count=param_count,
+        abstract_state=abstract_state,
+        create_model=create_model,
+        compute_dtypes=compute_dtypes,
     )
+
+
+def _gather_dtypes(abstract_params, param_shardings, policy: Policy):
+    """Zoo models: weights cast where stored only when split (FSDP, ZeRO-3) and narrower.
+
+    Each zoo layer casts its weights as it uses them; casting split weights first makes
+    the all-gather move the compute dtype instead of fp32 (half the bytes in bf16).
+    """
+    params_split = not all(leaf.is_fully_replicated for leaf in jax.tree.leaves(param_shardings))
+    if not params_split or policy.compute_dtype == policy.param_dtype:
+        return None
+    return jax.tree.map(
+        lambda cast: policy.compute_dtype if cast else None,
+        decay_mask(abstract_params),
+    )
+
+
+def compute_casts(graphdef, abstract_variables, abstract_model_variables, policy: Policy):
+    """A model of one's own: each weight's compute dtype, or None to keep it as stored.
+
+    Weights (not norms or biases, see optim.decay_mask) take the compute dtype of the
+    nearest module above them that `precision.force_policy` set, else the run's policy;
+    None for the whole tree when no weight would change dtype.
+    """
+    model = nnx.merge(graphdef, abstract_variables, abstract_model_variables)
+    forced = {
+        path: module.policy
+        for path, module in nnx.iter_modules(model)
+        if isinstance(getattr(module, "policy", None), Policy)
+    }
+    abstract_params = nnx.to_pure_dict(abstract_variables)
+
+    def dtype_of(path, value, cast: bool):
+        keys = tuple(getattr(key, "key", key) for key in path)
+        owner = next((keys[:n] for n in range(len(keys), -1, -1) if keys[:n] in forced), None)
+        compute = forced[owner].compute_dtype if owner is not None else policy.compute_dtype
+        floating = jnp.issubdtype(value.dtype, jnp.floating)
+        return compute if cast and floating and compute != value.dtype else None
+
+    dtypes = jax.tree_util.tree_map_with_path(
+        dtype_of, abstract_params, decay_mask(abstract_params)
+    )
+    return dtypes if any(dtype is not None for dtype in jax.tree.leaves(dtypes)) else None
 
 
 def init_state(config: Config, layout: StateLayout) -> TrainState:
     """Creates the train state directly in its shardings (jit with out_shardings)."""
-    create_model = _model_factory(config)
 
     def init() -> TrainState:
-        _, variables, model_variables = nnx.split(create_model(), nnx.Param, ...)
+        _, variables, model_variables = nnx.split(layout.create_model(), nnx.Param, ...)
         params = nnx.to_pure_dict(variables)
         return TrainState(
             step=jnp.zeros((), jnp.int32),

@@ -21,7 +21,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paisoar_jax import fp8, loss_scale, sharding
-from paisoar_jax.optim import decay_mask
 from paisoar_jax.state import StateLayout, TrainState
 
 
@@ -49,21 +48,22 @@ _cast_where_stored.defvjp(_cast_forward, _cast_backward)
 
 
 def params_for_compute(params, layout: StateLayout):
-    """Weights (not norms or biases) cast to layout.gather_dtype where they are stored.
+    """Params cast to their layout.compute_dtypes where they are stored (else unchanged).
 
-    Only when the params are split over devices and computed in a narrower dtype
-    (layout.gather_dtype); otherwise the params unchanged, and each layer casts as it uses
-    them.
+    Zoo models: only weights that are split over devices (FSDP, ZeRO-3) under a narrower
+    compute dtype, so the gather moves that dtype; each layer casts the rest as it uses
+    them. Models of one's own: every weight that is not a norm or a bias.
     """
-    if layout.gather_dtype is None:
+    if layout.compute_dtypes is None:
         return params
-    dtype = layout.gather_dtype
-    return jax.tree.map(
-        lambda weight, where, cast: _cast_where_stored(weight, dtype, where) if cast else weight,
-        params,
-        layout.shardings.params,
-        decay_mask(params),
-    )
+    weights, treedef = jax.tree.flatten(params)
+    wheres = treedef.flatten_up_to(layout.shardings.params)
+    dtypes = treedef.flatten_up_to(layout.compute_dtypes)  # None leaves: kept as stored
+    cast = [
+        weight if dtype is None else _cast_where_stored(weight, dtype, where)
+        for weight, where, dtype in zip(weights, wheres, dtypes, strict=True)
+    ]
+    return treedef.unflatten(cast)
 
 
 def loss_fn(params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array):
@@ -193,7 +193,7 @@ def train_step(
         "loss": loss,
         **task_metrics,
         "grad_norm": optax.tree.norm(grads) / scale,
-        "lr": schedule(state.step),
+        **_learning_rate(schedule, state),
         **loss_scale.scale_metrics(opt_state),
     }
     if jax.tree.leaves(model_state):
@@ -209,9 +209,18 @@ def train_step(
     return new_state, metrics
 
 
+def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[str, jax.Array]:
+    """{"lr": ...} from the schedule, or from a user optimizer's injected hyperparameters."""
+    if schedule is not None:
+        return {"lr": schedule(state.step)}
+    injected = optax.tree_utils.tree_get(state.opt_state, "learning_rate", None)
+    return {} if injected is None else {"lr": jnp.asarray(injected, jnp.float32)}
+
+
 def eval_step(params, model_state, batch, *, layout: StateLayout, task) -> dict[str, jax.Array]:
     """The task's eval metrics (mean loss, accuracy, ...) on one held-out batch."""
-    return task.eval_metrics(nnx.merge(layout.graphdef, params, model_state), batch)
+    compute_params = params_for_compute(params, layout)
+    return task.eval_metrics(nnx.merge(layout.graphdef, compute_params, model_state), batch)
 
 
 def jit_train_step(

@@ -27,7 +27,7 @@ from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.small_images import SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.models import is_image_model, model_class, resolve_model_config
+from paisoar_jax.models import resolve_model_config
 from paisoar_jax.precision import float32_island, get_policy
 
 
@@ -35,11 +35,13 @@ class LanguageModelling:
     """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
 
     unit = "tokens"
+    rate_name = "tok_s"
     unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
     metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, model_class: type):
         self.config = config
+        self.model_class = model_class  # its static flops_per_token gives MFU
 
     def open_sources(self) -> tuple[Any, Any]:
         """The (train, eval) window sources named by data.source."""
@@ -63,7 +65,7 @@ class LanguageModelling:
 
     def flops_per_unit(self, param_count: int) -> float:
         """Training FLOPs per token (6 N plus attention)."""
-        return model_class("gpt").flops_per_token(self.config.model, param_count)
+        return self.model_class.flops_per_token(self.config.model, param_count)
 
     def loss(self, model, tokens_BxT1: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (fp32) and no extra metrics."""
@@ -84,16 +86,21 @@ class LanguageModelling:
         """The input settings a saved data position depends on."""
         return {"seq_len": self.config.model.seq_len}
 
+    def prepare(self, layout, global_batch: int) -> None:
+        """Nothing to check: the zoo's model and loss are known."""
+
 
 class ImageClassification:
     """Softmax classification of images: label smoothing, optional mixup, accuracy."""
 
     unit = "examples"
+    rate_name = "img_s"
     unit_of_data = "images"
     metric_names = ("accuracy",)
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, model_class: type):
         self.config = config
+        self.model_class = model_class  # its static flops_per_example gives MFU
         self.model_config = resolve_model_config(config.model)
         self.mean, self.std = image_data.channel_statistics(self.model_config.channels)
         self.compute_dtype = get_policy(config.precision.policy).compute_dtype
@@ -153,7 +160,7 @@ class ImageClassification:
 
     def flops_per_unit(self, param_count: int) -> float:
         """Training FLOPs per image (3 x the forward multiply-adds x 2)."""
-        return model_class(self.model_config.name).flops_per_example(self.model_config, param_count)
+        return self.model_class.flops_per_example(self.model_config, param_count)
 
     def loss(self, model, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
         """Cross-entropy against smoothed (and mixed) targets; accuracy on the true labels."""
@@ -184,6 +191,9 @@ class ImageClassification:
         """The input settings a saved data position depends on."""
         return {"image_size": self.model_config.image_size, "channels": self.model_config.channels}
 
+    def prepare(self, layout, global_batch: int) -> None:
+        """Nothing to check: the zoo's model and loss are known."""
+
 
 def _warn_of_skipped_files(*sources) -> None:
     """One warning per image folder whose scan skipped files Pillow could not read."""
@@ -202,10 +212,3 @@ def _warn_of_skipped_files(*sources) -> None:
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:
     """Share of the batch whose top class is the label."""
     return (logits_BxN.argmax(axis=-1) == labels_B).mean(dtype=jnp.float32)
-
-
-def task_for(config: Config) -> LanguageModelling | ImageClassification:
-    """The task of the configured model."""
-    if is_image_model(config.model):
-        return ImageClassification(config)
-    return LanguageModelling(config)

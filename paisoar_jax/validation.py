@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from paisoar_jax.config import Config, DataConfig, ModelConfig, VisionConfig
+from paisoar_jax.config import Config, CustomModelConfig, DataConfig, ModelConfig, VisionConfig
 from paisoar_jax.errors import UserError
 
 
@@ -17,6 +17,8 @@ def validate(config: Config) -> None:
     train, optim, mesh = config.train, config.optim, config.mesh
     if isinstance(config.model, VisionConfig):
         _validate_vision(config)
+    elif isinstance(config.model, CustomModelConfig):
+        _validate_custom(config)
     else:
         _validate_language_model(config.model)
         _refuse_image_data_keys(config.data)
@@ -82,6 +84,16 @@ def _validate_language_model(model: ModelConfig) -> None:
         raise UserError(f"model.width={model.width} is not divisible by model.heads={model.heads}")
     if model.position == "rotary" and (model.width // model.heads) % 2:
         raise UserError("model.position=rotary needs an even head width (width / heads)")
+
+
+def _validate_custom(config: Config) -> None:
+    """A model of one's own: the zoo-only settings would silently do nothing."""
+    _refuse_image_data_keys(config.data)
+    if config.precision.policy == "fp8":
+        raise UserError(
+            "precision.policy=fp8 runs the zoo's transformer blocks (gpt, vit) in fp8; a model "
+            "of your own trains in bf16 (its matmuls are not fp8 ops)"
+        )
 
 
 def _refuse_image_data_keys(data: DataConfig) -> None:

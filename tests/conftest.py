@@ -85,26 +85,20 @@ def run_module(module, *args, cwd, timeout=300):
 
 def plan_run(overrides, devices, base=TINY):
     """(config, mesh, layout, schedule) for TINY + overrides on `devices`: no arrays yet."""
-    from paisoar_jax import sharding
     from paisoar_jax.config import load_config
-    from paisoar_jax.optim import build_optimizer
-    from paisoar_jax.state import plan_state
+    from paisoar_jax.workload import setup
+    from paisoar_jax.zoo import zoo_workload
 
     config = load_config(None, list(base) + list(overrides))
-    mesh = sharding.build_mesh(config.mesh, devices)
-    optimizer, schedule = build_optimizer(
-        config.optim, config.train.steps, config.train.global_batch, config.precision
-    )
-    with jax.set_mesh(mesh):
-        layout = plan_state(config, mesh, optimizer)
-    return config, mesh, layout, schedule
+    run = setup(config, zoo_workload(config), devices)
+    return config, run.mesh, run.layout, run.schedule
 
 
 def build_run(overrides, devices, base=TINY):
     """(config, mesh, layout, state, train_step) for TINY + overrides on `devices`."""
     from paisoar_jax.state import init_state
     from paisoar_jax.step import jit_train_step
-    from paisoar_jax.tasks import task_for
+    from paisoar_jax.zoo import task_for
 
     config, mesh, layout, schedule = plan_run(overrides, devices, base)
     with jax.set_mesh(mesh):

@@ -145,7 +145,7 @@ def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
     overwritten by a zero gradient (scales of 0 would make the next fp8 step NaN)."""
     from paisoar_jax.precision import force_policy
     from paisoar_jax.step import loss_and_grads
-    from paisoar_jax.tasks import task_for
+    from paisoar_jax.zoo import task_for
 
     config, mesh, layout, state, _ = build_run(["precision.policy=fp8"], devices[:1])
     model = nnx.merge(layout.graphdef, state.params, state.model_state)

@@ -10,10 +10,9 @@ from conftest import PYTHON, subprocess_env
 from flax import nnx
 
 from paisoar_jax.config import load_config
-from paisoar_jax.models import build_model
 from paisoar_jax.precision import float32_island, force_policy, fp32_function, get_policy
 from paisoar_jax.step import loss_fn
-from paisoar_jax.tasks import LanguageModelling
+from paisoar_jax.zoo import build_model, task_for
 
 
 def equations(jaxpr):
@@ -34,7 +33,7 @@ def loss_jaxpr(policy, force=None):
         force_policy(model.blocks, force)
     graphdef, params = nnx.split(model)
     tokens = jnp.zeros((2, 17), jnp.int32)
-    task, key = LanguageModelling(config), jax.random.PRNGKey(0)
+    task, key = task_for(config), jax.random.PRNGKey(0)
     loss = lambda p: loss_fn(nnx.to_pure_dict(p), {}, graphdef, tokens, task, key)[0]  # noqa: E731
     return jax.make_jaxpr(loss)(params).jaxpr
 

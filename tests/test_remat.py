@@ -9,7 +9,7 @@ from paisoar_jax import sharding
 from paisoar_jax.remat import POLICIES
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads
-from paisoar_jax.tasks import task_for
+from paisoar_jax.zoo import task_for
 
 # Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
 TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]

@@ -7,7 +7,7 @@ from conftest import build_run, token_batches
 
 from paisoar_jax import sharding
 from paisoar_jax.step import loss_and_grads
-from paisoar_jax.tasks import task_for
+from paisoar_jax.zoo import task_for
 
 MESHES = {
     "data=8": ["mesh.data=8"],
@@ -184,7 +184,7 @@ def test_bf16_fsdp_casts_the_weights_before_gathering_them(devices):
     config, mesh, layout, state, train_step = build_run(
         ["mesh.data=1", "mesh.fsdp=8", "precision.policy=bf16"], devices
     )
-    assert layout.gather_dtype == jax.numpy.bfloat16
+    assert jax.numpy.bfloat16 in jax.tree.leaves(layout.compute_dtypes)
     batch = jax.device_put(token_batches(1)[0], sharding.batch_sharding(mesh))
     task = task_for(config)
     with jax.set_mesh(mesh):

@@ -11,7 +11,8 @@ from PIL import Image
 from paisoar_jax import sharding
 from paisoar_jax.config import load_config
 from paisoar_jax.loop import train
-from paisoar_jax.tasks import ImageClassification, LanguageModelling, task_for
+from paisoar_jax.tasks import ImageClassification, LanguageModelling
+from paisoar_jax.zoo import task_for
 
 
 def image_batch(batch=16, size=16, seed=0):
@@ -224,7 +225,7 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
         saved = checkpointer.restore(3, layout.abstract_state).state
         params, model_state = load_weights(tmp_path / "export", layout.abstract_state)
         tuned = load_config(None, [*common, f"checkpoint.init_from={tmp_path}/export"])
-        started, step, _ = _starting_point(tuned, layout, None)
+        started, step, _ = _starting_point(tuned, layout, None, task_for(tuned))
     checkpointer.close()
     assert step == 0
     for tree in (model_state, started.model_state):

@@ -34,7 +34,9 @@ def batch_dataset(
     """An endless iterable of (batch_per_process, seq_len + 1) int32 token batches."""
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    dataset = grain.MapDataset.source(source)[process_index::process_count]
+    if not isinstance(source, grain.MapDataset):
+        source = grain.MapDataset.source(source)
+    dataset = source[process_index::process_count]
     if len(dataset) == 0:
         raise UserError(
             f"the data has {len(source)} windows: too few for process {process_index} of "

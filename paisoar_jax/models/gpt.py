@@ -22,7 +22,7 @@ from paisoar_jax import fp8
 from paisoar_jax.config import ModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.remat import remat_block
+from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
 
 
@@ -237,13 +237,13 @@ class GPT(nnx.Module):
             graphdef, stacked_state = nnx.split(self.blocks)
             step = functools.partial(_block_step, graphdef, rotary)
             x_BxTxD, _ = jax.lax.scan(
-                remat_block(step, self.remat_policy, scanned), x_BxTxD, stacked_state
+                wrap_block_call(step, self.remat_policy, scanned), x_BxTxD, stacked_state
             )
         else:
             for block in self.blocks:
                 graphdef, block_state = nnx.split(block)
                 step = functools.partial(_block_step, graphdef, rotary)
-                x_BxTxD, _ = remat_block(step, self.remat_policy, scanned)(x_BxTxD, block_state)
+                x_BxTxD, _ = wrap_block_call(step, self.remat_policy, scanned)(x_BxTxD, block_state)
 
         h_BxTxD = cast(self.final_norm(x_BxTxD))
         if self.config.tie_embeddings:

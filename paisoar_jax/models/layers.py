@@ -34,7 +34,7 @@ from flax import nnx
 from paisoar_jax.config import VisionConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy
-from paisoar_jax.remat import remat_block
+from paisoar_jax.remat import wrap_block_call
 
 # The running statistics' decay (flax convention: PyTorch's momentum 0.1) and epsilon.
 BATCH_NORM_MOMENTUM = 0.9
@@ -240,7 +240,9 @@ def run_block(block: nnx.Module, remat_policy: str, x: jax.Array, **static) -> j
         module = nnx.merge(graphdef, values)
         return module(x, **static), nnx.to_pure_dict(nnx.state(module, nnx.BatchStat))
 
-    y, batch_stats = remat_block(forward, remat_policy, scanned=False)(nnx.to_pure_dict(state), x)
+    y, batch_stats = wrap_block_call(forward, remat_policy, scanned=False)(
+        nnx.to_pure_dict(state), x
+    )
     nnx.update(block, batch_stats)
     return y
 

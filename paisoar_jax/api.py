@@ -1,0 +1,234 @@
+"""The Python API: a model, loss, optimizer and data of one's own, trained as the CLI trains.
+
+    import optax, paisoar_jax
+    summary = paisoar_jax.fit(
+        "my_run.yaml", ["mesh.fsdp=2", "precision.policy=bf16"],
+        model=lambda rngs: MyModel(rngs=rngs),   # built abstractly, then sharded
+        loss=my_loss,                            # (model, batch, rng) -> (loss, metrics)
+        optimizer=optax.adamw(3e-4),             # default: the config's optim section
+        data=my_batches,                         # see paisoar_jax/data/user_data.py
+    )
+
+Everything the command line has applies unchanged: the mesh and ZeRO stages, sharding rules,
+precision and loss scaling, remat, grad accumulation, eval, metrics.jsonl, TensorBoard, async
+checkpoints with exact resume, SIGTERM saves, the out-of-memory report and `doctor`. Bad
+input is one line on stderr and exit status 2, as on the command line (`exit_on_error=False`
+raises paisoar_jax.UserError instead). With no model, the config's zoo model is trained.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from paisoar_jax import cli, distributed
+from paisoar_jax.config import (
+    Config,
+    CustomModelConfig,
+    ModelConfig,
+    config_from_dict,
+    load_config,
+    to_dict,
+)
+from paisoar_jax.errors import UserError
+
+ConfigLike = Config | str | pathlib.Path | None
+
+
+def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> Config:
+    """A Config from a Config, a YAML path or shipped name, or None (the defaults), + overrides."""
+    if isinstance(overrides, str):
+        raise UserError(
+            f"overrides must be a list of section.key=value, got the string {overrides!r}"
+        )
+    if isinstance(config, Config):
+        return config_from_dict(to_dict(config), overrides) if overrides else config
+    if config is not None and not isinstance(config, str | pathlib.Path):
+        raise UserError(
+            f"config must be a Config, a YAML path or a name, got {type(config).__name__}"
+        )
+    return load_config(None if config is None else str(config), list(overrides))
+
+
+def initialize(config: ConfigLike = None) -> None:
+    """Joins the other processes of a multi-process run (jax.distributed), once.
+
+    Reads the launcher's PAISOAR_* variables, SLURM, Open MPI or torchrun's (what
+    `python -m paisoar_jax.launch -- python my_script.py` sets); with none of them, a
+    single process. `fit` calls it; call it yourself before touching devices otherwise.
+    """
+    distributed.initialize(resolve_config(config).distributed, program="paisoar_jax")
+
+
+def workload(
+    config: Config,
+    *,
+    model: Callable | None = None,
+    loss: Callable | None = None,
+    optimizer: Any = None,
+    data: Any = None,
+    eval_data: Any = None,
+    flops_per_example: float | None = None,
+) -> tuple[Config, Any]:
+    """(config with its model section filled, workload.Workload) for fit, plan and bench."""
+    from paisoar_jax.custom import CustomTask
+    from paisoar_jax.data.user_data import open_user_data
+    from paisoar_jax.precision import get_policy
+    from paisoar_jax.workload import Workload
+    from paisoar_jax.zoo import zoo_workload
+
+    if model is None:
+        if loss is not None or data is not None or eval_data is not None:
+            raise UserError("loss and data go with a model of your own: pass model= too")
+        zoo = zoo_workload(config)
+        return config, Workload(zoo.model, zoo.task, optimizer, follows_policy=True)
+    if not callable(model):
+        raise UserError(f"model must be a function rngs -> nnx.Module, got {type(model).__name__}")
+    if not callable(loss):
+        raise UserError("a model of your own needs loss=: (model, batch, rng) -> (loss, metrics)")
+    if data is None:
+        raise UserError("a model of your own needs data= (examples or batches, see the docs)")
+    if not isinstance(config.model, CustomModelConfig) and config.model != ModelConfig():
+        raise UserError(
+            f"the config sets model.name={config.model.name} and fit got model= too: drop one"
+        )
+    name = f"{getattr(model, '__module__', '?')}.{getattr(model, '__qualname__', repr(model))}"
+    sections = to_dict(config)
+    sections["model"] = {"name": "custom", "factory": name}
+    config = config_from_dict(sections)
+    task = CustomTask(
+        loss,
+        open_user_data(data, "data"),
+        None if eval_data is None else open_user_data(eval_data, "eval_data"),
+        get_policy(config.precision.policy),
+        flops_per_example,
+    )
+    return config, Workload(model, task, optimizer)
+
+
+def _run(program: str, work: Callable[[], Any], exit_on_error: bool) -> Any:
+    """work(); bad input becomes one line and SystemExit(2) unless exit_on_error is False."""
+    if not exit_on_error:
+        return work()
+    result = []
+    status = cli.exit_status(program, lambda: result.append(work()))
+    if status:
+        sys.stderr.flush()
+        raise SystemExit(status)
+    return result[0]
+
+
+def fit(
+    config: ConfigLike = None,
+    overrides: Sequence[str] = (),
+    *,
+    model: Callable | None = None,
+    loss: Callable | None = None,
+    optimizer: Any = None,
+    data: Any = None,
+    eval_data: Any = None,
+    flops_per_example: float | None = None,
+    exit_on_error: bool = True,
+) -> dict[str, Any]:
+    """Trains `model` on `data` with `loss` as the config says; returns the run's summary.
+
+    model: `rngs -> nnx.Module` (called abstractly: nothing full-size on one device).
+    loss: `(model, batch, rng) -> (scalar loss, {name: scalar})`, taken in fp32.
+    optimizer: an optax GradientTransformation, or a function of the config's lr
+        schedule that returns one; default: the config's optim section. Clipping
+        (optim.clip_norm), the loss scaler and grad accumulation wrap it either way.
+    data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array
+        or dict of arrays) or batches (a grain IterDataset or a re-iterable of per-process
+        batches); eval_data None: no eval.
+    flops_per_example: training FLOPs per example, for MFU (None: MFU not reported).
+    """
+
+    def work() -> dict[str, Any]:
+        from paisoar_jax.loop import train
+
+        resolved = resolve_config(config, overrides)
+        distributed.initialize(resolved.distributed, program="paisoar_jax.fit")
+        resolved, run_workload = workload(
+            resolved,
+            model=model,
+            loss=loss,
+            optimizer=optimizer,
+            data=data,
+            eval_data=eval_data,
+            flops_per_example=flops_per_example,
+        )
+        return train(resolved, run_workload)
+
+    return _run("paisoar_jax.fit", work, exit_on_error)
+
+
+def plan_fit(
+    config: ConfigLike = None,
+    overrides: Sequence[str] = (),
+    *,
+    show: bool = True,
+    exit_on_error: bool = True,
+    **parts: Any,
+) -> dict[str, Any]:
+    """The plan of what `fit` would run (memory, each parameter's sharding, collectives).
+
+    `parts` are fit's model, loss, optimizer, data and flops_per_example; `show` prints
+    the table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU).
+    """
+
+    def work() -> dict[str, Any]:
+        import jax
+
+        from paisoar_jax import plan as planning
+
+        resolved, run_workload = workload(resolve_config(config, overrides), **parts)
+        result = planning.plan(resolved, jax.devices(), workload=run_workload)
+        if show:
+            print(planning.format_table(result), flush=True)
+        return result
+
+    return _run("paisoar_jax.plan", work, exit_on_error)
+
+
+def bench_fit(
+    config: ConfigLike = None,
+    overrides: Sequence[str] = (),
+    *,
+    exit_on_error: bool = True,
+    **parts: Any,
+) -> dict[str, Any]:
+    """The measured speed of what `fit` would run (no checkpoints, no eval), as `bench` does.
+
+    `parts` are fit's model, loss, optimizer, data and flops_per_example. Prints and
+    returns one JSON-ready dict: examples/s, step time, MFU, compile time, data wait.
+    """
+
+    def work() -> dict[str, Any]:
+        import json
+
+        from paisoar_jax.bench import BENCH_OVERRIDES, bench_train
+
+        resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
+        if not resolved.run.dir:
+            resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
+        resolved, run_workload = workload(resolved, **parts)
+        result = bench_train(resolved, run_workload)
+        print(json.dumps(result), flush=True)
+        return result
+
+    return _run("paisoar_jax.bench", work, exit_on_error)
+
+
+def export_run(
+    run_dir: str | pathlib.Path, output: str | pathlib.Path, step: int | None = None
+) -> int:
+    """Writes the weights of a run's checkpoint (default: the newest) to `output`.
+
+    The export is what `checkpoint.init_from` fine-tunes from, as `python -m
+    paisoar_jax.export RUN_DIR --output DIR` writes it; returns the step exported.
+    """
+    from paisoar_jax.export import export
+
+    return export(pathlib.Path(run_dir), pathlib.Path(output), step)

@@ -1,0 +1,141 @@
+"""The task of a model of one's own: the user's loss on the user's data.
+
+`loss(model, batch, rng) -> (loss, metrics)` is the user's function: the model is their NNX
+module (its weights already in the compute dtype, see state.compute_casts), the batch their
+arrays with floating ones cast to the compute dtype, and rng a key that differs per step and
+micro-batch. The loss and each metric must be scalars; they are taken in fp32. `setup`
+checks that once, abstractly, before anything compiles (`prepare`). Eval runs the same
+loss with the model switched to eval mode (`model.eval()`: dropout off, BatchNorm on its
+running statistics) and a fixed key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paisoar_jax.data.user_data import BatchData, ExampleData
+from paisoar_jax.errors import UserError
+from paisoar_jax.precision import Policy
+
+# Names the loop's records use for its own fields: a user's metric may not take them.
+RESERVED_METRICS = ("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step")
+Loss = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class CustomTask:
+    """A user's loss and data as a Task (workload.Task): throughput in examples."""
+
+    unit = "examples"
+    rate_name = "ex_s"
+    unit_of_data = "examples"
+
+    def __init__(
+        self,
+        loss: Loss,
+        data: ExampleData | BatchData,
+        eval_data: ExampleData | BatchData | None,
+        policy: Policy,
+        flops_per_example: float | None = None,
+    ):
+        self.user_loss = loss
+        self.data, self.eval_data = data, eval_data
+        self.policy = policy
+        self.flops_per_example = flops_per_example
+        self.metric_names: tuple[str, ...] = ()  # known once `prepare` traced the loss
+
+    def open_sources(self) -> tuple[Any, Any]:
+        """(train, eval) data; eval is None when none was given."""
+        return self.data, self.eval_data
+
+    def host_batches(self, source, *, batch_per_process: int, seed: int, train: bool, workers=0):
+        """Endless per-process batches of `source`."""
+        return source.batches(batch_per_process, seed=seed, shuffle=train, workers=workers)
+
+    def batch_shape(self, global_batch: int) -> Any:
+        """The shapes and dtypes of one global batch, from the data's first example or batch."""
+        return self.data.batch_spec(global_batch)
+
+    def units_per_example(self) -> int:
+        """Throughput counts examples."""
+        return 1
+
+    def flops_per_unit(self, param_count: int) -> float | None:
+        """The FLOPs per example given to fit (for MFU), else None."""
+        return self.flops_per_example
+
+    def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
+        """The user's loss and metrics in fp32, on the batch with floats in the compute dtype."""
+        batch = jax.tree.map(self.policy.cast_to_compute, batch)
+        loss, metrics = self.user_loss(model, batch, key)
+        as_float32 = lambda value: jnp.asarray(value).astype(jnp.float32)
+        return as_float32(loss), {name: as_float32(metrics[name]) for name in self.metric_names}
+
+    def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+        """{"loss", *metrics} of the model in eval mode on one held-out batch."""
+        model.eval()
+        loss, metrics = self.loss(model, batch, jax.random.PRNGKey(0))
+        return {"loss": loss, **metrics}
+
+    def signature(self) -> dict[str, Any]:
+        """The input settings a saved data position depends on."""
+        size = len(self.data) if isinstance(self.data, ExampleData) else None
+        return {"user_data": self.data.kind, "examples": size}
+
+    def prepare(self, layout, global_batch: int) -> None:
+        """Checks the batch against train.global_batch and the loss's return, abstractly."""
+        batch = self.batch_shape(global_batch)
+        if self.eval_data is not None:
+            self.eval_data.batch_spec(global_batch)
+
+        def probe(params, model_state, batch):
+            model = nnx.merge(layout.graphdef, params, model_state)
+            return self.user_loss(model, jax.tree.map(self.policy.cast_to_compute, batch), _KEY)
+
+        abstract = layout.abstract_state
+        result = jax.eval_shape(probe, abstract.params, abstract.model_state, batch)
+        self.metric_names = _check_loss_result(result)
+
+
+_KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+
+def _check_loss_result(result: Any) -> tuple[str, ...]:
+    """The metric names of a valid (scalar loss, {name: scalar}) result; else UserError."""
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise UserError(
+            f"loss must return (loss, metrics): a scalar and a dict of scalars; it returned "
+            f"{_describe(result)}"
+        )
+    loss, metrics = result
+    if not _is_scalar(loss):
+        raise UserError(f"loss must return a scalar loss first; it returned {_describe(loss)}")
+    if not isinstance(metrics, dict) or not all(isinstance(name, str) for name in metrics):
+        raise UserError(
+            f"loss must return a dict of named metrics second; got {_describe(metrics)}"
+        )
+    for name, value in metrics.items():
+        if name in RESERVED_METRICS:
+            raise UserError(f"loss: metric {name!r} takes a name the run's records use")
+        if not _is_scalar(value):
+            raise UserError(f"loss: metric {name!r} must be a scalar, got {_describe(value)}")
+    return tuple(metrics)
+
+
+def _is_scalar(value: Any) -> bool:
+    return hasattr(value, "shape") and value.shape == () and jnp.issubdtype(value.dtype, jnp.number)
+
+
+def _describe(value: Any) -> str:
+    """A short account of what a loss returned: shapes and dtypes, not values."""
+    if hasattr(value, "shape"):
+        return f"an array of shape {tuple(value.shape)} ({value.dtype})"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}: " + ", ".join(map(_describe, value))
+    if isinstance(value, dict):
+        return "a dict of " + ", ".join(f"{k}: {_describe(v)}" for k, v in value.items())
+    return type(value).__name__

@@ -1,0 +1,146 @@
+"""What is trained, and the one setup every run starts from.
+
+A `Workload` is the user's side of a run: a model factory (`rngs -> nnx.Module`), a `Task`
+(what a batch is, the loss, eval, the throughput unit) and optionally an optimizer. The zoo's
+models are workloads like any other (zoo.py), and `paisoar_jax.fit` makes one of a user's
+own model, loss and data (custom.py). `setup` turns a config and a workload into what the
+loop, plan, bench and export start from: the mesh, the optimizer chain and the state layout
+(every sharding, from abstract shapes only; nothing is built yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from paisoar_jax import remat, sharding
+from paisoar_jax.config import Config
+from paisoar_jax.errors import UserError
+from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
+from paisoar_jax.state import StateLayout, plan_state
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+# An optax transformation, or a factory that takes the config's learning-rate schedule.
+Optimizer = optax.GradientTransformation | Callable[[optax.Schedule], optax.GradientTransformation]
+
+
+class Task(Protocol):
+    """What a model learns from its batches: the step, loop, plan and bench ask the task."""
+
+    unit: str  # the throughput unit: "tokens" or "examples"
+    rate_name: str  # the progress bar's name for the rate: tok_s, img_s, ex_s
+    unit_of_data: str  # what a source holds, for messages: windows, images, examples
+    metric_names: tuple[str, ...]  # the fp32 scalars `loss` returns beside the loss
+
+    def open_sources(self) -> tuple[Any, Any]:
+        """The (train, eval) sources."""
+
+    def host_batches(
+        self, source: Any, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
+    ) -> Iterable:
+        """Endless per-process numpy batches of one source (get_state/set_state if it can)."""
+
+    def batch_shape(self, global_batch: int) -> Any:
+        """The shapes and dtypes of one global batch (a ShapeDtypeStruct or a dict of them)."""
+
+    def units_per_example(self) -> int:
+        """Throughput units per example (tokens per sequence, or 1)."""
+
+    def flops_per_unit(self, param_count: int) -> float | None:
+        """Training FLOPs per unit, for MFU; None when unknown."""
+
+    def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
+        """(fp32 scalar loss, {name: fp32 scalar}) of the model on one batch."""
+
+    def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+        """{"loss", ...} on one held-out batch."""
+
+    def signature(self) -> dict[str, Any]:
+        """The input settings a saved data position depends on."""
+
+    def prepare(self, layout: StateLayout, global_batch: int) -> None:
+        """Called once by `setup` before anything compiles (checks against the model)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model factory, its task and optionally an optimizer (default: the config's)."""
+
+    model: ModelFactory
+    task: Task
+    optimizer: Optimizer | None = None
+    # The zoo's modules cast to the precision policy and checkpoint their blocks themselves;
+    # for other models the step casts the weights and remat.blocks names the blocks.
+    follows_policy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run is built on: the mesh, the state layout, the schedule and the task."""
+
+    config: Config
+    mesh: Mesh
+    layout: StateLayout
+    schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
+    task: Task
+
+
+def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module]:
+    """A zero-argument function that builds the model from the run's seed and remat settings."""
+    seed = config.train.seed
+    policy_name = config.remat.policy
+
+    def create() -> nnx.Module:
+        # Eager sharding off: shardings are given to jit, not attached at creation.
+        with nnx.use_eager_sharding(False), remat.building(policy_name) as built:
+            if workload.follows_policy:  # the zoo draws its init from a `params` stream
+                return workload.model(nnx.Rngs(params=seed))
+            model = workload.model(nnx.Rngs(seed))
+            remat.remat_blocks(model, config.remat.blocks, policy_name)
+        if policy_name != "none" and not (built.wrapped or config.remat.blocks):
+            raise UserError(
+                f"remat.policy={policy_name} applies to no block of this model: name them with "
+                f"remat.blocks=[<module path regex>] or wrap them with "
+                f"paisoar_jax.remat_block(block)"
+            )
+        return model
+
+    return create
+
+
+def optimizer_for(config: Config, given: Optimizer | None):
+    """(optimizer chain, schedule): the config's, or the user's inside clipping and scaling."""
+    train = config.train
+    if given is None:
+        return build_optimizer(config.optim, train.steps, train.global_batch, config.precision)
+    schedule = build_schedule(config.optim, train.steps, train.global_batch)
+    if isinstance(given, optax.GradientTransformation):
+        inner, schedule = given, None  # its own learning rate: read back if injected
+    elif callable(given):
+        inner = given(schedule)
+        if not isinstance(inner, optax.GradientTransformation):
+            raise UserError(f"optimizer factory returned {type(inner).__name__}, not an optax one")
+    else:
+        raise UserError(
+            f"optimizer must be an optax GradientTransformation or a function of the schedule, "
+            f"got {type(given).__name__}"
+        )
+    return wrap_optimizer(inner, config.optim, config.precision), schedule
+
+
+def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Mesh, optimizer and state layout for `config` and `workload`; no arrays are built."""
+    mesh = sharding.build_mesh(config.mesh, devices)
+    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
+    optimizer, schedule = optimizer_for(config, workload.optimizer)
+    create_model = model_builder(config, workload)
+    with jax.set_mesh(mesh):
+        layout = plan_state(config, mesh, optimizer, create_model, workload.follows_policy)
+        workload.task.prepare(layout, config.train.global_batch)
+    return Setup(config, mesh, layout, schedule, workload.task)

@@ -1,0 +1,85 @@
+"""The model zoo's registry: model.name -> its config section, model class and task.
+
+Each zoo model is trained through the same seam as a user's own (workload.py): a factory
+`rngs -> nnx.Module` and a Task. Its class is built as `cls(model_config, policy,
+remat_policy, rngs)` and annotates every parameter with logical axis names; language models
+have a static `flops_per_token(model_config, param_count)`, image classifiers a static
+`flops_per_example(model_config, param_count)`. A model of one's own has the name `custom`
+and is given to `paisoar_jax.fit(model=...)`, not named here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from paisoar_jax.config import MODEL_CONFIGS, Config, ModelConfig, VisionConfig
+from paisoar_jax.errors import UserError
+from paisoar_jax.models import resolve_model_config
+from paisoar_jax.models.gpt import GPT
+from paisoar_jax.models.resnet import ResNet
+from paisoar_jax.models.vgg import VGG
+from paisoar_jax.models.vit import ViT
+from paisoar_jax.precision import Policy, get_policy
+from paisoar_jax.tasks import ImageClassification, LanguageModelling
+from paisoar_jax.workload import Task, Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooEntry:
+    """One registered model: its config section's dataclass, its class and its task."""
+
+    config_type: type
+    model_class: type[nnx.Module]
+    task_class: type
+
+
+ZOO: dict[str, ZooEntry] = {
+    "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling),
+    "resnet": ZooEntry(MODEL_CONFIGS["resnet"], ResNet, ImageClassification),
+    "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification),
+    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification),
+}
+
+
+def entry(name: str) -> ZooEntry:
+    """The registered model called `name`."""
+    if name == "custom":
+        raise UserError(
+            "model.name=custom is a model of your own: train it through "
+            "paisoar_jax.fit(config, model=..., loss=...), not by name"
+        )
+    if name not in ZOO:
+        raise UserError(f"model.name={name!r} is not one of {', '.join(sorted(ZOO))}")
+    return ZOO[name]
+
+
+def model_class(name: str) -> type[nnx.Module]:
+    """The registered model class called `name`."""
+    return entry(name).model_class
+
+
+def build_model(
+    model_config: ModelConfig | VisionConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
+) -> nnx.Module:
+    """Builds the registered model named by `model_config.name`."""
+    resolved = resolve_model_config(model_config)
+    return model_class(resolved.name)(resolved, policy, remat_policy, rngs)
+
+
+def task_for(config: Config) -> Task:
+    """The task of the configured zoo model."""
+    resolved = resolve_model_config(config.model)
+    zoo_entry = entry(resolved.name)
+    return zoo_entry.task_class(config, zoo_entry.model_class)
+
+
+def zoo_workload(config: Config) -> Workload:
+    """The configured zoo model as a workload: its factory and its task."""
+    policy = get_policy(config.precision.policy)
+
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+        return build_model(config.model, policy, config.remat.policy, rngs)
+
+    return Workload(model=create, task=task_for(config), follows_policy=True)

@@ -1,0 +1,335 @@
+"""A model of one's own through `paisoar_jax.fit`: sharded like one device, fp16, bad input.
+
+The model below is plain flax NNX with no sharding annotations and is not in the zoo.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import paisoar_jax
+from paisoar_jax import api, rules, sharding
+from paisoar_jax.errors import UserError
+from paisoar_jax.state import init_state
+from paisoar_jax.step import jit_train_step, loss_and_grads
+from paisoar_jax.workload import setup
+
+BASE = [
+    "train.global_batch=16",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "optim.warmup_steps=0",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+RULES = (
+    '[["blocks\\\\.\\\\d+\\\\.up\\\\.kernel", [fsdp, tensor]],'
+    ' ["blocks\\\\.\\\\d+\\\\.down\\\\.kernel", [tensor, fsdp]],'
+    ' ["up\\\\.bias", [tensor]]]'
+)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(64, rngs=rngs)
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(16, 64, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(64, 6, rngs=rngs)  # 6 classes: tensor=4 does not divide them
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def net_loss(model, batch, rng):
+    logits = model(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def examples(count=256, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 16)).astype(np.float32)
+    return {"x": x, "y": (np.abs(x[:, :3]).argmax(-1) + 3 * (x[:, 3] > 0)).astype(np.int32)}
+
+
+def batches(count, rows=16):
+    data = examples(count * rows, seed=1)
+    return [
+        {key: value[i * rows : (i + 1) * rows] for key, value in data.items()} for i in range(count)
+    ]
+
+
+def prepared(overrides, devices, **parts):
+    config = api.resolve_config(None, [*BASE, *overrides])
+    parts = {"model": Net, "loss": net_loss, "data": examples(), **parts}
+    config, workload = api.workload(config, **parts)
+    return config, setup(config, workload, devices)
+
+
+def gradient_function(layout, task):
+    """The jitted gradients of one batch, weights cast as the train step casts them."""
+    return jax.jit(
+        lambda params, model_state, batch: loss_and_grads(
+            params, model_state, layout.graphdef, batch, task, layout=layout
+        )[1]
+    )
+
+
+def three_steps(overrides, devices):
+    config, run = prepared(overrides, devices, optimizer=optax.adam(1e-2))
+    layout = run.layout
+    with jax.set_mesh(run.mesh):
+        state = init_state(config, layout)
+        where = sharding.batch_sharding(run.mesh)
+        placed = [jax.device_put(batch, where) for batch in batches(3)]
+        gradients = gradient_function(layout, run.task)(state.params, state.model_state, placed[0])
+        train_step = jit_train_step(layout, run.task, run.schedule, 1, run.mesh)
+        losses = []
+        for batch in placed:
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    shardings = {
+        path: where for path, _, where in rules.describe(state.params, layout.shardings.params)
+    }
+    return {
+        "losses": losses,
+        "grads": jax.device_get(gradients),
+        "params": jax.device_get(state.params),
+        "shardings": shardings,
+        "lr": float(metrics.get("lr", np.nan)),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return three_steps(["mesh.data=1"], devices[:1])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"sharding.rules={RULES}"],
+        ["mesh.data=8", "mesh.zero=3", "sharding.min_split_size=256"],
+    ],
+    ids=["data2-fsdp2-tensor2-rules", "zero3-default"],
+)
+def test_unannotated_model_matches_one_device(reference, devices, overrides):
+    sharded = three_steps(overrides, devices)
+    np.testing.assert_allclose(sharded["losses"], reference["losses"], rtol=2e-5)
+    for name in ("grads", "params"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
+            sharded[name],
+            reference[name],
+        )
+    assert set(reference["shardings"].values()) == {"[-]", "[-, -]"}  # one device: whole
+    where = sharded["shardings"]
+    if "mesh.tensor=2" in overrides:  # what the rules say; the rest stays whole
+        assert where["blocks.0.up.kernel"] == "[fsdp, tensor]"
+        assert where["blocks.1.down.kernel"] == "[tensor, fsdp]"
+        assert where["blocks.0.up.bias"] == "[tensor]"
+        assert where["head.kernel"] == "[-, -]" and where["blocks.0.norm.scale"] == "[-]"
+    else:  # ZeRO-3: the largest dimension the 8 shards divide; small params whole
+        assert where["blocks.0.up.kernel"] == "[-, data]"  # (64, 128)
+        assert where["head.kernel"] == "[data, -]"  # (64, 6): 6 is not divisible by 8
+        assert where["blocks.0.up.bias"] == "[-]"  # 128 elements < min_split_size
+    assert np.isnan(reference["lr"])  # a bare optax optimizer: no schedule to report
+
+
+def test_rules_widen_fsdp_over_data_for_zero(devices):
+    config, run = prepared(
+        ["mesh.data=4", "mesh.fsdp=2", "mesh.zero=1", f"sharding.rules={RULES}"], devices
+    )
+    params = dict(
+        (p, w)
+        for p, _, w in rules.describe(run.layout.abstract_state.params, run.layout.shardings.params)
+    )
+    state = dict(
+        (p, w)
+        for p, _, w in rules.describe(
+            run.layout.abstract_state.params, run.layout.gradient_shardings
+        )
+    )
+    assert params["blocks.0.up.kernel"] == "[fsdp, -]"  # tensor=1 drops out
+    assert state["blocks.0.up.kernel"] == "[data+fsdp, -]"  # ZeRO-1: optimizer state over data
+
+
+def test_fp16_overflow_skips_the_step_bit_for_bit(devices):
+    config, run = prepared(["mesh.data=1", "precision.policy=fp16"], devices[:1])
+    assert run.layout.compute_dtypes["blocks"][0]["up"]["kernel"] == np.float16
+    assert run.layout.compute_dtypes["blocks"][0]["norm"]["scale"] is None  # norms stay fp32
+    good, bad = batches(2)
+    bad = {"x": bad["x"] * 1e6, "y": bad["y"]}  # beyond fp16's range once cast
+    with jax.set_mesh(run.mesh):
+        state = init_state(config, run.layout)
+        step = jit_train_step(run.layout, run.task, run.schedule, 1, run.mesh)
+        state, _ = step(state, good)
+        before = jax.device_get(state)
+        state, metrics = step(state, bad)
+        after = jax.device_get(state)
+    assert int(metrics["skipped_steps"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+    jax.tree.map(
+        np.testing.assert_array_equal, after.opt_state.inner_state, before.opt_state.inner_state
+    )
+    assert float(after.opt_state.scale) == float(before.opt_state.scale) / 2
+
+
+def test_batch_floats_and_weights_reach_the_loss_in_the_compute_dtype(devices):
+    seen = {}
+
+    def spying_loss(model, batch, rng):
+        seen["x"], seen["kernel"] = batch["x"].dtype, model.embed.kernel[...].dtype
+        seen["scale"] = model.blocks[0].norm.scale[...].dtype
+        return net_loss(model, batch, rng)
+
+    config, run = prepared(["mesh.data=1", "precision.policy=bf16"], devices[:1], loss=spying_loss)
+    with jax.set_mesh(run.mesh):
+        state = init_state(config, run.layout)
+        step = jit_train_step(run.layout, run.task, run.schedule, 1, run.mesh)
+        _, metrics = step(state, batches(1)[0])
+    assert seen == {"x": jax.numpy.bfloat16, "kernel": jax.numpy.bfloat16, "scale": np.float32}
+    assert metrics["loss"].dtype == np.float32
+
+
+def test_force_policy_keeps_a_submodule_in_fp32(devices):
+    def model(rngs):
+        net = Net(rngs)
+        paisoar_jax.force_policy(net.head, "fp32")
+        return net
+
+    config, run = prepared(["mesh.data=1", "precision.policy=bf16"], devices[:1], model=model)
+    dtypes = run.layout.compute_dtypes
+    assert dtypes["head"]["kernel"] is None and dtypes["embed"]["kernel"] == jax.numpy.bfloat16
+
+
+def test_remat_blocks_by_path_and_by_helper(devices):
+    """remat.blocks and paisoar_jax.remat_block checkpoint the blocks; gradients unchanged."""
+
+    def helped(rngs):
+        net = Net(rngs)
+        for block in net.blocks:
+            paisoar_jax.remat_block(block)
+        return net
+
+    results = {}
+    for name, overrides, model in (
+        ("none", [], Net),
+        ("by path", ["remat.policy=full", "remat.blocks=[blocks\\.\\d+$]"], Net),
+        ("helper", ["remat.policy=full"], helped),
+    ):
+        config, run = prepared(["mesh.data=1", *overrides], devices[:1], model=model)
+        layout = run.layout
+        with jax.set_mesh(run.mesh):
+            state = init_state(config, layout)
+            grad_fn = gradient_function(layout, run.task)
+            batch = batches(1)[0]
+            results[name] = jax.device_get(grad_fn(state.params, state.model_state, batch))
+            jaxpr = str(jax.make_jaxpr(grad_fn)(state.params, state.model_state, batch))
+        assert ("remat" in jaxpr) == (name != "none"), name
+    for name in ("by path", "helper"):
+        jax.tree.map(np.testing.assert_array_equal, results[name], results["none"])
+
+
+BAD_INPUT = {
+    "loss not a scalar": (
+        {"loss": lambda model, batch, rng: (model(batch["x"]).mean(-1), {})},
+        [],
+        "loss must return a scalar loss first; it returned an array of shape (16,)",
+    ),
+    "loss without metrics": (
+        {"loss": lambda model, batch, rng: model(batch["x"]).mean()},
+        [],
+        "loss must return (loss, metrics)",
+    ),
+    "rule matching nothing": (
+        {},
+        ['sharding.rules=[["attention\\\\.kernel", [fsdp]]]'],
+        "sharding.rules: 'attention\\\\.kernel' matches no parameter",
+    ),
+    "axis that does not divide": (
+        {},
+        ["mesh.data=2", "mesh.tensor=4", 'sharding.rules=[["head\\\\.kernel", [null, tensor]]]'],
+        "on head.kernel (shape (64, 6)): dimension 1 (size 6) is not divisible by mesh tensor=4",
+    ),
+    "unknown axis": (
+        {},
+        ['sharding.rules=[["head\\\\.kernel", [model, null]]]'],
+        "unknown axis 'model'",
+    ),
+    "batch not over the shards": (
+        {"data": batches(2, rows=12)},
+        ["train.global_batch=12", "mesh.data=8"],
+        "train.global_batch=12 is not divisible by the 8 batch shards",
+    ),
+    "rows not the global batch": (
+        {"data": batches(2, rows=8)},
+        [],
+        "gives batches of 8 rows per process",
+    ),
+    "remat with no block": ({}, ["remat.policy=full"], "applies to no block of this model"),
+    "fp8": ({}, ["precision.policy=fp8"], "precision.policy=fp8 runs the zoo's"),
+    "generator data": ({"data": (batch for batch in batches(2))}, [], "one-shot iterator"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(case, capsys, tmp_path):
+    parts, overrides, message = BAD_INPUT[case]
+    parts = {"model": Net, "loss": net_loss, "data": examples(), **parts}
+    with pytest.raises(SystemExit) as exit_info:
+        paisoar_jax.fit(None, [*BASE, f"run.dir={tmp_path}", *overrides], **parts)
+    assert exit_info.value.code == 2
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(error_lines) == 1 and error_lines[0].startswith("paisoar_jax.fit: error: ")
+    assert message in error_lines[0], error_lines[0]
+
+
+def test_exit_on_error_false_raises(tmp_path):
+    with pytest.raises(UserError, match="needs loss="):
+        paisoar_jax.fit(None, model=Net, data=examples(), exit_on_error=False)
+
+
+def test_plan_fit_prints_every_parameter(devices, capsys):
+    result = paisoar_jax.plan_fit(
+        None,
+        [*BASE, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"sharding.rules={RULES}"],
+        model=Net,
+        loss=net_loss,
+        data=examples(),
+    )
+    table = capsys.readouterr().out
+    rows = {row["path"]: row for row in result["parameters"]}
+    assert rows["blocks.0.up.kernel"] == {
+        "path": "blocks.0.up.kernel",
+        "shape": [64, 128],
+        "sharding": "[fsdp, tensor]",
+    }
+    assert "blocks.1.down.kernel" in table and "[tensor, fsdp]" in table
+    assert result["model"] == "custom"
+
+
+def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):
+    from paisoar_jax import doctor
+
+    overrides = [*BASE, "train.steps=6", "train.log_every=2", f"run.dir={tmp_path}/bench"]
+    result = paisoar_jax.bench_fit(None, overrides, model=Net, loss=net_loss, data=examples())
+    assert result["model"] == "custom" and result["examples_per_s"] > 0
+    assert result["mfu"] is None  # no flops_per_example given
+    assert '"examples_per_s"' in capsys.readouterr().out
+    run = doctor.load_run(tmp_path / "bench")
+    assert all(finding.name != "low-mfu" for finding in doctor.diagnose(run))

@@ -1,0 +1,148 @@
+"""The scripts in examples/ run as a user runs them, and a stopped one resumes bit for bit."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import PYTHON, REPO, subprocess_env
+
+EXAMPLES = REPO / "examples"
+QUIET = ["run.progress=false", "run.tensorboard=false"]
+
+
+def run_example(name, *overrides, cwd, timeout=300, env=None):
+    return subprocess.run(
+        [PYTHON, str(EXAMPLES / name), *QUIET, *overrides],
+        cwd=cwd,
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_own_mlp_learns_the_spirals(tmp_path):
+    result = run_example("own_mlp.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    accuracy = float(result.stdout.split("eval accuracy")[-1])
+    assert accuracy > 0.95
+
+
+def test_own_transformer_runs_on_fsdp_and_tensor(tmp_path):
+    env = subprocess_env()
+    env.pop("XLA_FLAGS", None)  # the example asks for its own 4 simulated devices
+    result = run_example(
+        "own_transformer.py", "train.steps=30", "train.log_every=10", cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mesh {'data': 1, 'fsdp': 2, 'tensor': 2}, 4 cpu devices" in result.stdout
+    losses = [record["loss"] for record in records(tmp_path / "runs" / "own_transformer")]
+    assert losses[-1] < losses[0]
+
+
+def test_fine_tune_starts_from_the_export(tmp_path):
+    result = run_example("fine_tune.py", "train.steps=60", "train.log_every=10", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "runs" / "spirals_pretrain" / "export" / "params").is_dir()
+    pre_trained = records(tmp_path / "runs" / "spirals_pretrain")
+    tuned = records(tmp_path / "runs" / "spirals_finetune")
+    # Started from the pre-trained weights, not from scratch: its first loss is already low.
+    assert tuned[0]["loss"] < pre_trained[0]["loss"] / 2
+
+
+def test_own_grain_pipeline_under_the_launcher(tmp_path):
+    """`launch -- python script.py`: two processes, each feeding its own share."""
+    result = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "paisoar_jax.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "2",
+            "--",
+            "python",
+            str(EXAMPLES / "own_grain_pipeline.py"),
+            *QUIET,
+            "train.steps=40",
+        ],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0] paisoar_jax: 2 processes" in result.stdout
+    assert "mesh {'data': 4, 'fsdp': 1, 'tensor': 1}, 4 cpu devices" in result.stdout
+    assert "[rank 1] eval accuracy" in result.stdout
+
+
+def test_sigterm_then_resume_continues_bit_for_bit(tmp_path):
+    """A fit run stopped by SIGTERM saves and exits 0; rerun, it ends as the uninterrupted one."""
+    settings = ["train.steps=40", "train.log_every=1", "checkpoint.every=0"]
+    reference = run_example("own_grain_pipeline.py", *settings, "run.dir=reference", cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    command = [PYTHON, str(EXAMPLES / "own_grain_pipeline.py"), *QUIET, *settings, "run.dir=cut"]
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 8):
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-2000:]
+    assert "stopped by SIGTERM" in stdout
+    stopped_at = records(tmp_path / "cut")[-1]["step"]
+    assert stopped_at < 40
+    resumed = run_example("own_grain_pipeline.py", *settings, "run.dir=cut", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from step {stopped_at}" in resumed.stdout
+    fields = ("loss", "accuracy", "grad_norm", "eval_loss")
+    want = {r["step"]: tuple(r.get(f) for f in fields) for r in records(tmp_path / "reference")}
+    got = {r["step"]: tuple(r.get(f) for f in fields) for r in records(tmp_path / "cut")}
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "name", ["own_mlp.py", "own_transformer.py", "fine_tune.py", "own_grain_pipeline.py"]
+)
+def test_every_example_has_a_docstring_with_its_command(name):
+    text = (EXAMPLES / name).read_text()
+    assert text.startswith('"""') and f"python examples/{name}" in text
+
+
+def test_the_readme_program_runs(tmp_path):
+    """The complete program of the README's "Your own model" section, as a user pastes it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Your own model", 1)[1].split("## A tour", 1)[0]
+    program = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in program.splitlines() if line.strip()]) <= 20
+    script = tmp_path / "readme_program.py"
+    script.write_text(program)
+    result = subprocess.run(
+        [PYTHON, str(script)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "paisoar_jax: done: 200 steps" in result.stdout

@@ -1,0 +1,29 @@
+"""A plain (non-editable) install carries the shipped configs: names resolve from anywhere."""
+
+import subprocess
+
+from conftest import PYTHON, REPO, subprocess_env
+
+
+def test_shipped_config_names_resolve_after_a_plain_install(tmp_path):
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-2000:]
+    assert (target / "paisoar_jax" / "configs" / "gpt2_124m.yaml").is_file()
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(target)  # the installed copy, not the checkout
+    probe = (
+        "import paisoar_jax.config as c; "
+        "print(c.resolve_config_path('gpt2_124m')); print(c.load_config('resnet50').model.name)"
+    )
+    result = subprocess.run(
+        [PYTHON, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    path, model = result.stdout.split()
+    assert path.startswith(str(target)) and model == "resnet"
