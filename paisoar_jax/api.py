@@ -62,7 +62,7 @@ def initialize(config: ConfigLike = None) -> None:
     distributed.initialize(resolve_config(config).distributed, program="paisoar_jax")
 
 
-def workload(
+def build_workload(
     config: Config,
     *,
     model: Callable | None = None,
@@ -150,7 +150,7 @@ def fit(
 
         resolved = resolve_config(config, overrides)
         distributed.initialize(resolved.distributed, program="paisoar_jax.fit")
-        resolved, run_workload = workload(
+        resolved, run_workload = build_workload(
             resolved,
             model=model,
             loss=loss,
@@ -183,7 +183,7 @@ def plan_fit(
 
         from paisoar_jax import plan as planning
 
-        resolved, run_workload = workload(resolve_config(config, overrides), **parts)
+        resolved, run_workload = build_workload(resolve_config(config, overrides), **parts)
         result = planning.plan(resolved, jax.devices(), workload=run_workload)
         if show:
             print(planning.format_table(result), flush=True)
@@ -213,7 +213,7 @@ def bench_fit(
         resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
         if not resolved.run.dir:
             resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
-        resolved, run_workload = workload(resolved, **parts)
+        resolved, run_workload = build_workload(resolved, **parts)
         result = bench_train(resolved, run_workload)
         print(json.dumps(result), flush=True)
         return result

@@ -102,6 +102,39 @@ def _leaf_names(tree: Any) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def _is_key(leaf: Any) -> bool:
+    """A typed PRNG key array (an nnx.Rngs stream kept in a model, e.g. by nnx.Dropout)."""
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def storable(tree: Any) -> Any:
+    """`tree` with typed PRNG keys as their raw uint32 data, which Orbax and checksums take."""
+    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if _is_key(leaf) else leaf, tree)
+
+
+def storable_target(target: Any) -> Any:
+    """The abstract `target` of a restore as it is stored: keys as uint32, same shardings."""
+
+    def one(leaf):
+        if not _is_key(leaf):
+            return leaf
+        raw = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return jax.ShapeDtypeStruct(raw.shape, raw.dtype, sharding=leaf.sharding)
+
+    return jax.tree.map(one, target)
+
+
+def live(restored: Any, target: Any) -> Any:
+    """Restored raw key data wrapped back into the typed keys `target` asks for."""
+
+    def one(value, leaf):
+        if not _is_key(leaf):
+            return value
+        return jax.random.wrap_key_data(value, impl=getattr(leaf.dtype, "_impl", None))
+
+    return jax.tree.map(one, restored, target)
+
+
 @jax.jit
 def _checksums(tree: Any) -> jax.Array:
     """A uint32 wrap-around sum of each array's bits: exact whatever the sharding."""
@@ -213,6 +246,7 @@ class Checkpointer:
         `input_signature` (process count, workers, batch...) says what the data position
         belongs to: a resume whose signature differs cannot continue that position.
         """
+        state = storable(state)
         data_bytes = json.dumps(data_state).encode()
         signature = {"process_count": jax.process_count(), **(input_signature or {})}
         # One checksum per array, computed where the shards live: restore recomputes them,
@@ -239,6 +273,7 @@ class Checkpointer:
         match the saved one; otherwise the input starts afresh, with a warning.
         """
         step_dir = self.directory / str(step)
+        typed_target, target = target, storable_target(target)
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = meta["meta"]
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
@@ -275,7 +310,7 @@ class Checkpointer:
             state = target.replace(**state, model_state=target.model_state)
         _verify(state, meta.get("checksums"), step_dir)
         data_state = json.loads(holder.state) if not changed else None
-        return Restored(step, state, data_state, meta)
+        return Restored(step, live(state, typed_target), data_state, meta)
 
     def restore_latest(
         self, target: Any, input_signature: dict[str, Any] | None = None
@@ -386,6 +421,7 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
         else:
             warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")
     check_compatible({name: saved_tree[name] for name in target}, target, item)
+    typed_target, target = target, storable_target(target)
     restored = checkpointer.restore(
         item,
         args=ocp.args.PyTreeRestore(
@@ -394,6 +430,7 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
             partial_restore=True,
         ),
     )
+    restored = live({name: restored[name] for name in target}, typed_target)
     return restored["params"], restored.get("model_state")
 
 
@@ -401,7 +438,7 @@ def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> Non
     """Writes params and model state (`output/params`): the input of inference, `init_from`."""
     weights = {"params": params}
     if jax.tree.leaves(model_state):
-        weights["model_state"] = model_state
+        weights["model_state"] = storable(model_state)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(output.absolute() / "params", weights)
     checkpointer.wait_until_finished()

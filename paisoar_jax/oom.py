@@ -90,9 +90,12 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
     fixes = []
     remat = LESS_REMAT_MEMORY.get(config.remat.policy)
     if remat:
+        # A model of one's own names its blocks (the zoo's checkpoint theirs themselves).
+        own_blocks = config.model.name == "custom" and not config.remat.blocks
+        blocks = " remat.blocks=[<block path regex>]" if own_blocks else ""
         fixes.append(
             (
-                f"remat.policy={remat}",
+                f"remat.policy={remat}{blocks}",
                 "recompute activations in the backward pass (full: the least memory)",
             )
         )

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import run_records
 from flax import nnx
 
 import paisoar_jax
@@ -76,7 +77,7 @@ def batches(count, rows=16):
 def prepared(overrides, devices, **parts):
     config = api.resolve_config(None, [*BASE, *overrides])
     parts = {"model": Net, "loss": net_loss, "data": examples(), **parts}
-    config, workload = api.workload(config, **parts)
+    config, workload = api.build_workload(config, **parts)
     return config, setup(config, workload, devices)
 
 
@@ -333,3 +334,85 @@ def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):
     assert '"examples_per_s"' in capsys.readouterr().out
     run = doctor.load_run(tmp_path / "bench")
     assert all(finding.name != "low-mfu" for finding in doctor.diagnose(run))
+
+
+class Annotated(nnx.Module):
+    """Logical axis names on the weights (flax nnx.with_partitioning): the rules table places
+    them as it places the zoo's."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(
+            16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs
+        )
+        self.down = nnx.Linear(64, 6, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_logical_axis_names_follow_the_rules_table(devices):
+    _, run = prepared(
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.min_split_size=64"],
+        devices,
+        model=Annotated,
+    )
+    placed = {
+        path: where
+        for path, _, where in rules.describe(
+            run.layout.abstract_state.params, run.layout.shardings.params
+        )
+    }
+    assert placed["up.kernel"] == "[fsdp, tensor]"  # embed -> fsdp, mlp -> tensor
+    assert placed["down.kernel"] == "[fsdp, -]"  # no names: the default splits its largest dim
+    assert placed["up.bias"] == "[fsdp]"  # 64 elements: not below min_split_size=64
+
+
+def test_the_out_of_memory_fixes_name_the_blocks_of_a_model_of_ones_own():
+    from paisoar_jax.oom import memory_fixes
+
+    config, _ = api.build_workload(
+        api.resolve_config(None, BASE), model=Net, loss=net_loss, data=examples()
+    )
+    assert memory_fixes(config)[0][0] == "remat.policy=dots remat.blocks=[<block path regex>]"
+
+
+class Stateful(nnx.Module):
+    """BatchNorm statistics and a Dropout that keeps its own nnx.Rngs stream (typed keys)."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.norm = nnx.BatchNorm(64, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.down = nnx.Linear(64, 6, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.norm(self.up(x)))))
+
+
+def test_model_state_with_rng_streams_resumes_exactly(tmp_path):
+    """Typed PRNG keys in the model (nnx.Dropout's stream) are saved and restored, and a run
+    resumed from step 3 logs what the uninterrupted run logged."""
+    common = [*BASE, "train.eval_every=3", "checkpoint.every=3", "mesh.data=4", "mesh.fsdp=2"]
+    common.append("optim.schedule=constant")  # the same lr whatever train.steps says
+    parts = {"model": Stateful, "loss": net_loss, "data": examples(), "eval_data": examples(64)}
+    whole = [*common, "train.steps=6", f"run.dir={tmp_path}/whole"]
+    paisoar_jax.fit(None, whole, **parts)
+    for steps in (3, 6):
+        paisoar_jax.fit(None, [*common, f"train.steps={steps}", f"run.dir={tmp_path}/cut"], **parts)
+    fields = ("loss", "accuracy", "grad_norm", "eval_loss", "eval_accuracy")
+    logged = {
+        name: [tuple(record.get(f) for f in fields) for record in run_records(tmp_path / name)]
+        for name in ("whole", "cut")
+    }
+    assert logged["cut"] == logged["whole"] and len(logged["whole"]) == 6
+
+
+def test_a_plain_iterable_says_its_input_restarts_on_resume(tmp_path, capsys):
+    common = [*BASE, f"run.dir={tmp_path}", "optim.schedule=constant"]
+    parts = {"model": Net, "loss": net_loss, "data": batches(3)}  # a list: no saved position
+    paisoar_jax.fit(None, [*common, "train.steps=2"], **parts)
+    assert "restarts" not in capsys.readouterr().out
+    summary = paisoar_jax.fit(None, [*common, "train.steps=4"], **parts)
+    assert summary["resumed_from"] == 2
+    assert "it restarts from its first batch" in capsys.readouterr().out
