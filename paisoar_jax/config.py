@@ -498,27 +498,3 @@ def to_dict(config: Config) -> dict[str, Any]:
 def dump_yaml(config: Config) -> str:
     """The resolved config as YAML text that load_config reads back to the same Config."""
     return yaml.safe_dump(to_dict(config), sort_keys=False)
-
-
-__all__ = [
-    "CONFIG_DIR",
-    "CheckpointConfig",
-    "Config",
-    "DataConfig",
-    "DistributedConfig",
-    "MODEL_CONFIGS",
-    "MeshConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "PrecisionConfig",
-    "RematConfig",
-    "RunConfig",
-    "ShardingConfig",
-    "CustomModelConfig",
-    "TrainConfig",
-    "VisionConfig",
-    "config_from_dict",
-    "dump_yaml",
-    "load_config",
-    "resolve_config_path",
-]
