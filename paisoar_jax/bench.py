@@ -1,4 +1,4 @@
-"""`python -m paisoar_jax.bench [--data-only] [--config FILE.yaml] [section.key=value ...]`.
+"""`python -m paisoar_jax.bench [--data-only | --overhead] [--config FILE.yaml] [key=value ...]`.
 
 Prints one JSON line of measured speed for a config on the devices at hand.
 
@@ -9,7 +9,8 @@ training. Without it, the config trains on synthetic input (no checkpoints, no e
 the line reports tokens/s (images: examples/s), step time, MFU and compile time from the
 run's own metrics. MFU counts 6 N + attention FLOPs per token for language models and, for
 image models, 3 x 2 x the forward multiply-adds per image (ResNet-50 at 224 px: 4.09 GMACs,
-24.5 GFLOP per training image).
+24.5 GFLOP per training image). `--overhead` compares the loop with a bare jitted loop at a
+negligible model size (paisoar_jax/overhead.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from paisoar_jax import cli
 from paisoar_jax.config import Config, load_config
+from paisoar_jax.errors import UserError
 
 BENCH_OVERRIDES = [
     "checkpoint.enabled=false",
@@ -117,6 +119,7 @@ def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
         "flops_per_" + task.unit.removesuffix("s"): task.flops_per_unit(summary["param_count"]),
         "mfu": steady[-1]["mfu"],
         "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
+        "host_frac": sum(r["host_frac"] for r in steady) / len(steady),
         "compile_s": summary["compile_s"],
         "peak_memory_gb": memory.get("peak_bytes_in_use", 0) / 1e9 or None,
         "devices": jax.device_count(),
@@ -144,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     parser = cli.config_parser("paisoar_jax.bench", "Measure training or input speed.")
     parser.add_argument("--data-only", action="store_true", help="time the input pipeline alone")
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="the loop's ms/step at a negligible model size beside a bare jitted loop",
+    )
     parser.add_argument("--batches", type=int, default=200, help="timed batches (--data-only)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches (--data-only)")
     args = parser.parse_intermixed_args(argv)
@@ -151,6 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(config: Config) -> None:
         if args.data_only:
             result = bench_data(config, args.batches, args.warmup)
+        elif args.overhead:
+            from paisoar_jax.overhead import OVERHEAD_OVERRIDES, overhead
+
+            if config.model.name != "gpt":
+                raise UserError("--overhead measures the token loop: use a gpt config")
+            overrides = [*OVERHEAD_OVERRIDES, *args.overrides, *BENCH_OVERRIDES]
+            overrides.append(f"run.dir={config.run.dir or 'runs/bench/overhead'}")
+            result = overhead(load_config(args.config, overrides))
         else:
             # Synthetic tokens unless the command line names a source; nothing saved.
             overrides = ["data.source=synthetic", *args.overrides, *BENCH_OVERRIDES]

@@ -52,7 +52,12 @@ class LanguageModelling:
     ) -> grain.IterDataset:
         """Endless per-process batches of one source (train: shuffled each epoch)."""
         return batch_dataset(
-            source, batch_per_process=batch_per_process, seed=seed, shuffle=train, workers=workers
+            source,
+            batch_per_process=batch_per_process,
+            seed=seed,
+            shuffle=train,
+            workers=workers,
+            in_memory=not self.config.data.source.startswith("arrayrecord:"),
         )
 
     def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct:

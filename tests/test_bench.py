@@ -27,3 +27,14 @@ def test_training_bench_reports_speed_on_synthetic_tokens(tmp_path):
     assert 0 <= result["data_wait_frac"] <= 1
     assert (tmp_path / "runs" / "bench" / "default" / "metrics.jsonl").is_file()
     assert not (tmp_path / "runs" / "bench" / "default" / "checkpoints").exists()
+
+
+def test_overhead_compares_the_loop_with_a_bare_one(tmp_path):
+    result = bench("--overhead", "train.steps=40", "train.log_every=20", cwd=tmp_path)
+    assert result["mode"] == "overhead" and result["steps"] == 40
+    assert result["library_ms"] > 0 and result["bare_ms"] > 0
+    assert result["ratio"] == pytest.approx(result["library_ms"] / result["bare_ms"])
+    pieces = ("input_wait", "dispatch", "input_produce", "prefetch_handoff", "batch_check")
+    pieces += ("progress_bar", "signal_check", "metrics")
+    for name in pieces:
+        assert result[f"{name}_ms"] >= 0, name

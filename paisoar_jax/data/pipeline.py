@@ -30,8 +30,14 @@ def batch_dataset(
     workers: int = 0,
     process_index: int | None = None,
     process_count: int | None = None,
+    in_memory: bool = False,
 ) -> grain.IterDataset:
-    """An endless iterable of (batch_per_process, seq_len + 1) int32 token batches."""
+    """An endless iterable of (batch_per_process, seq_len + 1) int32 token batches.
+
+    `in_memory`: the source reads from memory (embedded, synthetic, numpy arrays), so the
+    main-process pipeline reads on the prefetch thread alone; grain's default pool of
+    reader threads (for files) would only contend for the interpreter lock with the step.
+    """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if not isinstance(source, grain.MapDataset):
@@ -45,7 +51,8 @@ def batch_dataset(
     if shuffle:
         dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat(None).batch(batch_per_process, drop_remainder=True)
-    iterable = dataset.to_iter_dataset()
+    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0) if in_memory else None
+    iterable = dataset.to_iter_dataset(read)
     if workers > 0:
         iterable = iterable.mp_prefetch(
             grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_interrupts

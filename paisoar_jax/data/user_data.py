@@ -53,6 +53,7 @@ class ExampleData:
             seed=seed,
             shuffle=shuffle,
             workers=workers,
+            in_memory=isinstance(self.source, _Rows),  # numpy arrays; other sources may be files
         )
 
     def batch_spec(self, global_batch: int) -> Any:
