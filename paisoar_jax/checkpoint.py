@@ -420,8 +420,8 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
             target["model_state"] = abstract_state.model_state
         else:
             warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")
+    typed_target, target = target, storable_target(target)  # keys as stored: raw uint32
     check_compatible({name: saved_tree[name] for name in target}, target, item)
-    typed_target, target = target, storable_target(target)
     restored = checkpointer.restore(
         item,
         args=ocp.args.PyTreeRestore(

@@ -295,7 +295,7 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
     if typing.get_origin(kind) is tuple:
         item_kind = typing.get_args(kind)[0]
         if item_kind in (int, str):  # [10, 20] in YAML, 10,20 or [10,20] on the command line
-            items = value.strip().strip("[]").split(",") if isinstance(value, str) else value
+            items = _split_list(value) if isinstance(value, str) else value
             if isinstance(items, list | tuple):
                 try:
                     return tuple(
@@ -338,6 +338,22 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
     raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _split_list(text: str) -> list[str]:
+    """`[a, b]` or `a,b` -> its items, split on commas outside brackets (regexes keep theirs)."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    items, depth, current = [], 0, ""
+    for character in text:
+        depth += (character in "[({") - (character in "])}")
+        if character == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += character
+    return [*items, current.strip()]
 
 
 def _coerce_rules(value: Any, key: str) -> tuple:

@@ -76,6 +76,8 @@ def force_policy(module, name: str) -> None:
     for _, submodule in nnx.iter_modules(module):
         # The zoo's modules read `policy`; in a model of one's own it marks the weights the
         # step casts to this policy's dtype (state.compute_casts). Another `policy` stays.
+        if isinstance(submodule, nnx.Dict):  # an attribute of a Dict is one of its entries
+            continue
         if isinstance(getattr(submodule, "policy", None), Policy | None):
             submodule.policy = policy
 

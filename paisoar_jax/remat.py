@@ -123,12 +123,17 @@ def remat_block(target: Target, policy: str | None = None) -> Target:
 def remat_blocks(model: nnx.Module, patterns: Sequence[str], policy_name: str) -> None:
     """Checkpoints every submodule whose dotted path a pattern is found in (re.search)."""
     modules = [(".".join(map(str, path)), module) for path, module in nnx.iter_modules(model)]
+    chosen: dict[str, nnx.Module] = {}
     for pattern in patterns:
-        matched = [module for path, module in modules if path and re.search(pattern, path)]
+        matched = {path: module for path, module in modules if path and re.search(pattern, path)}
         if not matched:
             shown = ", ".join(path for path, _ in modules if path)[:200]
             raise UserError(f"remat.blocks: {pattern!r} matches no module (modules: {shown})")
-        for module in matched:
+        chosen.update(matched)
+    # The outermost matches only: `blocks\.\d+` also finds blocks.0.mlp, whose checkpoint
+    # inside block 0's would recompute it twice.
+    for path, module in chosen.items():
+        if not any(path.startswith(f"{outer}.") for outer in chosen):
             remat_block(module, policy_name)
 
 
@@ -144,15 +149,14 @@ def _checkpointed_class(cls: type, policy_name: str) -> type:
         def checkpointed(self, *args, **kwargs):
             return _checkpointed_call(call, policy_name, (self, *args), kwargs)
 
-        _CLASSES[key] = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__call__": checkpointed,
-                "__qualname__": cls.__qualname__,
-                "_remat_policy": policy_name,
-            },
-        )
+        # The same metaclass and flags as `cls` (flax's pytree=False modules stay so).
+        flags = {"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree") else {}
+        namespace = {
+            "__call__": checkpointed,
+            "__qualname__": cls.__qualname__,
+            "_remat_policy": policy_name,
+        }
+        _CLASSES[key] = type(cls)(cls.__name__, (cls,), namespace, **flags)
     return _CLASSES[key]
 
 

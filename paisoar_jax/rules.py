@@ -55,16 +55,28 @@ def parameter_shardings(
         name = dotted_path(path)
         index = next((i for i, pattern in enumerate(patterns) if pattern.search(name)), None)
         pair = []
+        # The default splits params and optimizer state on the same dimension (no reshard
+        # between them): the one the larger shard count, the optimizer state's, divides.
+        param_fsdp = _with_mesh_axes(sharding.parameter_rules(zero, False))["fsdp"]
+        state_fsdp = _with_mesh_axes(sharding.parameter_rules(zero, True))["fsdp"]
         for optimizer_state in (False, True):
-            table = sharding.parameter_rules(zero, optimizer_state)
+            table = _with_mesh_axes(sharding.parameter_rules(zero, optimizer_state))
             if index is not None:
                 pattern, entries = settings.rules[index]
                 spec = _rule_spec(entries, table, value.shape, mesh, name, pattern)
             elif any(axis is not None for axis in logical):
+                unknown = [axis for axis in logical if axis is not None and axis not in table]
+                if unknown:
+                    raise UserError(
+                        f"parameter {name}: logical axis {unknown[0]!r} has no sharding rule "
+                        f"(known: {', '.join(sorted(table))})"
+                    )
                 pair.append(sharding.logical_to_sharding(logical, value.shape, mesh, table, name))
                 continue
             else:
-                spec = _default_spec(value.shape, mesh, table["embed"], settings.min_split_size)
+                dim = _default_dim(value.shape, mesh, (state_fsdp, param_fsdp))
+                axes = (table["fsdp"], param_fsdp)  # the state falls back to the params' split
+                spec = _default_spec(value.shape, mesh, axes, settings.min_split_size, dim)
             pair.append(NamedSharding(mesh, spec))
         if index is not None:
             used[index] = True
@@ -78,6 +90,11 @@ def parameter_shardings(
                 f"{names}{', ...' if len(leaves) > 6 else ''})"
             )
     return treedef.unflatten(for_params), treedef.unflatten(for_state)
+
+
+def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The logical table, plus the mesh axes by their own names (`fsdp` widened as `embed`)."""
+    return {**table, "data": ("data",), "tensor": ("tensor",), "fsdp": table["embed"]}
 
 
 def _rule_spec(entries, table, shape, mesh: Mesh, name: str, pattern: str) -> PartitionSpec:
@@ -105,29 +122,41 @@ def _mesh_axes(entry, table: dict[str, tuple[str, ...]], where: str) -> tuple[st
     """The mesh axes of one rule entry: `fsdp` and logical names go through the table."""
     if entry is None:
         return ()
-    if entry == "fsdp":
-        return table["embed"]  # fsdp takes data too where ZeRO splits over it
-    if isinstance(entry, str) and entry in sharding.MESH_AXES:
-        return (entry,)
-    if isinstance(entry, str) and entry in table:
+    if isinstance(entry, str) and entry in table:  # fsdp takes data too where ZeRO splits
         return table[entry]
     if isinstance(entry, tuple) and all(axis in sharding.MESH_AXES for axis in entry):
-        return entry
-    known = ", ".join([*sharding.MESH_AXES, *sorted(table)])
+        expanded = [mesh_axis for axis in entry for mesh_axis in table[axis]]
+        return tuple(dict.fromkeys(expanded))  # in order, each once
+    known = ", ".join(sorted(table))
     raise UserError(f"{where}: unknown axis {entry!r} (known: {known}, null)")
 
 
-def _default_spec(shape, mesh: Mesh, fsdp_axes, min_split_size: int) -> PartitionSpec:
-    """Whole, or split on the largest dimension the FSDP/ZeRO shard count divides."""
-    axes = tuple(axis for axis in fsdp_axes if mesh.shape[axis] > 1)
-    ways = math.prod(mesh.shape[axis] for axis in axes)
-    if ways == 1 or math.prod(shape) < min_split_size:
-        return PartitionSpec()
+def _split(axes, mesh: Mesh) -> tuple[tuple[str, ...], int]:
+    """The axes that split anything (size > 1) and how many ways they split."""
+    axes = tuple(axis for axis in axes if mesh.shape[axis] > 1)
+    return axes, math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _default_dim(shape, mesh: Mesh, candidates) -> int | None:
+    """The largest dimension the first of the candidate axis sets that can divides."""
     by_size = sorted(range(len(shape)), key=lambda dim: -shape[dim])
-    dim = next((dim for dim in by_size if shape[dim] % ways == 0), None)
-    if dim is None:
+    for axes in candidates:
+        ways = _split(axes, mesh)[1]
+        dim = next((dim for dim in by_size if ways > 1 and shape[dim] % ways == 0), None)
+        if dim is not None:
+            return dim
+    return None
+
+
+def _default_spec(shape, mesh: Mesh, candidates, min_split_size: int, dim) -> PartitionSpec:
+    """Whole, or split on `dim` over the first candidate axis set that divides it."""
+    if dim is None or math.prod(shape) < min_split_size:
         return PartitionSpec()
-    return PartitionSpec(*(axes if index == dim else None for index in range(len(shape))))
+    for axes in candidates:
+        axes, ways = _split(axes, mesh)
+        if ways > 1 and shape[dim] % ways == 0:
+            return PartitionSpec(*(axes if index == dim else None for index in range(len(shape))))
+    return PartitionSpec()
 
 
 def describe(abstract_params: Any, shardings: Any) -> list[tuple[str, tuple[int, ...], str]]:

@@ -213,7 +213,10 @@ def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[s
     """{"lr": ...} from the schedule, or from a user optimizer's injected hyperparameters."""
     if schedule is not None:
         return {"lr": schedule(state.step)}
-    injected = optax.tree_utils.tree_get(state.opt_state, "learning_rate", None)
+    try:
+        injected = optax.tree_utils.tree_get(state.opt_state, "learning_rate", None)
+    except KeyError:  # several (optax.multi_transform of injected optimizers): none is "the" lr
+        injected = None
     return {} if injected is None else {"lr": jnp.asarray(injected, jnp.float32)}
 
 

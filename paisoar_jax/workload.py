@@ -95,6 +95,11 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
     """A zero-argument function that builds the model from the run's seed and remat settings."""
     seed = config.train.seed
     policy_name = config.remat.policy
+    if workload.follows_policy and config.remat.blocks:
+        raise UserError(
+            f"remat.blocks is for a model of your own: the {config.model.name} blocks are "
+            f"checkpointed by remat.policy alone"
+        )
 
     def create() -> nnx.Module:
         # Eager sharding off: shardings are given to jit, not attached at creation.

@@ -416,3 +416,79 @@ def test_a_plain_iterable_says_its_input_restarts_on_resume(tmp_path, capsys):
     summary = paisoar_jax.fit(None, [*common, "train.steps=4"], **parts)
     assert summary["resumed_from"] == 2
     assert "it restarts from its first batch" in capsys.readouterr().out
+
+
+def test_remat_blocks_on_a_zoo_model_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        paisoar_jax.fit(None, [*BASE, f"run.dir={tmp_path}", "remat.blocks=[blocks]"])
+    assert "remat.blocks is for a model of your own" in capsys.readouterr().err
+
+
+def test_fine_tuning_a_model_with_rng_streams_from_its_export(tmp_path):
+    common = [*BASE, "train.eval_every=0", "train.steps=2", "checkpoint.every=2"]
+    parts = {"model": Stateful, "loss": net_loss, "data": examples()}
+    paisoar_jax.fit(None, [*common, f"run.dir={tmp_path}/first"], **parts)
+    paisoar_jax.export_run(tmp_path / "first", tmp_path / "export")
+    init = f"checkpoint.init_from={tmp_path}/export"
+    summary = paisoar_jax.fit(None, [*common, init, f"run.dir={tmp_path}/tuned"], **parts)
+    assert summary["steps"] == 2 and summary["resumed_from"] == 0
+
+
+def test_remat_blocks_checkpoint_the_outermost_match_only(devices):
+    config, run = prepared(
+        ["mesh.data=1", "remat.policy=full", "remat.blocks=[blocks\\.\\d+]"], devices[:1]
+    )
+    model = run.layout.create_model()
+    checkpointed = [
+        path for path, module in nnx.iter_modules(model) if hasattr(type(module), "_remat_policy")
+    ]
+    assert sorted(".".join(map(str, path)) for path in checkpointed) == ["blocks.0", "blocks.1"]
+
+
+def test_rules_lists_and_default_splits_agree_with_zero(devices):
+    """`fsdp` inside a list of axes widens over data too, and the default splits params and
+    optimizer state on the same dimension."""
+    list_rule = '[["blocks\\\\.\\\\d+\\\\.up\\\\.kernel", [[fsdp, tensor], null]]]'
+    _, run = prepared(
+        [
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "mesh.zero=3",
+            f"sharding.rules={list_rule}",
+            "sharding.min_split_size=256",
+        ],
+        devices,
+    )
+    layout = run.layout
+    params = {
+        p: w for p, _, w in rules.describe(layout.abstract_state.params, layout.shardings.params)
+    }
+    state = {
+        p: w for p, _, w in rules.describe(layout.abstract_state.params, layout.gradient_shardings)
+    }
+    assert params["blocks.0.up.kernel"] == "[data+fsdp+tensor, -]"
+    _, run = prepared(
+        ["mesh.data=2", "mesh.fsdp=4", "mesh.zero=1", "sharding.min_split_size=256"], devices
+    )
+    layout = run.layout
+    params = {
+        p: w for p, _, w in rules.describe(layout.abstract_state.params, layout.shardings.params)
+    }
+    state = {
+        p: w for p, _, w in rules.describe(layout.abstract_state.params, layout.gradient_shardings)
+    }
+    assert (
+        params["head.kernel"] == "[fsdp, -]" and state["head.kernel"] == "[data+fsdp, -]"
+    )  # (64, 6)
+    assert (
+        params["blocks.0.up.kernel"] == "[-, fsdp]"
+        and state["blocks.0.up.kernel"] == "[-, data+fsdp]"
+    )
+
+
+def test_a_dict_of_jax_arrays_is_examples():
+    from paisoar_jax.data.user_data import ExampleData, open_user_data
+
+    data = jax.tree.map(jax.numpy.asarray, examples(32))
+    assert isinstance(open_user_data(data, "data"), ExampleData)

@@ -189,10 +189,11 @@ def open_user_data(data: Any, name: str) -> ExampleData | BatchData:
     """Sorts `data` into examples or batches (see the module docstring)."""
     if isinstance(data, grain.MapDataset):
         return ExampleData(data, name)
-    if isinstance(data, np.ndarray) or (
-        isinstance(data, dict) and data and all(isinstance(v, np.ndarray) for v in data.values())
+    arrays = np.ndarray | jax.Array
+    if isinstance(data, arrays) or (
+        isinstance(data, dict) and data and all(isinstance(v, arrays) for v in data.values())
     ):
-        return ExampleData(_Rows(data, name), name)
+        return ExampleData(_Rows(jax.tree.map(np.asarray, data), name), name)
     if isinstance(data, grain.IterDataset) or (
         isinstance(data, collections.abc.Iterable) and isinstance(data, list | tuple)
     ):
