@@ -50,17 +50,16 @@ def parameter_shardings(
     used = [False] * len(patterns)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     specs = jax.tree.leaves(logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    tables = [_with_mesh_axes(sharding.parameter_rules(zero, state)) for state in (False, True)]
+    # The default splits params and optimizer state on the same dimension (no reshard
+    # between them): the one the larger shard count, the optimizer state's, divides.
+    param_fsdp, state_fsdp = (table["fsdp"] for table in tables)
     for_params, for_state = [], []
     for (path, value), logical in zip(leaves, specs, strict=True):
         name = dotted_path(path)
         index = next((i for i, pattern in enumerate(patterns) if pattern.search(name)), None)
         pair = []
-        # The default splits params and optimizer state on the same dimension (no reshard
-        # between them): the one the larger shard count, the optimizer state's, divides.
-        param_fsdp = _with_mesh_axes(sharding.parameter_rules(zero, False))["fsdp"]
-        state_fsdp = _with_mesh_axes(sharding.parameter_rules(zero, True))["fsdp"]
-        for optimizer_state in (False, True):
-            table = _with_mesh_axes(sharding.parameter_rules(zero, optimizer_state))
+        for table in tables:
             if index is not None:
                 pattern, entries = settings.rules[index]
                 spec = _rule_spec(entries, table, value.shape, mesh, name, pattern)
