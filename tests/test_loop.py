@@ -1,0 +1,47 @@
+"""The loop never waits on the device between log steps: one explicit fetch per log step."""
+
+import traceback
+
+import jax
+import jax.numpy as jnp
+from conftest import TINY
+from jax._src import array as jax_array
+
+from paisoar_jax.config import load_config
+from paisoar_jax.loop import train
+
+
+def test_no_host_sync_between_log_steps(tmp_path, monkeypatch):
+    """Every read of a device value on the host (float(), bool(), np.asarray, device_get)
+    goes through ArrayImpl._value; the loop may read only inside its jax.device_get, once
+    per log step. (A transfer guard would say nothing on CPU, where arrays live on the host.)
+    """
+    fetches, implicit, inside = [], [], [False]
+    device_get, value = jax.device_get, jax_array.ArrayImpl._value
+
+    def counted(tree):
+        fetches.append(1)
+        inside[0] = True
+        try:
+            return device_get(tree)
+        finally:
+            inside[0] = False
+
+    def watched(array):
+        if not inside[0]:
+            implicit.append("".join(traceback.format_stack(limit=6)))
+        return value.fget(array)
+
+    monkeypatch.setattr(jax, "device_get", counted)
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(watched))
+    float(jnp.ones(()) + 1)  # the probe sees an implicit read
+    assert len(implicit) == 1
+    implicit.clear()
+    overrides = ["mesh.data=8", "train.steps=12", "train.log_every=4", "train.eval_every=0"]
+    config = load_config(
+        None, [*TINY, *overrides, "checkpoint.enabled=false", f"run.dir={tmp_path}"]
+    )
+    summary = train(config)
+    assert summary["steps"] == 12
+    assert len(fetches) == 12 // 4  # one fetch of the metrics per log step
+    assert not implicit, implicit[0]
