@@ -12,15 +12,20 @@ EXAMPLES = REPO / "examples"
 QUIET = ["run.progress=false", "run.tensorboard=false"]
 
 
-def run_example(name, *overrides, cwd, timeout=300, env=None):
+def run_python(*arguments, cwd, env=None, timeout=300):
+    """`python ARGUMENTS` as a user runs it, in `cwd`; the CompletedProcess."""
     return subprocess.run(
-        [PYTHON, str(EXAMPLES / name), *QUIET, *overrides],
+        [PYTHON, *arguments],
         cwd=cwd,
         env=env or subprocess_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_example(name, *overrides, cwd, env=None):
+    return run_python(str(EXAMPLES / name), *QUIET, *overrides, cwd=cwd, env=env)
 
 
 def records(run_dir):
@@ -58,27 +63,9 @@ def test_fine_tune_starts_from_the_export(tmp_path):
 
 def test_own_grain_pipeline_under_the_launcher(tmp_path):
     """`launch -- python script.py`: two processes, each feeding its own share."""
-    result = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "paisoar_jax.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "2",
-            "--",
-            "python",
-            str(EXAMPLES / "own_grain_pipeline.py"),
-            *QUIET,
-            "train.steps=40",
-        ],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    launch = ["-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "2", "--"]
+    script = ["python", str(EXAMPLES / "own_grain_pipeline.py"), *QUIET, "train.steps=40"]
+    result = run_python(*launch, *script, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rank 0] paisoar_jax: 2 processes" in result.stdout
     assert "mesh {'data': 4, 'fsdp': 1, 'tensor': 1}, 4 cpu devices" in result.stdout
@@ -136,13 +123,6 @@ def test_the_readme_program_runs(tmp_path):
     assert len([line for line in program.splitlines() if line.strip()]) <= 20
     script = tmp_path / "readme_program.py"
     script.write_text(program)
-    result = subprocess.run(
-        [PYTHON, str(script)],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(str(script), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "paisoar_jax: done: 200 steps" in result.stdout
