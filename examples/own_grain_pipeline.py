@@ -4,9 +4,10 @@
 
 A grain IterDataset of ready batches is passed as `data`. Each process builds its own share
 (`[process_index::process_count]`) and batches it to global_batch / process_count rows; the
-pipeline's iterator state is saved with every checkpoint, so a resumed run carries on with
-exactly the batches the uninterrupted run would have seen. (Give a grain MapDataset of
-examples instead and paisoar_jax does the sharing, shuffling and batching itself.)
+pipeline's iterator state is saved with every checkpoint, so a resumed run on the same
+process count carries on with exactly the batches the uninterrupted run would have seen.
+(Give a grain MapDataset of examples instead and paisoar_jax's global sampler does the
+sharing, shuffling and batching itself, in one order for any process count.)
 """
 
 import sys

@@ -50,7 +50,7 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
     source, _ = task.open_sources()
     host_batches = task.host_batches(
         source,
-        batch_per_process=config.train.global_batch // jax.process_count(),
+        global_batch=config.train.global_batch,
         seed=config.train.seed,
         train=True,
         workers=config.data.workers,

@@ -5,7 +5,9 @@ Each checkpoint is one step directory under `checkpoint.dir` with three items:
     state/   the TrainState (step, params, optimizer state with its counts and the
              loss-scale state), written by every process for its own shards
     data/    the input iterator's position, one JSON file per process (grain's handler)
-    meta/    step, mesh, process count, library version and the resolved config
+    meta/    step, mesh, process count, library version, the resolved config and the
+             global sampler's position (`data_position`: the same for every process, so
+             it restores on any process count)
 
 Orbax writes a step into a temporary directory and renames it only once every item is
 committed, so a save killed half-way leaves no step that `all_steps()` lists; the next
@@ -62,8 +64,9 @@ class Restored:
 
     step: int
     state: Any
-    data_state: dict | None
+    data_state: dict | None  # None: no position saved, or a per-process one that changed
     meta: dict[str, Any]
+    input_changes: str = ""  # what changed of a per-process position's signature
 
 
 def checkpoint_directory(settings: CheckpointConfig, run_dir: pathlib.Path) -> pathlib.Path:
@@ -243,11 +246,14 @@ class Checkpointer:
     ) -> None:
         """Starts an async save of `step` (a save already in flight is waited for first).
 
-        `input_signature` (process count, workers, batch...) says what the data position
-        belongs to: a resume whose signature differs cannot continue that position.
+        `input_signature` (process count, workers, batch...) says what a per-process data
+        position belongs to: a resume whose signature differs cannot continue it. The global
+        sampler's position (`"sampler": "global"`) goes into the meta and needs no signature.
         """
         state = storable(state)
         data_bytes = json.dumps(data_state).encode()
+        if isinstance(data_state, dict) and data_state.get("sampler") == "global":
+            meta = {**meta, "data_position": data_state}
         signature = {"process_count": jax.process_count(), **(input_signature or {})}
         # One checksum per array, computed where the shards live: restore recomputes them,
         # so a flipped byte on disk is caught instead of training on garbage.
@@ -269,8 +275,9 @@ class Checkpointer:
     ) -> Restored:
         """Restores `step` onto `target`'s shapes and shardings (abstract arrays).
 
-        The data position comes back only when `input_signature` (and the process count)
-        match the saved one; otherwise the input starts afresh, with a warning.
+        The global sampler's position always comes back (the caller checks the dataset);
+        a per-process one only when `input_signature` (and the process count) match the
+        saved one; otherwise the input starts afresh, with a warning.
         """
         step_dir = self.directory / str(step)
         typed_target, target = target, storable_target(target)
@@ -296,21 +303,19 @@ class Checkpointer:
             for key, value in signature.items()
             if saved_signature.get(key) != value
         }
-        if not changed:
+        if "data_position" in meta:
+            changed = {}  # the per-process item is not read: the meta holds the position
+        elif not changed:
             items["data"] = grain.checkpoint.CheckpointRestore(holder)
-        else:
-            what = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
-            warn(
-                f"checkpoint step {step}: the input changed since it was saved ({what}): the "
-                f"input order cannot continue exactly, so it starts afresh with a new shuffle"
-            )
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
         if older:
             state = target.replace(**state, model_state=target.model_state)
         _verify(state, meta.get("checksums"), step_dir)
-        data_state = json.loads(holder.state) if not changed else None
-        return Restored(step, live(state, typed_target), data_state, meta)
+        data_state = json.loads(holder.state) if holder.state is not None else None
+        data_state = meta.get("data_position", data_state)
+        input_changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
+        return Restored(step, live(state, typed_target), data_state, meta, input_changes)
 
     def restore_latest(
         self, target: Any, input_signature: dict[str, Any] | None = None

@@ -151,6 +151,9 @@ class DataConfig:
     eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)
     min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
     mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
+    # a resume onto data of another size or fingerprint: refuse it, or start the new data
+    # from its first example
+    on_change: Literal["refuse", "restart"] = "refuse"
 
 
 @dataclass(frozen=True)

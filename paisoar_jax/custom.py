@@ -52,9 +52,9 @@ class CustomTask:
         """(train, eval) data; eval is None when none was given."""
         return self.data, self.eval_data
 
-    def host_batches(self, source, *, batch_per_process: int, seed: int, train: bool, workers=0):
-        """Endless per-process batches of `source`."""
-        return source.batches(batch_per_process, seed=seed, shuffle=train, workers=workers)
+    def host_batches(self, source, *, global_batch: int, seed: int, train: bool, workers=0):
+        """The rows of endless global batches of `source` this process reads."""
+        return source.batches(global_batch, seed=seed, shuffle=train, workers=workers)
 
     def batch_shape(self, global_batch: int) -> Any:
         """The shapes and dtypes of one global batch, from the data's first example or batch."""

@@ -24,6 +24,7 @@ rather than jax's abort after a stack dump.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import sys
@@ -32,6 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from paisoar_jax import heartbeat
 from paisoar_jax.config import DistributedConfig
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -263,13 +265,15 @@ def initialize(
     Must run before anything touches the devices. A single-process plan only applies
     PAISOAR_CPU_DEVICES. Waits at most the plan's timeout for the other processes.
     """
-    plan = resolve(settings, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    plan = resolve(settings, environ)
     import jax
 
     if plan.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", plan.cpu_devices)
     if not plan.multi_process or jax.distributed.is_initialized():
         return plan
+    heartbeat.start(environ)  # under the launcher: beats from before the (long) join
     deadline = time.monotonic() + plan.timeout_s
     _probe_coordinator(plan, deadline)
     watchdog = threading.Timer(max(deadline - time.monotonic(), 0), _give_up, (plan, program))
@@ -283,6 +287,7 @@ def initialize(
             local_device_ids=list(plan.local_device_ids) if plan.local_device_ids else None,
             cluster_detection_method=plan.cluster_detection,
             initialization_timeout=plan.timeout_s + JAX_TIMEOUT_MARGIN_S,
+            **_peer_timeout(plan, environ, jax.distributed.initialize),
         )
     finally:
         watchdog.cancel()
@@ -294,6 +299,18 @@ def initialize(
             flush=True,
         )
     return plan
+
+
+def _peer_timeout(plan: Plan, environ: Mapping[str, str], start_jax) -> dict[str, int]:
+    """Under the launcher, jax's peer heartbeat waits past the launcher's own stall timeout.
+
+    The launcher names a stalled rank after `--timeout` s without its beats; jax's
+    coordination service (100 s by default) would otherwise abort the healthy ranks first.
+    """
+    parameters = inspect.signature(start_jax).parameters  # jax 0.10 and later versions
+    if not environ.get(heartbeat.HEARTBEAT_FILE) or "heartbeat_timeout_seconds" not in parameters:
+        return {}
+    return {"heartbeat_timeout_seconds": plan.timeout_s + JAX_TIMEOUT_MARGIN_S}
 
 
 def _give_up(plan: Plan, program: str) -> None:

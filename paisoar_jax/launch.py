@@ -13,6 +13,13 @@ signal) the others get SIGTERM, then SIGKILL after `--grace` seconds (a process 
 died is stuck in a collective and cannot stop by itself), and the launcher exits with the
 failing rank's status after printing its last lines. SIGINT/SIGTERM to the launcher go to
 each process once (they save a checkpoint and exit 0); a second one kills them.
+
+A stalled rank is named. Each rank beats every second (paisoar_jax/heartbeat.py) with the
+step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a frozen node)
+is reported in one line with its last step and the newest checkpoint, and every process is
+stopped (exit status 1). From then on the screen stays quiet: what the ranks print, the
+stack traces of the healthy ones included, goes to <run.dir>/logs/rank-N.log, which holds
+every rank's whole output in any case.
 """
 
 from __future__ import annotations
@@ -21,23 +28,27 @@ import argparse
 import collections
 import ctypes
 import os
+import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from paisoar_jax import distributed
+from paisoar_jax import distributed, heartbeat
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.rank_output import Output, RankLog, copy_lines
 
 PROGRAM = "paisoar_jax.launch"
 TAIL_LINES = 20
-LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STALE_S = 10.0  # beats missed this long mark a rank as the stalled one when a peer fails
 
 
 def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
@@ -62,7 +73,10 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         help="HOST:PORT on node 0 (needed with --nnodes > 1; default: a free port on 127.0.0.1)",
     )
     parser.add_argument(
-        "--timeout", type=int, default=300, help="seconds the processes wait for each other"
+        "--timeout",
+        type=int,
+        default=300,
+        help="seconds the processes wait for each other: to join, and for a stalled rank",
     )
     parser.add_argument(
         "--grace", type=float, default=10.0, help="after a failure: seconds from SIGTERM to SIGKILL"
@@ -162,12 +176,19 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Child:
-    """One launched process, the threads copying its output and its last lines."""
+    """One launched process, the threads copying its output, its last lines and its beats."""
 
     rank: int
     process: subprocess.Popen
+    heartbeat_file: pathlib.Path
+    started: float = field(default_factory=time.time)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
+    log: RankLog = field(default_factory=RankLog)
+
+    def beat(self) -> dict:
+        """Its last heartbeat (the launch time stands in before the first)."""
+        return heartbeat.read(self.heartbeat_file) or {"time": self.started, "step": 0}
 
     def describe_exit(self) -> str:
         """`exited with status 2` or `was killed by SIGKILL`."""
@@ -186,31 +207,6 @@ class Child:
         try:
             os.killpg(self.process.pid, number)
         except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _copy_lines(stream, sink, prefix: bytes, tail: collections.deque, lock) -> None:
-    """Copies a child's stream line by line with its rank prefix; keeps the last lines."""
-    pending = b""
-    while chunk := stream.read1(1 << 16):
-        pieces = LINE_END.split(pending + chunk)
-        pending = pieces.pop()
-        for text, end in zip(pieces[0::2], pieces[1::2], strict=True):
-            _write(sink, prefix + text + end, lock)
-            if end != b"\r" and text.strip():  # a progress bar's redraws are not lines
-                tail.append(text.decode(errors="replace"))
-    if pending:
-        _write(sink, prefix + pending + b"\n", lock)
-        tail.append(pending.decode(errors="replace"))
-
-
-def _write(sink, data: bytes, lock) -> None:
-    """One whole line at a time; a closed sink only drops output (the child must not block)."""
-    with lock:
-        try:
-            sink.write(data)
-            sink.flush()
-        except OSError:
             pass
 
 
@@ -264,16 +260,80 @@ def _fail(failed: Child, children: list[Child], grace: float) -> int:
     return failed.exit_status()
 
 
-def _supervise(children: list[Child], args: argparse.Namespace, signals: SignalLog) -> int:
-    """Waits for the children: the first failure stops them all; signals are passed on."""
-    forwarded, deadline = 0, None
+def _stalled(children: list[Child], older_than: float) -> Child | None:
+    """The running child whose beats stopped longest ago, if that is over `older_than` s.
+
+    Only a rank that has beaten can stall: one that never did (still importing, or a
+    script that does not start paisoar_jax's distributed set-up) is not judged.
+    """
+    now = time.time()
+    beats = [(child.beat(), child) for child in children if child.process.poll() is None]
+    ages = [(now - beat["time"], child) for beat, child in beats if beat is not None]
+    age, child = max(ages, key=lambda pair: pair[0], default=(0.0, None))
+    return child if age > older_than else None
+
+
+def _run_dir(children: list[Child]) -> str | None:
+    """The run directory the ranks reported, once one has."""
+    beats = [child.beat() or {} for child in children]
+    return next((beat["run_dir"] for beat in beats if beat.get("run_dir")), None)
+
+
+def _open_logs(children: list[Child], output: Output) -> bool:
+    """Moves each rank's output to <run.dir>/logs/rank-N.log once the run directory is known."""
+    run_dir = _run_dir(children)
+    if run_dir is None:
+        return False
+    with output.lock:
+        for child in children:
+            child.log.open(pathlib.Path(run_dir) / "logs" / f"rank-{child.rank}.log")
+    return True
+
+
+def _report_stall(stalled: Child, children: list[Child], args, output: Output) -> int:
+    """One line naming the stalled rank, its last step and the newest checkpoint; stops all."""
+    output.muted = True  # what follows (peers' aborts, stack traces) goes to the logs only
+    beat, beats = stalled.beat(), [child.beat() or {} for child in children]
+    checkpoint_dir = next((b["checkpoint_dir"] for b in beats if b.get("checkpoint_dir")), None)
+    newest = heartbeat.newest_checkpoint(checkpoint_dir)
+    saved = (
+        f"newest checkpoint: step {newest} in {checkpoint_dir} (a rerun resumes from it)"
+        if newest is not None
+        else "no checkpoint saved yet"
+    )
+    run_dir = _run_dir(children)
+    logs = f"; each rank's output is in {run_dir}/logs" if run_dir else ""
+    _say(
+        f"rank {stalled.rank} (pid {stalled.process.pid}) stopped making progress: no heartbeat "
+        f"for {time.time() - beat['time']:.0f} s, last step {beat['step']}; {saved}; stopping "
+        f"every process{logs}"
+    )
+    _stop([child for child in children if child.process.poll() is None], args.grace)
+    return 1
+
+
+def _supervise(
+    children: list[Child], args: argparse.Namespace, signals: SignalLog, output: Output
+) -> int:
+    """Waits for the children: the first failure or stall stops them all; signals go on."""
+    forwarded, deadline, logs_open, next_watch = 0, None, False, 0.0
     while True:
         failed = next((child for child in children if child.process.poll() not in (None, 0)), None)
         if failed is not None:
+            # A peer whose beats stopped is the cause: jax aborts the healthy ranks after it.
+            stalled = _stalled([child for child in children if child is not failed], STALE_S)
+            if stalled is not None:
+                return _report_stall(stalled, children, args, output)
             return _fail(failed, children, args.grace)
         running = [child for child in children if child.process.returncode is None]
         if not running:
             return 0
+        if time.monotonic() > next_watch:  # the beats, once a second
+            next_watch = time.monotonic() + heartbeat.INTERVAL_S
+            logs_open = logs_open or _open_logs(children, output)
+            stalled = _stalled(children, args.timeout)
+            if stalled is not None:
+                return _report_stall(stalled, children, args, output)
         if len(signals.received) > forwarded:
             number = signals.received[forwarded]
             forwarded += 1
@@ -318,11 +378,14 @@ def launch(args: argparse.Namespace) -> int:
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     environments = child_environments(args, os.environ, local_gpu_count(os.environ), coordinator)
     command = child_command(args.module, args.arguments)
-    lock = threading.Lock()
+    output = Output()
     children: list[Child] = []
+    beats = pathlib.Path(tempfile.mkdtemp(prefix="paisoar-launch-"))
     with SignalLog() as signals:
         try:
             for environment in environments:
+                beat_file = beats / f"rank-{environment[distributed.PROCESS_ID]}.json"
+                environment[heartbeat.HEARTBEAT_FILE] = str(beat_file)
                 process = subprocess.Popen(
                     command,
                     env=environment,
@@ -331,7 +394,7 @@ def launch(args: argparse.Namespace) -> int:
                     start_new_session=True,  # a terminal's Ctrl-C reaches them once, through us
                     preexec_fn=_die_with_parent,
                 )
-                children.append(Child(int(environment[distributed.PROCESS_ID]), process))
+                children.append(Child(int(environment[distributed.PROCESS_ID]), process, beat_file))
             pids = ", ".join(f"rank {child.rank}: {child.process.pid}" for child in children)
             _say(f"started {len(children)} processes ({pids}), coordinator {coordinator}")
             for child in children:
@@ -341,19 +404,23 @@ def launch(args: argparse.Namespace) -> int:
                     (child.process.stderr, sys.stderr),
                 ):
                     thread = threading.Thread(
-                        target=_copy_lines,
-                        args=(stream, sink.buffer, prefix, child.tail, lock),
+                        target=copy_lines,
+                        args=(stream, sink.buffer, prefix, child.log, child.tail, output),
                         daemon=True,
                     )
                     thread.start()
                     child.threads.append(thread)
-            status = _supervise(children, args, signals)
+            status = _supervise(children, args, signals, output)
         except BaseException:
             _stop([child for child in children if child.process.poll() is None], grace=0)
             raise
+        finally:
+            shutil.rmtree(beats, ignore_errors=True)
     for child in children:
         for thread in child.threads:
             thread.join(timeout=5)
+        if child.log.file is not None:
+            child.log.file.close()
     return status
 
 

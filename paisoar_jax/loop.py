@@ -18,21 +18,24 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from paisoar_jax import __version__, oom, sharding
+from paisoar_jax import __version__, heartbeat, oom, sharding
 from paisoar_jax.checkpoint import (
     Checkpointer,
+    Restored,
     checkpoint_directory,
     describe_failure,
     load_weights,
 )
 from paisoar_jax.compilation import CompiledStep
 from paisoar_jax.config import Config, dump_yaml, to_dict
+from paisoar_jax.data.pipeline import GlobalBatches, resume_position
 from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite, parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.preemption import StopRequest
+from paisoar_jax.run_lock import RunLock
 from paisoar_jax.sample import generate
 from paisoar_jax.state import StateLayout, init_state
 from paisoar_jax.step import jit_eval_step, jit_train_step
@@ -48,7 +51,7 @@ def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[
     batches = iter(
         task.host_batches(
             eval_source,
-            batch_per_process=config.train.global_batch // jax.process_count(),
+            global_batch=config.train.global_batch,
             seed=config.train.seed,
             train=False,
         )
@@ -72,8 +75,8 @@ def _checkpointer(config: Config) -> Checkpointer | None:
 
 def _starting_point(
     config: Config, layout: StateLayout, checkpointer: Checkpointer | None, task: Task
-) -> tuple[Any, int, dict | None]:
-    """(state, step, data iterator state): resumed, fine-tuned from params, or fresh."""
+) -> tuple[Any, int, Restored | None]:
+    """(state, step, what was restored or None): resumed, fine-tuned from params, or fresh."""
     resume, signature = config.checkpoint.resume, input_signature(config, task)
     if checkpointer is not None and resume != "never":
         if resume == "auto":
@@ -95,7 +98,7 @@ def _starting_point(
                 ) from None
             checkpointer.set_aside_after(int(resume))  # only once the older step restored
         if restored is not None:
-            return restored.state, restored.step, restored.data_state
+            return restored.state, restored.step, restored
     elif checkpointer is not None and checkpointer.steps():
         raise UserError(
             f"checkpoint.resume=never but {checkpointer.directory} already holds steps "
@@ -119,6 +122,34 @@ def input_signature(config: Config, task: Task) -> dict[str, Any]:
         **task.signature(),  # seq_len, image size and channels, or a user's data
         "seed": config.train.seed,
     }
+
+
+def _resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
+    """Moves the input to where the checkpoint left it; a line to print when it cannot."""
+    step = restored.step
+    if isinstance(host_iterator, GlobalBatches):
+        saved_batch = restored.meta.get("config", {}).get("train", {}).get("global_batch")
+        examples, note = resume_position(
+            restored.data_state,
+            host_iterator,
+            step,
+            saved_batch or config.train.global_batch,
+            config.data.on_change,
+        )
+        host_iterator.set_state({"examples": examples})
+        return note
+    if not hasattr(host_iterator, "set_state"):
+        return (
+            f"resumed at step {step}, but the input has no position to save (a plain "
+            f"iterable): it restarts from its first batch"
+        )
+    if restored.data_state is None:
+        return (
+            f"checkpoint step {step}: the input changed since it was saved "
+            f"({restored.input_changes}): its position cannot be continued, so it restarts"
+        )
+    host_iterator.set_state(restored.data_state)
+    return None
 
 
 def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
@@ -171,15 +202,20 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UserError(f"run.dir {run_dir} is not writable ({error})") from None
-    checkpointer = _checkpointer(config)
 
     with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
+        # Before anything is written or cleaned up: a second run in this directory stops here.
+        cleanup.enter_context(RunLock(run_dir))
+        checkpointer = _checkpointer(config)
+        heartbeat.progress.run_dir = str(run_dir.absolute())
+        if checkpointer is not None:
+            heartbeat.progress.checkpoint_dir = str(checkpointer.directory)
         if checkpointer is not None:
             cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
         # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
         # and a signal that comes before the first step saves right after it.
         stop = cleanup.enter_context(StopRequest())
-        state, start_step, data_state = _starting_point(config, layout, checkpointer, task)
+        state, start_step, restored = _starting_point(config, layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
         if start_step >= train_config.steps:
@@ -193,21 +229,16 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
         host_iterator = iter(
             task.host_batches(
                 train_source,
-                batch_per_process=train_config.global_batch // jax.process_count(),
-                # A resume whose input changed cannot continue the saved order: a new one.
-                seed=train_config.seed + (start_step if data_state is None else 0),
+                global_batch=train_config.global_batch,
+                seed=train_config.seed,
                 train=True,
                 workers=config.data.workers,
             )
         )
-        if data_state is not None:
-            host_iterator.set_state(data_state)
-        elif start_step and not hasattr(host_iterator, "get_state") and is_main:
-            print(
-                f"paisoar_jax: resumed at step {start_step}, but the input has no position to "
-                f"save (a plain iterable): it restarts from its first batch",
-                flush=True,
-            )
+        if restored is not None:
+            note = _resume_input(host_iterator, restored, config)
+            if note and is_main:
+                print(f"paisoar_jax: {note}", flush=True)
         batches = DevicePrefetcher(
             host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
         )
@@ -220,15 +251,12 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
 
 
 def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -> None:
-    """Each process needs a share of every split it reads (sources of known length)."""
+    """Every split the run reads holds at least one example (sources of known length)."""
     for split, source in (("train", train_source), ("eval", eval_source)):
         if split == "eval" and (not eval_every or source is None):
             continue
-        if hasattr(source, "__len__") and len(source) < jax.process_count():
-            raise UserError(
-                f"the {split} split has {len(source)} {task.unit_of_data}, fewer than the "
-                f"{jax.process_count()} processes that each need a share"
-            )
+        if hasattr(source, "__len__") and len(source) == 0:
+            raise UserError(f"the {split} split has no {task.unit_of_data}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +336,7 @@ def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any
             timer.dispatch_s += time.perf_counter() - dispatch_start
         profiler.after(step, metrics)
         progress.update(1)
+        heartbeat.progress.step = step  # what the launcher names if this process stalls
         is_last = step == train_config.steps
         is_eval_step = bool(eval_every) and (step % eval_every == 0 or is_last)
         # An eval step is also a log step: its eval_loss joins that step's metrics record.

@@ -97,7 +97,7 @@ def pieces_ms(config: Config) -> dict[str, float]:
     host = iter(
         task.host_batches(
             source,
-            batch_per_process=config.train.global_batch // jax.process_count(),
+            global_batch=config.train.global_batch,
             seed=0,
             train=True,
             workers=config.data.workers,

@@ -16,14 +16,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import grain
 import jax
 import jax.numpy as jnp
 import optax
 
 from paisoar_jax.config import Config
 from paisoar_jax.data import images as image_data
-from paisoar_jax.data.pipeline import batch_dataset
+from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.small_images import SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
@@ -48,12 +47,12 @@ class LanguageModelling:
         return open_source(self.config.data, self.config.model, self.config.train.seed)
 
     def host_batches(
-        self, source, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
-    ) -> grain.IterDataset:
-        """Endless per-process batches of one source (train: shuffled each epoch)."""
+        self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
+    ) -> GlobalBatches:
+        """The rows of global batches of one source this process reads (train: shuffled)."""
         return batch_dataset(
             source,
-            batch_per_process=batch_per_process,
+            global_batch=global_batch,
             seed=seed,
             shuffle=train,
             workers=workers,
@@ -137,12 +136,12 @@ class ImageClassification:
         return train, held_out
 
     def host_batches(
-        self, source, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
-    ) -> grain.IterDataset:
-        """Endless per-process uint8 batches: decoded, augmented (train) or centre-cropped."""
+        self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
+    ) -> GlobalBatches:
+        """The uint8 batches this process reads: decoded, augmented (train) or centre-cropped."""
         return image_data.image_batches(
             source,
-            batch_per_process=batch_per_process,
+            global_batch=global_batch,
             seed=seed,
             image_size=self.model_config.image_size,
             train=train,

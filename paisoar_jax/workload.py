@@ -11,7 +11,7 @@ loop, plan, bench and export start from: the mesh, the optimizer chain and the s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -42,9 +42,9 @@ class Task(Protocol):
         """The (train, eval) sources."""
 
     def host_batches(
-        self, source: Any, *, batch_per_process: int, seed: int, train: bool, workers: int = 0
-    ) -> Iterable:
-        """Endless per-process numpy batches of one source (get_state/set_state if it can)."""
+        self, source: Any, *, global_batch: int, seed: int, train: bool, workers: int = 0
+    ) -> Iterator:
+        """The rows of endless global batches this process reads (get_state/set_state)."""
 
     def batch_shape(self, global_batch: int) -> Any:
         """The shapes and dtypes of one global batch (a ShapeDtypeStruct or a dict of them)."""

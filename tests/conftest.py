@@ -122,3 +122,19 @@ def run_records(run_dir):
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="session")
+def token_dataset(tmp_path_factory):
+    """A converted byte-level dataset of a few standard-library files, in 2 shards."""
+    import sysconfig
+
+    from paisoar_jax.convert import main as convert
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "json"
+    output = tmp_path_factory.mktemp("tokens") / "dataset"
+    status = convert(
+        ["text", "--input", str(root / "*.py"), "--output", str(output), "--shards", "2"]
+    )
+    assert status == 0
+    return output

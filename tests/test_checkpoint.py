@@ -254,9 +254,8 @@ def test_export_params_and_fine_tune_from_them(tmp_path, devices):
         train(run_config(tmp_path / "other2", f"checkpoint.init_from={tmp_path}"))
 
 
-def test_another_process_count_restores_the_state_but_restarts_the_input_order(
-    saved, devices, tmp_path, capsys
-):
+def test_a_per_process_position_of_another_process_count_is_not_continued(saved, devices, tmp_path):
+    """Per-process positions (a user's own grain IterDataset) belong to one process count."""
     import shutil
 
     directory, state = saved
@@ -275,8 +274,7 @@ def test_another_process_count_restores_the_state_but_restarts_the_input_order(
         restored = checkpointer.restore(2, layout.abstract_state)
     checkpointer.close()
     assert_states_equal(restored.state, state)
-    assert restored.data_state is None
-    assert "input changed since it was saved (process_count 2 -> 1)" in capsys.readouterr().err
+    assert restored.data_state is None and restored.input_changes == "process_count 2 -> 1"
 
 
 def test_keeps_the_newest_and_every_kth_forever(saved, tmp_path):
@@ -290,12 +288,57 @@ def test_keeps_the_newest_and_every_kth_forever(saved, tmp_path):
     reopened.close()
 
 
-def test_a_changed_worker_count_restarts_the_input_order(tmp_path, capsys):
+def losses_of(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+def test_another_worker_count_continues_the_input_exactly(tmp_path, capsys):
+    constant = "optim.schedule=constant"  # a run of 4 steps follows the schedule of one of 6
+    train(run_config(tmp_path / "uninterrupted", "train.steps=6", constant))
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir, constant))
+    resumed = train(
+        run_config(run_dir, "train.steps=6", constant, "data.workers=1", "data.prefetch=4")
+    )
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    assert losses_of(run_dir) == losses_of(tmp_path / "uninterrupted")
+    assert "input" not in capsys.readouterr().out
+
+
+def test_a_resume_onto_other_data_is_refused_or_restarted_when_asked(tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(run_config(run_dir))
-    resumed = train(run_config(run_dir, "train.steps=6", "data.workers=1"))
+    other_data = ("data.source=synthetic", "train.steps=6")
+    with pytest.raises(UserError) as refused:
+        train(run_config(run_dir, *other_data))
+    message = str(refused.value)
+    assert message.startswith("checkpoint step 4 was trained on data of ") and "\n" not in message
+    assert "set data.on_change=restart" in message
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4]  # untouched
+    resumed = train(run_config(run_dir, *other_data, "data.on_change=restart"))
     assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
-    assert "the input changed since it was saved (workers 0 -> 1)" in capsys.readouterr().err
+    assert (
+        "data.on_change=restart, so the new data starts from its start" in capsys.readouterr().out
+    )
+
+
+def test_a_checkpoint_from_before_the_global_sampler_goes_on_in_the_global_order(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))
+    meta_file = run_dir / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["data_position"]  # as older versions wrote it: a per-process grain state only
+    meta_file.write_text(json.dumps(meta))
+    grain_state = {"next_index": 4, "parent": {}}  # the form of grain's own iterator state
+    (run_dir / "checkpoints" / "4" / "data" / "process_0-of-1.json").write_text(
+        json.dumps(grain_state)
+    )
+    resumed = train(run_config(run_dir, "train.steps=6"))
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    out = capsys.readouterr().out
+    assert "checkpoint step 4 holds a per-process input position" in out
+    assert "goes on from example 64 of the global order" in out
 
 
 def test_export_skips_a_half_written_step_and_refuses_a_file_as_output(tmp_path):

@@ -1,7 +1,5 @@
 import itertools
 import json
-import pathlib
-import sysconfig
 
 import jax
 import numpy as np
@@ -9,7 +7,7 @@ import pytest
 
 from paisoar_jax import sharding
 from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
-from paisoar_jax.data.pipeline import batch_dataset
+from paisoar_jax.data.pipeline import batch_dataset, dataset_identity
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import TokenWindows, embedded_corpus, open_source
@@ -43,9 +41,9 @@ def first_batches(source, count, **kwargs):
 
 def test_same_seed_same_batches_and_new_order_each_epoch():
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)  # 40 windows
-    one = first_batches(source, 20, batch_per_process=4, seed=3)
-    two = first_batches(source, 20, batch_per_process=4, seed=3)
-    other = first_batches(source, 20, batch_per_process=4, seed=4)
+    one = first_batches(source, 20, global_batch=4, seed=3)
+    two = first_batches(source, 20, global_batch=4, seed=3)
+    other = first_batches(source, 20, global_batch=4, seed=4)
     assert all(np.array_equal(a, b) for a, b in zip(one, two, strict=True))
     assert not all(np.array_equal(a, b) for a, b in zip(one, other, strict=True))
     epoch_one, epoch_two = np.concatenate(one[:10]), np.concatenate(one[10:])
@@ -54,29 +52,66 @@ def test_same_seed_same_batches_and_new_order_each_epoch():
     assert not np.array_equal(epoch_one[:, 0], epoch_two[:, 0])  # but reshuffled
 
 
-def test_processes_read_disjoint_shares_covering_the_epoch():
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_read_exactly_their_rows_of_each_global_batch(processes):
+    # 40 windows in batches of 12: epochs end inside batches 3 and 6 (at examples 40 and 80).
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
-    seen = []
-    for process in range(2):
-        batches = first_batches(
-            source, 5, batch_per_process=4, seed=0, process_index=process, process_count=2
-        )
-        seen.append({int(row[0]) for batch in batches for row in batch})
-    assert not seen[0] & seen[1]
-    assert seen[0] | seen[1] == set(range(0, 320, 8))
+    single = first_batches(source, 8, global_batch=12, seed=0)
+    shares = [
+        first_batches(source, 8, global_batch=12, seed=0, process_index=p, process_count=processes)
+        for p in range(processes)
+    ]
+    for step, whole in enumerate(single):
+        rows = [share[step] for share in shares]
+        assert all(len(part) == 12 // processes for part in rows)
+        np.testing.assert_array_equal(np.concatenate(rows), whole)  # the global batch, in order
+    starts = np.concatenate(single)[:, 0].tolist()
+    assert sorted(starts[:40]) == sorted(starts[40:80]) == list(range(0, 320, 8))  # each once
+
+
+def test_resume_continues_after_the_examples_consumed_on_any_process_count():
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    uninterrupted = first_batches(source, 9, global_batch=8, seed=4)
+    two_process = [
+        batch_dataset(source, global_batch=8, seed=4, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    for share in two_process:
+        for _ in range(5):
+            next(share)
+    states = [share.get_state() for share in two_process]
+    assert states[0] == states[1]  # the position is global
+    assert states[0]["examples"] == 40 and states[0]["epoch"] == 1
+    resumed = batch_dataset(source, global_batch=8, seed=4)  # now on one process
+    resumed.set_state(json.loads(json.dumps(states[0])))
+    for wanted in uninterrupted[5:]:
+        np.testing.assert_array_equal(next(resumed), wanted)
+
+
+def test_dataset_identity_tells_changed_data_apart():
+    tokens = np.arange(8 * 40 + 1, dtype=np.int32)
+    identity = dataset_identity(TokenWindows(tokens, seq_len=8))
+    assert identity == dataset_identity(TokenWindows(tokens.copy(), seq_len=8))
+    assert identity["size"] == 40
+    changed = tokens.copy()
+    changed[0] = 7
+    assert (
+        dataset_identity(TokenWindows(changed, seq_len=8))["fingerprint"] != identity["fingerprint"]
+    )
+    assert dataset_identity(TokenWindows(tokens[:-8], seq_len=8))["size"] == 39
 
 
 def test_workers_give_the_same_batches():
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
-    plain = first_batches(source, 6, batch_per_process=4, seed=1)
-    workers = first_batches(source, 6, batch_per_process=4, seed=1, workers=1)
+    plain = first_batches(source, 6, global_batch=4, seed=1)
+    workers = first_batches(source, 6, global_batch=4, seed=1, workers=1)
     assert all(np.array_equal(a, b) for a, b in zip(plain, workers, strict=True))
 
 
 def test_prefetched_arrays_carry_the_batch_sharding(devices):
     mesh = sharding.build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), devices)
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
-    host = first_batches(source, 3, batch_per_process=8, seed=0)
+    host = first_batches(source, 3, global_batch=8, seed=0)
     prefetcher = DevicePrefetcher(iter(host), sharding.batch_sharding(mesh), depth=2)
     arrays = list(prefetcher)
     assert len(arrays) == 3
@@ -111,20 +146,6 @@ def test_source_errors():
         open_source(DataConfig(), ModelConfig(vocab_size=100), 0)
     with pytest.raises(UserError, match="longer than the embedded eval split"):
         open_source(DataConfig(eval_fraction=0.0001), ModelConfig(seq_len=1 << 22), 0)
-
-
-@pytest.fixture(scope="module")
-def token_dataset(tmp_path_factory):
-    """A converted byte-level dataset of a few standard-library files, in 2 shards."""
-    from paisoar_jax.convert import main as convert
-
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "json"
-    output = tmp_path_factory.mktemp("tokens") / "dataset"
-    status = convert(
-        ["text", "--input", str(root / "*.py"), "--output", str(output), "--shards", "2"]
-    )
-    assert status == 0
-    return output
 
 
 def test_arrayrecord_source_packs_windows_with_a_held_out_tail(token_dataset):
@@ -163,7 +184,7 @@ def test_dataset_that_disagrees_with_the_model_is_refused(token_dataset, data, m
 @pytest.mark.parametrize("workers", [0, 1])
 def test_iterator_state_resumes_at_exactly_the_next_batch(devices, workers):
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
-    options = dict(batch_per_process=4, seed=2, workers=workers)
+    options = dict(global_batch=4, seed=2, workers=workers)
     uninterrupted = first_batches(source, 16, **options)
     mesh = sharding.build_mesh(MeshConfig(data=1), devices[:1])
     # The prefetcher reads ahead; the state it reports is the one after the last batch used.
@@ -189,7 +210,7 @@ def test_synthetic_source_is_reproducible():
     assert not np.array_equal(train[7], held_out[7])
 
 
-def test_a_process_without_windows_is_a_user_error():
-    source = TokenWindows(np.arange(9, dtype=np.int32), seq_len=8)  # one window, two processes
-    with pytest.raises(UserError, match="too few for process 1 of 2"):
-        batch_dataset(source, batch_per_process=2, seed=0, process_index=1, process_count=2)
+def test_a_batch_that_does_not_split_over_the_processes_is_a_user_error():
+    source = TokenWindows(np.arange(81, dtype=np.int32), seq_len=8)
+    with pytest.raises(UserError, match="does not split evenly over 2 processes"):
+        batch_dataset(source, global_batch=3, seed=0, process_index=1, process_count=2)

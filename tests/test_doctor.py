@@ -112,8 +112,8 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     The step takes about 0.2 s, so after the batches made ready during compilation the
     step waits about 0.3 s for each batch.
 
-    The stage is a grain map on the pipeline's iterator, so it runs in the thread that
-    feeds the devices and only `data.prefetch` batches are ready ahead of the step. A slow
+    The stage wraps the pipeline's iterator, so it runs in the thread that feeds the
+    devices and only `data.prefetch` batches are ready ahead of the step. A slow
     source instead would be read ahead by grain's 16 threads into a 500-element buffer
     during compilation, which hides it for the few steps a test can afford. (The healthy
     run comes first so that this one finds the same step compiled in the cache.)
@@ -121,7 +121,7 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     make_batches = tasks.batch_dataset
 
     def slow_batches(*arguments, **keywords):
-        return make_batches(*arguments, **keywords).map(slow_transform)
+        return SlowBatches(make_batches(*arguments, **keywords))
 
     monkeypatch.setattr(tasks, "batch_dataset", slow_batches)
     run_dir = tmp_path / "run"
@@ -135,10 +135,21 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     assert not any("convert" in fix for fix in finding["fixes"])
 
 
-def slow_transform(batch):
-    """A batch transform that takes 0.5 s (decoding, augmentation, a slow tokenizer)."""
-    time.sleep(0.5)
-    return batch
+class SlowBatches:
+    """Batches that take 0.5 s each (decoding, augmentation, a slow tokenizer)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        time.sleep(0.5)
+        return next(self.batches)
+
+    def get_state(self):
+        return self.batches.get_state()
 
 
 def test_a_learning_rate_that_diverges(tmp_path, healthy_run):

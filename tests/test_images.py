@@ -88,7 +88,7 @@ def take(dataset, count):
 
 
 def batches_of(source, count, **options):
-    options = {"batch_per_process": 4, "seed": 0, "image_size": 8, "train": True} | options
+    options = {"global_batch": 4, "seed": 0, "image_size": 8, "train": True} | options
     return take(image_batches(source, **options), count)
 
 
@@ -175,22 +175,26 @@ def pixel_levels(batches):
     return [int(image[0, 0, 0]) for batch in batches for image in batch["image"]]
 
 
-def test_two_processes_read_disjoint_shares_covering_each_epoch(tmp_path):
+def test_two_processes_read_their_rows_of_the_same_global_batches(tmp_path):
     source = ImageFolder(uniform_tree(tmp_path, 16))
+    whole = batches_of(source, 4, global_batch=8, seed=3)  # crops and flips included
     shares = [
-        pixel_levels(batches_of(source, 4, process_index=index, process_count=2, seed=3))
+        batches_of(source, 4, global_batch=8, process_index=index, process_count=2, seed=3)
         for index in range(2)
     ]
-    for share in shares:
-        assert len(set(share[:8])) == 8 and sorted(share[:8]) == sorted(share[8:])  # epochs
-    assert not set(shares[0]) & set(shares[1])
-    assert set(shares[0]) | set(shares[1]) == {10 * (index + 1) for index in range(16)}
+    joined = [
+        {key: np.concatenate([share[step][key] for share in shares]) for key in whole[step]}
+        for step in range(4)
+    ]
+    assert_same(joined, whole)
+    levels = pixel_levels(whole)
+    assert sorted(levels[:16]) == sorted(levels[16:]) == [10 * (i + 1) for i in range(16)]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_iterator_state_resumes_at_exactly_the_next_batch(tree, workers):
     source = ImageFolder(tree)
-    options = dict(batch_per_process=4, seed=5, image_size=8, train=True)
+    options = dict(global_batch=4, seed=5, image_size=8, train=True)
     uninterrupted = take(image_batches(source, **options), 9)
     iterator = iter(image_batches(source, workers=workers, **options))
     consumed = [next(iterator) for _ in range(6)]  # past the first epoch (4.5 batches)

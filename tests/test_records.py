@@ -120,7 +120,7 @@ def test_readers_pickle_without_handles_and_feed_grain_workers(token_dir):
     np.testing.assert_array_equal(clone.read(3, 40), STREAM[3:40])
     windows = PackedWindows(records, 4)
     batches = lambda **workers: list(
-        itertools.islice(iter(batch_dataset(windows, batch_per_process=2, seed=0, **workers)), 4)
+        itertools.islice(iter(batch_dataset(windows, global_batch=2, seed=0, **workers)), 4)
     )
     plain, from_workers = batches(), batches(workers=1)
     for one, other in zip(plain, from_workers, strict=True):

@@ -12,9 +12,9 @@ Pillow; training takes a random-resized crop (Inception-style, as torchvision's)
 horizontal flip, eval resizes the shorter side to size / 0.875 and takes the centre square
 (the standard ImageNet eval). Batches stay uint8: a quarter of the bytes of float32 to move
 to the device, where `normalize_on_device` runs inside the jitted step. Random transforms
-draw from grain's per-element generator, seeded by (seed, process, transform) and the
-element's position in the endless stream, so each epoch gets new crops and a restored
-iterator state replays exactly. Files that Pillow cannot verify were skipped when the folder
+draw from grain's per-element generator, seeded by (seed, transform) and the element's
+position in the endless global stream, so each epoch gets new crops, and a resumed run, on
+any topology, replays them exactly. Files that Pillow cannot verify were skipped when the folder
 was scanned or converted; one that verifies but cannot be decoded (a truncated JPEG) stops
 the run with a UserError naming it.
 """
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from paisoar_jax.data.pipeline import ignore_interrupts
+from paisoar_jax.data.pipeline import GlobalBatches, dataset_identity, example_stream
 from paisoar_jax.data.records import MANIFEST_NAME, ImageFolder, ImageRecords
 from paisoar_jax.errors import UserError
 
@@ -228,16 +228,16 @@ class CenterCrop(grain.transforms.Map):
         return {**element, "image": resize(element["image"], self.size, box)}
 
 
-def transform_seed(seed: int, process_index: int, transform: int) -> int:
-    """A 32-bit seed per (run seed, process, transform): no two draw the same numbers."""
-    sequence = np.random.SeedSequence([seed % 2**63, process_index, transform])
+def transform_seed(seed: int, transform: int) -> int:
+    """A 32-bit seed per (run seed, transform): no two transforms draw the same numbers."""
+    sequence = np.random.SeedSequence([seed % 2**63, transform])
     return int(sequence.generate_state(1)[0])
 
 
 def image_batches(
     source: ImageSource,
     *,
-    batch_per_process: int,
+    global_batch: int,
     seed: int,
     image_size: int,
     train: bool,
@@ -246,41 +246,38 @@ def image_batches(
     min_crop_scale: float = 0.08,
     process_index: int | None = None,
     process_count: int | None = None,
-) -> grain.IterDataset:
-    """Endless {"image": uint8 (B, size, size, C), "label": int32 (B,)} batches of a source.
+) -> GlobalBatches:
+    """The {"image": uint8 (b, size, size, C), "label": int32 (b,)} batches this process reads.
 
-    Like `pipeline.batch_dataset`: process i reads items i, i + n, ...; training shuffles
-    them by `seed`, anew each epoch, and augments; eval keeps the order and centre-crops.
-    A source whose `augment` attribute is False (digits, synthetic) is never augmented nor
-    cropped: its whole images are resized to image_size, for training and eval alike.
+    The global sampler's order (`pipeline`): training shuffles the whole source by `seed`,
+    anew each epoch, and augments; eval keeps the order and centre-crops. A source whose
+    `augment` attribute is False (digits, synthetic) is never augmented nor cropped: its
+    whole images are resized to image_size, for training and eval alike.
     """
     augment = getattr(source, "augment", True)
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
     if channels not in (1, 3):
         raise UserError(f"images have 1 (grayscale) or 3 (RGB) channels, not {channels}")
-    if len(source) < process_count:  # an empty share would repeat forever, yielding nothing
-        raise UserError(f"{len(source)} images cannot be shared among {process_count} processes")
-    dataset = grain.MapDataset.source(source).map_with_index(TagIndex())
-    dataset = dataset[process_index::process_count]
-    if train:
-        dataset = dataset.shuffle(seed=seed)
-    # Random transforms after repeat: their generator follows the position in the endless
-    # stream, so every epoch crops and flips each image anew.
-    dataset = dataset.repeat(None).map(DecodeImage(channels, source))
+    tagged = grain.MapDataset.source(source).map_with_index(TagIndex())
+    # Decode and random transforms after repeat: their generator follows the position in
+    # the endless global stream, so every epoch crops and flips each image anew, and the
+    # crops of an example are the same whichever process reads it.
+    stream = example_stream(tagged, seed, shuffle=train).map(DecodeImage(channels, source))
     if train and augment:
-        crop_seed, flip_seed = (transform_seed(seed, process_index, op) for op in (0, 1))
+        crop_seed, flip_seed = (transform_seed(seed, op) for op in (0, 1))
         crop = RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0))
-        dataset = dataset.random_map(crop, seed=crop_seed)
-        dataset = dataset.random_map(RandomFlip(), seed=flip_seed)
+        stream = stream.random_map(crop, seed=crop_seed)
+        stream = stream.random_map(RandomFlip(), seed=flip_seed)
     else:
-        dataset = dataset.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
-    iterable = dataset.batch(batch_per_process, drop_remainder=True).to_iter_dataset()
-    if workers > 0:
-        iterable = iterable.mp_prefetch(
-            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_interrupts
-        )
-    return iterable
+        stream = stream.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
+    return GlobalBatches(
+        stream,
+        global_batch=global_batch,
+        identity=dataset_identity(source),
+        seed=seed,
+        workers=workers,
+        process_index=process_index,
+        process_count=process_count,
+    )
 
 
 def channel_statistics(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:

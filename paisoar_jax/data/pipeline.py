@@ -1,19 +1,38 @@
-"""The grain pipeline: shard by process, shuffle by seed (reshuffled each epoch), batch.
+"""The global sampler: one input order for every topology, read by grain.
 
-Each process reads only its own slice of the windows (process i takes windows i, i + n,
-...), shuffles it with the run's seed, repeats it forever with a new order per epoch and
-batches it to the per-process batch. Workers (data.workers > 0) read ahead in separate
-processes. The iterator's get_state()/set_state() resume it exactly.
+The examples of global batch s depend on (train.seed, s, dataset size) alone:
+
+    stream     source.shuffle(seed).repeat()   grain's index shuffle of the whole dataset,
+                                               a new permutation each epoch, endless
+    batch s    stream[s*B : (s+1)*B]           B = train.global_batch, no example dropped
+                                               (an epoch ends inside a batch when B does
+                                               not divide the size)
+    process p  rows [p*B/P, (p+1)*B/P) of it   its own slice, nothing read twice
+
+So the process count, the device count, data.workers and data.prefetch change how fast the
+batches come, never which examples a step sees. Grain does the reading, the shuffle, the
+per-example transforms and the workers; this module adds only the index arithmetic of the
+process slices (`stream[start:].batch(B/P)[p::P]`).
+
+The position of a run in its input is one number, the examples it consumed (`GlobalBatches
+.get_state`), with the dataset's identity (size and a fingerprint of sampled examples) and
+the seed: a resume on any process, device or worker count continues with exactly the batches
+the uninterrupted run would have seen, and a resume onto other data is caught.
 """
 
 from __future__ import annotations
 
+import hashlib
 import signal
+from typing import Any
 
 import grain
 import jax
+import numpy as np
 
 from paisoar_jax.errors import UserError
+
+FINGERPRINT_SAMPLES = 16  # examples read (evenly spaced) to tell one dataset from another
 
 
 def ignore_interrupts(worker_index: int, worker_count: int) -> None:
@@ -21,40 +40,186 @@ def ignore_interrupts(worker_index: int, worker_count: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def as_map_dataset(source: Any) -> grain.MapDataset:
+    """A grain MapDataset of a random-access source (`__len__` and `__getitem__`)."""
+    return source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
+
+
+def example_stream(source: Any, seed: int, shuffle: bool) -> grain.MapDataset:
+    """The endless stream of a source's examples: reshuffled each epoch, or in order."""
+    dataset = as_map_dataset(source)
+    if len(dataset) == 0:
+        raise UserError("the data has no examples")
+    return (dataset.shuffle(seed=seed % 2**32) if shuffle else dataset).repeat(None)
+
+
+def dataset_identity(source: Any) -> dict[str, Any]:
+    """{"size", "fingerprint"} of a source: its length and a hash of sampled examples.
+
+    A source may name itself with a `fingerprint` attribute (a string); otherwise up to
+    FINGERPRINT_SAMPLES evenly spaced examples are read and hashed, so the same data at
+    another path matches and changed or resized data does not.
+    """
+    size = len(source)
+    own = getattr(source, "fingerprint", None)
+    if isinstance(own, str):
+        return {"size": size, "fingerprint": own}
+    digest = hashlib.blake2b(digest_size=8)
+    for index in sorted({i * size // FINGERPRINT_SAMPLES for i in range(FINGERPRINT_SAMPLES)}):
+        for leaf in jax.tree.leaves(source[index]):
+            digest.update(leaf if isinstance(leaf, bytes) else np.asarray(leaf).tobytes())
+    return {"size": size, "fingerprint": digest.hexdigest()}
+
+
+class GlobalBatches:
+    """The rows of a stream's global batches that this process reads, from a position on.
+
+    An iterator of per-process batches; `get_state()` is the position after the last batch
+    read (the examples consumed, the epoch, the dataset's identity and the seed) and
+    `set_state()` moves to a saved position, on any topology.
+    """
+
+    def __init__(
+        self,
+        stream: grain.MapDataset,
+        *,
+        global_batch: int,
+        identity: dict[str, Any],
+        seed: int,
+        workers: int = 0,
+        in_memory: bool = False,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        if global_batch % self.process_count:
+            raise UserError(
+                f"train.global_batch={global_batch} does not split evenly over "
+                f"{self.process_count} processes"
+            )
+        self.stream, self.global_batch = stream, global_batch
+        self.identity, self.seed = identity, seed
+        self.workers, self.in_memory = workers, in_memory
+        self.examples = 0
+        self._iterator = None
+
+    def _open(self):
+        """Grain's iterator over this process's slices, from `self.examples` on."""
+        rows = self.global_batch // self.process_count
+        # Start at a whole batch of rows where the position allows (a per-example slice is
+        # one more grain level on every read); else (another global batch since the save)
+        # cut the stream itself.
+        stream, first = self.stream, self.examples // rows
+        if self.examples % rows:
+            stream, first = self.stream[self.examples :], 0
+        batches = stream.batch(rows, drop_remainder=True)
+        mine = batches[first + self.process_index :: self.process_count]
+        # In-memory sources (embedded, synthetic, numpy arrays) read on the prefetch thread
+        # alone: grain's pool of reader threads (for files) would only contend for the
+        # interpreter lock with the step.
+        read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0) if self.in_memory else None
+        iterable = mine.to_iter_dataset(read)
+        if self.workers > 0:
+            iterable = iterable.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=self.workers),
+                worker_init_fn=ignore_interrupts,
+            )
+        return iter(iterable)
+
+    def __iter__(self) -> GlobalBatches:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._open()
+        batch = next(self._iterator)
+        self.examples += self.global_batch
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """The position after the last batch read: the same on every process."""
+        return {
+            "sampler": "global",
+            "examples": self.examples,
+            "epoch": self.examples // self.identity["size"],
+            "seed": self.seed,
+            **self.identity,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues after `state["examples"]` examples (the identity is checked by the caller)."""
+        self.close()
+        self.examples = int(state["examples"])
+
+    def close(self) -> None:
+        """Stops grain's worker processes, if any."""
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+        self._iterator = None
+
+
 def batch_dataset(
-    source,
+    source: Any,
     *,
-    batch_per_process: int,
+    global_batch: int,
     seed: int,
     shuffle: bool = True,
     workers: int = 0,
     process_index: int | None = None,
     process_count: int | None = None,
     in_memory: bool = False,
-) -> grain.IterDataset:
-    """An endless iterable of (batch_per_process, seq_len + 1) int32 token batches.
+) -> GlobalBatches:
+    """The slices of a source's global batches that this process reads (see above)."""
+    return GlobalBatches(
+        example_stream(source, seed, shuffle),
+        global_batch=global_batch,
+        identity=dataset_identity(source),
+        seed=seed,
+        workers=workers,
+        in_memory=in_memory,
+        process_index=process_index,
+        process_count=process_count,
+    )
 
-    `in_memory`: the source reads from memory (embedded, synthetic, numpy arrays), so the
-    main-process pipeline reads on the prefetch thread alone; grain's default pool of
-    reader threads (for files) would only contend for the interpreter lock with the step.
+
+def resume_position(
+    saved: dict[str, Any] | None,
+    batches: GlobalBatches,
+    step: int,
+    saved_batch: int,
+    on_change: str,
+) -> tuple[int, str | None]:
+    """(examples to skip, a line to print or None) for a run resumed after `step`.
+
+    `saved`: the position in the checkpoint (None for one written before the global
+    sampler: its step times `saved_batch` examples are taken as consumed). A dataset whose
+    size or fingerprint changed is refused, unless `on_change` is "restart".
     """
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    if not isinstance(source, grain.MapDataset):
-        source = grain.MapDataset.source(source)
-    dataset = source[process_index::process_count]
-    if len(dataset) == 0:
-        raise UserError(
-            f"the data has {len(source)} windows: too few for process {process_index} of "
-            f"{process_count} to get one (use more data or a shorter model.seq_len)"
+    if saved is None or saved.get("sampler") != "global":
+        return step * saved_batch, (
+            f"checkpoint step {step} holds a per-process input position (written before the "
+            f"global sampler), which cannot be continued exactly: the input goes on from "
+            f"example {step * saved_batch} of the global order"
         )
-    if shuffle:
-        dataset = dataset.shuffle(seed=seed)
-    dataset = dataset.repeat(None).batch(batch_per_process, drop_remainder=True)
-    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0) if in_memory else None
-    iterable = dataset.to_iter_dataset(read)
-    if workers > 0:
-        iterable = iterable.mp_prefetch(
-            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_interrupts
+    old = {key: saved.get(key) for key in ("size", "fingerprint")}
+    if old != batches.identity:
+        change = (
+            f"checkpoint step {step} was trained on data of {old['size']} examples "
+            f"(fingerprint {old['fingerprint']}); the data now has "
+            f"{batches.identity['size']} (fingerprint {batches.identity['fingerprint']})"
         )
-    return iterable
+        if on_change != "restart":
+            raise UserError(
+                f"{change}: resume on the same data, or set data.on_change=restart to train "
+                f"on the new data from its first example"
+            )
+        return 0, f"{change}: data.on_change=restart, so the new data starts from its start"
+    if saved.get("seed") != batches.seed:
+        return int(saved["examples"]), (
+            f"train.seed changed since checkpoint step {step} ({saved.get('seed')} -> "
+            f"{batches.seed}): the input goes on at example {saved['examples']} in the new "
+            f"seed's order"
+        )
+    return int(saved["examples"]), None

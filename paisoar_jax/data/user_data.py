@@ -4,16 +4,18 @@ Two kinds, told apart by type:
 
     examples   a grain MapDataset, any random-access source (`__len__` + `__getitem__`,
                e.g. grain's ArrayRecordDataSource), a numpy array or a dict of equally
-               long numpy arrays (rows are examples). Each process reads its own share,
-               shuffled by the run's seed and reshuffled each epoch, batched by grain:
-               `train.global_batch` examples per step over all processes.
+               long numpy arrays (rows are examples). They go through the global sampler
+               (`pipeline`): the whole dataset shuffled by the run's seed, anew each
+               epoch, cut into `train.global_batch` examples per step, each process reading
+               its own rows; the same order on any topology.
     batches    a grain IterDataset or any re-iterable (a list, an object with __iter__) of
                per-process batches: an array or a dict of arrays, each with
                global_batch / process_count rows. Re-iterated once it ends.
 
-Resume: examples keep their exact place (grain's iterator state goes into checkpoints), as
-does a grain IterDataset; a plain iterable has no position to save, so a resumed run says
-in one line that its input restarts.
+Resume: examples keep their exact place on any topology (the position is the examples
+consumed); a grain IterDataset keeps its place on the same process count (grain's
+per-process iterator state goes into checkpoints); a plain iterable has no position to
+save, so a resumed run says in one line that its input restarts.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from paisoar_jax.errors import UserError
 
 
 class ExampleData:
-    """Random-access examples: shared out by process, shuffled and batched by grain."""
+    """Random-access examples: sampled into global batches, each process reading its rows."""
 
     kind = "examples"
 
@@ -45,11 +47,11 @@ class ExampleData:
     def __len__(self) -> int:
         return len(self.source)
 
-    def batches(self, batch_per_process: int, seed: int, shuffle: bool, workers: int):
-        """Endless per-process batches (a grain iterator: get_state/set_state resume it)."""
+    def batches(self, global_batch: int, seed: int, shuffle: bool, workers: int):
+        """The rows of endless global batches this process reads (get_state/set_state)."""
         return batch_dataset(
             self.source,
-            batch_per_process=batch_per_process,
+            global_batch=global_batch,
             seed=seed,
             shuffle=shuffle,
             workers=workers,
@@ -84,12 +86,13 @@ class BatchData:
         self.rows = _rows(first, name)
         self.batch_leaf_specs = jax.tree.map(lambda x: (np.shape(x)[1:], _dtype(x)), first)
 
-    def batches(self, batch_per_process: int, seed: int, shuffle: bool, workers: int):
+    def batches(self, global_batch: int, seed: int, shuffle: bool, workers: int):
         """Endless re-iteration of the source, each batch checked for its row count."""
         del seed, shuffle, workers  # the user's own pipeline decides its order and workers
+        rows = global_batch // jax.process_count()
         if isinstance(self.source, grain.IterDataset):
-            return _ResumableBatches(self.source, batch_per_process, self.name)
-        return _Batches(self.source, batch_per_process, self.name)
+            return _ResumableBatches(self.source, rows, self.name)
+        return _Batches(self.source, rows, self.name)
 
     def batch_spec(self, global_batch: int) -> Any:
         """The shape and dtype of one global batch; UserError when the rows do not add up."""

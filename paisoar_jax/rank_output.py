@@ -1,0 +1,87 @@
+"""The launched ranks' output: prefixed lines on the screen (until muted) and a log per rank.
+
+Each rank's whole output is kept in memory until its run directory is known (from its
+heartbeat), then written to <run.dir>/logs/rank-N.log and appended to as it comes. The
+screen is muted once the launcher has named a stalled rank: the stack traces the healthy
+ranks print when they are stopped belong in the logs.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import re
+import threading
+
+LINE_END = re.compile(rb"(\r\n|\n|\r)")
+PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
+
+
+class RankLog:
+    """A rank's whole output, kept in memory until its run directory is known, then a file."""
+
+    def __init__(self):
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.pending_bytes = 0
+        self.file = None
+
+    def write(self, data: bytes) -> None:
+        """Appends output (called under the launcher's output lock)."""
+        if self.file is None:  # no run directory (yet): keep the newest PENDING_BYTES
+            self.pending.append(data)
+            self.pending_bytes += len(data)
+            while self.pending_bytes > PENDING_BYTES:
+                self.pending_bytes -= len(self.pending.popleft())
+        else:
+            self.file.write(data)
+            self.file.flush()
+
+    def open(self, path: pathlib.Path) -> None:
+        """Starts the file with what came so far (called under the output lock)."""
+        if self.file is not None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = path.open("ab")
+        except OSError:
+            return  # keep it in memory: the screen still has it
+        self.file.write(b"".join(self.pending))
+        self.file.flush()
+        self.pending.clear()
+
+
+class Output:
+    """Where the ranks' lines go: the screen (until muted) and each rank's log."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.muted = False
+
+    def write(self, sink, log: RankLog, data: bytes) -> None:
+        """One whole line at a time; a closed sink only drops output (the child must not block)."""
+        with self.lock:
+            log.write(data)
+            if self.muted:
+                return
+            try:
+                sink.write(data)
+                sink.flush()
+            except OSError:
+                pass
+
+
+def copy_lines(
+    stream, sink, prefix: bytes, log: RankLog, tail: collections.deque, output: Output
+) -> None:
+    """Copies a child's stream line by line with its rank prefix; keeps the last lines."""
+    pending = b""
+    while chunk := stream.read1(1 << 16):
+        pieces = LINE_END.split(pending + chunk)
+        pending = pieces.pop()
+        for text, end in zip(pieces[0::2], pieces[1::2], strict=True):
+            output.write(sink, log, prefix + text + end)
+            if end != b"\r" and text.strip():  # a progress bar's redraws are not lines
+                tail.append(text.decode(errors="replace"))
+    if pending:
+        output.write(sink, log, prefix + pending + b"\n")
+        tail.append(pending.decode(errors="replace"))
