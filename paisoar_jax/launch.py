@@ -48,6 +48,7 @@ from paisoar_jax.rank_output import Output, RankLog, copy_lines
 PROGRAM = "paisoar_jax.launch"
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+USER_ERROR_WAIT_S = 3.0  # how long the others may take to report a bad input themselves
 STALE_S = 10.0  # beats missed this long mark a rank as the stalled one when a peer fails
 
 
@@ -249,7 +250,15 @@ def _stop(children: list[Child], grace: float) -> None:
 
 
 def _fail(failed: Child, children: list[Child], grace: float) -> int:
-    """Stops every other process, prints the failing rank's last lines, returns its status."""
+    """Stops every other process, prints the failing rank's last lines, returns its status.
+
+    A rank that exits with the bad-input status has usually found what every rank finds (a
+    bad setting, an unreachable coordinator): the others get a moment to say it themselves.
+    """
+    if failed.process.returncode == USER_ERROR_EXIT_CODE:
+        deadline = time.monotonic() + USER_ERROR_WAIT_S
+        while time.monotonic() < deadline and any(c.process.poll() is None for c in children):
+            time.sleep(0.05)
     others = [child for child in children if child.process.poll() is None]
     _say(f"rank {failed.rank} {failed.describe_exit()}; stopping {len(others)} other process(es)")
     _stop(others, grace)

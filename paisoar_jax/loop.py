@@ -143,10 +143,16 @@ def _resume_input(host_iterator, restored: Restored, config: Config) -> str | No
             f"resumed at step {step}, but the input has no position to save (a plain "
             f"iterable): it restarts from its first batch"
         )
-    if restored.data_state is None:
+    if (restored.data_state or {}).get("sampler") == "global":
         return (
-            f"checkpoint step {step}: the input changed since it was saved "
-            f"({restored.input_changes}): its position cannot be continued, so it restarts"
+            f"checkpoint step {step} holds a position of examples in the global order, but "
+            f"the input is now ready batches: they restart from their first batch"
+        )
+    if restored.data_state is None:
+        why = f" (the input changed since: {restored.input_changes})"
+        return (
+            f"checkpoint step {step} holds no input position this run can continue"
+            f"{why if restored.input_changes else ''}: the input restarts from its first batch"
         )
     host_iterator.set_state(restored.data_state)
     return None
