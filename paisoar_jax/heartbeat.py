@@ -13,6 +13,7 @@ written by the thread, off the step's path.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -43,28 +44,36 @@ def start(environ: Mapping[str, str] | None = None) -> None:
     if not path or _started.is_set():
         return
     _started.set()
-    threading.Thread(
-        target=_beat, args=(pathlib.Path(path),), name="heartbeat", daemon=True
-    ).start()
+    path = pathlib.Path(path)
+    threading.Thread(target=_beat, args=(path,), name="heartbeat", daemon=True).start()
+    # An exiting process stops beating (its daemon thread ends) while it tears down, which
+    # can take seconds: it says so first, so the launcher does not take it for stalled.
+    atexit.register(_write, path, exiting=True)
 
 
 def _beat(path: pathlib.Path) -> None:
-    """Rewrites the heartbeat file every INTERVAL_S (atomically: a reader never sees half)."""
-    partial = path.with_suffix(".partial")
+    """Rewrites the heartbeat file every INTERVAL_S."""
     while True:
-        record = {
-            "time": time.time(),
-            "pid": os.getpid(),
-            "step": progress.step,
-            "run_dir": progress.run_dir,
-            "checkpoint_dir": progress.checkpoint_dir,
-        }
-        try:
-            partial.write_text(json.dumps(record))
-            os.replace(partial, path)
-        except OSError:
-            pass  # the launcher's folder is gone: it has stopped watching
+        _write(path)
         time.sleep(INTERVAL_S)
+
+
+def _write(path: pathlib.Path, exiting: bool = False) -> None:
+    """One beat, written atomically (a reader never sees half of it)."""
+    record = {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "step": progress.step,
+        "run_dir": progress.run_dir,
+        "checkpoint_dir": progress.checkpoint_dir,
+        "exiting": exiting,
+    }
+    partial = path.with_suffix(f".{threading.get_ident()}.partial")
+    try:
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)
+    except OSError:
+        pass  # the launcher's folder is gone: it has stopped watching
 
 
 def read(path: pathlib.Path) -> dict[str, Any] | None:

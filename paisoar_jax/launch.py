@@ -273,11 +273,16 @@ def _stalled(children: list[Child], older_than: float) -> Child | None:
     """The running child whose beats stopped longest ago, if that is over `older_than` s.
 
     Only a rank that has beaten can stall: one that never did (still importing, or a
-    script that does not start paisoar_jax's distributed set-up) is not judged.
+    script that does not start paisoar_jax's distributed set-up) is not judged, nor one
+    whose last beat said it was exiting.
     """
     now = time.time()
     beats = [(child.beat(), child) for child in children if child.process.poll() is None]
-    ages = [(now - beat["time"], child) for beat, child in beats if beat is not None]
+    ages = [
+        (now - beat["time"], child)
+        for beat, child in beats
+        if beat is not None and not beat.get("exiting")  # tearing down, not stalled
+    ]
     age, child = max(ages, key=lambda pair: pair[0], default=(0.0, None))
     return child if age > older_than else None
 
@@ -340,7 +345,7 @@ def _supervise(
         if time.monotonic() > next_watch:  # the beats, once a second
             next_watch = time.monotonic() + heartbeat.INTERVAL_S
             logs_open = logs_open or _open_logs(children, output)
-            stalled = _stalled(children, args.timeout)
+            stalled = _stalled(children, max(args.timeout, STALE_S))
             if stalled is not None:
                 return _report_stall(stalled, children, args, output)
         if len(signals.received) > forwarded:

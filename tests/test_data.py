@@ -7,10 +7,17 @@ import pytest
 
 from paisoar_jax import sharding
 from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
-from paisoar_jax.data.pipeline import batch_dataset, dataset_identity
+from paisoar_jax.data.pipeline import (
+    GlobalBatches,
+    WholeBatchReads,
+    batch_dataset,
+    dataset_identity,
+    example_stream,
+)
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.data.records import TokenRecords
-from paisoar_jax.data.sources import TokenWindows, embedded_corpus, open_source
+from paisoar_jax.data.sources import SyntheticWindows, TokenWindows, embedded_corpus, open_source
+from paisoar_jax.data.user_data import _Rows
 from paisoar_jax.errors import UserError
 
 
@@ -86,6 +93,27 @@ def test_resume_continues_after_the_examples_consumed_on_any_process_count():
     resumed.set_state(json.loads(json.dumps(states[0])))
     for wanted in uninterrupted[5:]:
         np.testing.assert_array_equal(next(resumed), wanted)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_whole_batch_reads_follow_grain_s_own_order(shuffle):
+    """Sources with read_batch take the one-read-per-batch path; it must give exactly the
+    batches of grain's per-example shuffle, repeat and batch (epochs and offsets included)."""
+    windows = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    synthetic = SyntheticWindows(vocab_size=50, seq_len=4, seed=3)
+    rows = _Rows({"x": np.arange(60).reshape(30, 2), "y": np.arange(30)}, "data")
+    for source in (windows, synthetic, rows):
+        for process in range(2):
+            options = dict(global_batch=12, seed=9, process_index=process, process_count=2)
+            fast = batch_dataset(source, shuffle=shuffle, **options)
+            assert isinstance(fast.stream, WholeBatchReads)
+            slow = GlobalBatches(
+                example_stream(source, 9, shuffle), identity=fast.identity, **options
+            )
+            for resumed in (fast, slow):  # a position that is no whole batch of rows
+                resumed.set_state({"examples": 7})
+            for _ in range(9):  # past several epochs of the 30- and 40-example sources
+                jax.tree.map(np.testing.assert_array_equal, next(fast), next(slow))
 
 
 def test_dataset_identity_tells_changed_data_apart():

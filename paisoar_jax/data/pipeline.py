@@ -12,7 +12,9 @@ The examples of global batch s depend on (train.seed, s, dataset size) alone:
 So the process count, the device count, data.workers and data.prefetch change how fast the
 batches come, never which examples a step sees. Grain does the reading, the shuffle, the
 per-example transforms and the workers; this module adds only the index arithmetic of the
-process slices (`stream[start:].batch(B/P)[p::P]`).
+process slices (`stream.batch(B/P)[first + p :: P]`). A source that reads many examples at
+once (`read_batch(indices)`: in-memory windows, a user's numpy arrays) takes the same order
+through `WholeBatchReads`, one grain element per batch of rows instead of one per example.
 
 The position of a run in its input is one number, the examples it consumed (`GlobalBatches
 .get_state`), with the dataset's identity (size and a fingerprint of sampled examples) and
@@ -71,6 +73,59 @@ def dataset_identity(source: Any) -> dict[str, Any]:
     return {"size": size, "fingerprint": digest.hexdigest()}
 
 
+class WholeBatchReads:
+    """The global sampler for a source that reads many examples at once (`read_batch`).
+
+    The same order as `example_stream` (grain's `index_shuffle` with the seed plus the
+    epoch, as grain's shuffle draws it; tests/test_data.py checks the two agree), but grain
+    handles one element per batch of rows, not one per example: for in-memory windows the
+    per-example bookkeeping of a grain chain costs more than the read itself.
+    """
+
+    def __init__(self, source: Any, seed: int, shuffle: bool):
+        self.source, self.seed, self.shuffle = source, seed % 2**32, shuffle
+
+    def batches(self, start: int, global_batch: int, process_index: int, rows: int):
+        """The batches of rows this process reads from example `start` on (a MapDataset)."""
+        first = start + process_index * rows
+        read = ReadRows(self.source, self.seed, self.shuffle, first, global_batch, rows)
+        return grain.MapDataset.range(ENDLESS).map(read)
+
+
+ENDLESS = 2**62  # batches in an endless stream (a grain range needs an end)
+
+
+class ReadRows(grain.transforms.Map):
+    """Batch number j -> the rows of the stream from `first + j * stride`, read at once.
+
+    A module-level class: grain workers receive it pickled.
+    """
+
+    def __init__(self, source, seed: int, shuffle: bool, first: int, stride: int, rows: int):
+        self.source, self.seed, self.shuffle = source, seed, shuffle
+        self.first, self.stride, self.rows = first, stride, rows
+
+    def map(self, batch_number: int) -> Any:
+        """The rows of one batch, read at once."""
+        size, start = len(self.source), self.first + batch_number * self.stride
+        epochs, offsets = np.divmod(np.arange(start, start + self.rows), size)
+        if self.shuffle:
+            offsets = np.fromiter(
+                (
+                    grain.experimental.index_shuffle(
+                        int(offset),
+                        max_index=size - 1,
+                        seed=int((self.seed + epoch) % 2**32),
+                        rounds=4,
+                    )
+                    for epoch, offset in zip(epochs, offsets, strict=True)
+                ),
+                dtype=np.int64,
+                count=self.rows,
+            )
+        return self.source.read_batch(offsets)
+
+
 class GlobalBatches:
     """The rows of a stream's global batches that this process reads, from a position on.
 
@@ -107,14 +162,17 @@ class GlobalBatches:
     def _open(self):
         """Grain's iterator over this process's slices, from `self.examples` on."""
         rows = self.global_batch // self.process_count
-        # Start at a whole batch of rows where the position allows (a per-example slice is
-        # one more grain level on every read); else (another global batch since the save)
-        # cut the stream itself.
-        stream, first = self.stream, self.examples // rows
-        if self.examples % rows:
-            stream, first = self.stream[self.examples :], 0
-        batches = stream.batch(rows, drop_remainder=True)
-        mine = batches[first + self.process_index :: self.process_count]
+        if isinstance(self.stream, WholeBatchReads):
+            mine = self.stream.batches(self.examples, self.global_batch, self.process_index, rows)
+        else:
+            # Start at a whole batch of rows where the position allows (a per-example slice
+            # is one more grain level on every read); else (another global batch since the
+            # save) cut the stream itself.
+            stream, first = self.stream, self.examples // rows
+            if self.examples % rows:
+                stream, first = self.stream[self.examples :], 0
+            batches = stream.batch(rows, drop_remainder=True)
+            mine = batches[first + self.process_index :: self.process_count]
         # In-memory sources (embedded, synthetic, numpy arrays) read on the prefetch thread
         # alone: grain's pool of reader threads (for files) would only contend for the
         # interpreter lock with the step.
@@ -172,8 +230,14 @@ def batch_dataset(
     in_memory: bool = False,
 ) -> GlobalBatches:
     """The slices of a source's global batches that this process reads (see above)."""
+    if hasattr(source, "read_batch"):  # in-memory windows and arrays: a read per batch
+        if len(source) == 0:
+            raise UserError("the data has no examples")
+        stream = WholeBatchReads(source, seed, shuffle)
+    else:
+        stream = example_stream(source, seed, shuffle)
     return GlobalBatches(
-        example_stream(source, seed, shuffle),
+        stream,
         global_batch=global_batch,
         identity=dataset_identity(source),
         seed=seed,

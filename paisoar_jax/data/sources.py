@@ -51,6 +51,11 @@ class TokenWindows:
         start = index * self.seq_len
         return self.tokens[start : start + self.seq_len + 1].astype(np.int32)
 
+    def read_batch(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len + 1) int32: the windows at `indices`, in one gather."""
+        positions = indices[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return self.tokens[positions].astype(np.int32)
+
 
 class SyntheticWindows:
     """Uniformly random token windows, reproducible per index."""
@@ -62,12 +67,16 @@ class SyntheticWindows:
         return SYNTHETIC_WINDOWS
 
     def __getitem__(self, index: int) -> np.ndarray:
+        return self.read_batch(np.array([index]))[0]
+
+    def read_batch(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len + 1) int32 windows, computed together."""
         # A counter-based hash (splitmix64) of (seed, index, position): a few microseconds a
         # window, where building a numpy Generator per window took ~45 (the input pipeline
-        # must stay far ahead of steps of a millisecond).
-        counters = np.arange(self.seq_len + 1, dtype=np.uint64) + np.uint64(
-            (index * (self.seq_len + 1)) % 2**64
-        )
+        # must stay far ahead of steps of a millisecond). uint64 arithmetic wraps mod 2**64.
+        width = self.seq_len + 1
+        starts = np.asarray(indices).astype(np.uint64) * np.uint64(width)
+        counters = starts[:, None] + np.arange(width, dtype=np.uint64)
         hashed = _splitmix64(counters ^ np.uint64(((self.seed * 0x9E3779B1) << 32) % 2**64))
         return (hashed % np.uint64(self.vocab_size)).astype(np.int32)
 

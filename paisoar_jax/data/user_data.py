@@ -166,6 +166,10 @@ class _Rows(collections.abc.Sequence):
     def __getitem__(self, index):
         return jax.tree.map(lambda array: array[index], self.arrays)
 
+    def read_batch(self, indices: np.ndarray):
+        """The rows at `indices`, stacked (one gather per array)."""
+        return jax.tree.map(lambda array: array[indices], self.arrays)
+
 
 def _dtype(x: Any) -> np.dtype:
     """The dtype an array of `x` has on the device (int64 is int32 unless x64 is on)."""
