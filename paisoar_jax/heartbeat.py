@@ -36,6 +36,8 @@ class Progress:
 
 progress = Progress()
 _started = threading.Event()
+_exiting = threading.Event()
+_writing = threading.Lock()
 
 
 def start(environ: Mapping[str, str] | None = None) -> None:
@@ -48,14 +50,23 @@ def start(environ: Mapping[str, str] | None = None) -> None:
     threading.Thread(target=_beat, args=(path,), name="heartbeat", daemon=True).start()
     # An exiting process stops beating (its daemon thread ends) while it tears down, which
     # can take seconds: it says so first, so the launcher does not take it for stalled.
-    atexit.register(_write, path, exiting=True)
+    atexit.register(_last_beat, path)
 
 
 def _beat(path: pathlib.Path) -> None:
-    """Rewrites the heartbeat file every INTERVAL_S."""
-    while True:
-        _write(path)
+    """Rewrites the heartbeat file every INTERVAL_S, until the process exits."""
+    while not _exiting.is_set():
+        with _writing:
+            if not _exiting.is_set():
+                _write(path)
         time.sleep(INTERVAL_S)
+
+
+def _last_beat(path: pathlib.Path) -> None:
+    """At exit: stops the beats, then writes one that says the process is exiting."""
+    with _writing:  # a beat in flight finishes first; none comes after
+        _exiting.set()
+        _write(path, exiting=True)
 
 
 def _write(path: pathlib.Path, exiting: bool = False) -> None:

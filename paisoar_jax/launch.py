@@ -17,9 +17,10 @@ each process once (they save a checkpoint and exit 0); a second one kills them.
 A stalled rank is named. Each rank beats every second (paisoar_jax/heartbeat.py) with the
 step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a frozen node)
 is reported in one line with its last step and the newest checkpoint, and every process is
-stopped (exit status 1). From then on the screen stays quiet: what the ranks print, the
-stack traces of the healthy ones included, goes to <run.dir>/logs/rank-N.log, which holds
-every rank's whole output in any case.
+stopped (exit status 1). Once a rank has said where its run directory is, every rank's
+output (with the last 8 MB from before) is also written to <run.dir>/logs/rank-N.log; when
+those logs are open, the screen stays quiet after a stall is named, and the healthy ranks'
+stack traces go to the logs only.
 """
 
 from __future__ import annotations
@@ -182,14 +183,13 @@ class Child:
     rank: int
     process: subprocess.Popen
     heartbeat_file: pathlib.Path
-    started: float = field(default_factory=time.time)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
     log: RankLog = field(default_factory=RankLog)
 
-    def beat(self) -> dict:
-        """Its last heartbeat (the launch time stands in before the first)."""
-        return heartbeat.read(self.heartbeat_file) or {"time": self.started, "step": 0}
+    def beat(self) -> dict | None:
+        """Its last heartbeat; None before the first (or from a script that sends none)."""
+        return heartbeat.read(self.heartbeat_file)
 
     def describe_exit(self) -> str:
         """`exited with status 2` or `was killed by SIGKILL`."""
@@ -306,7 +306,8 @@ def _open_logs(children: list[Child], output: Output) -> bool:
 
 def _report_stall(stalled: Child, children: list[Child], args, output: Output) -> int:
     """One line naming the stalled rank, its last step and the newest checkpoint; stops all."""
-    output.muted = True  # what follows (peers' aborts, stack traces) goes to the logs only
+    # What follows (the peers' aborts, stack traces) goes to the logs only, where there are.
+    output.muted = all(child.log.file is not None for child in children)
     beat, beats = stalled.beat(), [child.beat() or {} for child in children]
     checkpoint_dir = next((b["checkpoint_dir"] for b in beats if b.get("checkpoint_dir")), None)
     newest = heartbeat.newest_checkpoint(checkpoint_dir)
@@ -433,8 +434,7 @@ def launch(args: argparse.Namespace) -> int:
     for child in children:
         for thread in child.threads:
             thread.join(timeout=5)
-        if child.log.file is not None:
-            child.log.file.close()
+        child.log.close()
     return status
 
 

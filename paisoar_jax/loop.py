@@ -203,14 +203,10 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
     run = setup(config, workload)
     mesh, layout = run.mesh, run.layout
     run_dir, is_main = config.run_dir, jax.process_index() == 0
-    if is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UserError(f"run.dir {run_dir} is not writable ({error})") from None
 
     with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
-        # Before anything is written or cleaned up: a second run in this directory stops here.
+        # Before anything is written or cleaned up: the run directory is made and locked, and
+        # a second run in it stops here.
         cleanup.enter_context(RunLock(run_dir))
         checkpointer = _checkpointer(config)
         heartbeat.progress.run_dir = str(run_dir.absolute())

@@ -24,17 +24,24 @@ class RankLog:
         self.pending: collections.deque[bytes] = collections.deque()
         self.pending_bytes = 0
         self.file = None
+        self.failed = False
 
     def write(self, data: bytes) -> None:
         """Appends output (called under the launcher's output lock)."""
+        if self.failed:
+            return
         if self.file is None:  # no run directory (yet): keep the newest PENDING_BYTES
             self.pending.append(data)
             self.pending_bytes += len(data)
             while self.pending_bytes > PENDING_BYTES:
                 self.pending_bytes -= len(self.pending.popleft())
-        else:
+            return
+        try:
             self.file.write(data)
             self.file.flush()
+        except OSError:  # a full disk: stop logging, keep the rank's output flowing
+            self.close()
+            self.failed = True
 
     def open(self, path: pathlib.Path) -> None:
         """Starts the file with what came so far (called under the output lock)."""
@@ -43,11 +50,21 @@ class RankLog:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = path.open("ab")
+            self.file.write(b"".join(self.pending))
+            self.file.flush()
         except OSError:
-            return  # keep it in memory: the screen still has it
-        self.file.write(b"".join(self.pending))
-        self.file.flush()
+            self.close()  # keep it in memory: the screen still has it
+            return
         self.pending.clear()
+
+    def close(self) -> None:
+        """Closes the file, if one is open."""
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+            self.file = None
 
 
 class Output:
@@ -60,7 +77,7 @@ class Output:
     def write(self, sink, log: RankLog, data: bytes) -> None:
         """One whole line at a time; a closed sink only drops output (the child must not block)."""
         with self.lock:
-            log.write(data)
+            log.write(data)  # never raises: a failing log file is dropped (the pipe must drain)
             if self.muted:
                 return
             try:

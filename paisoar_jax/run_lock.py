@@ -30,50 +30,63 @@ UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errn
 
 
 class RunLock:
-    """The lock of one run directory (a context manager; a no-op on processes other than 0)."""
+    """The lock of one run directory, which process 0 creates (a context manager).
+
+    Whatever stops process 0 (the lock held, an unwritable directory) reaches every process
+    through the same collective, so all raise the UserError together.
+    """
 
     def __init__(self, run_dir: pathlib.Path):
         self.path = pathlib.Path(run_dir) / LOCK_NAME
         self._file = None
 
     def __enter__(self) -> RunLock:
-        holder = self._acquire() if jax.process_index() == 0 else None
-        held_elsewhere = holder is not None
+        refusal = self._acquire() if jax.process_index() == 0 else None
+        refused = refusal is not None
         if jax.process_count() > 1:  # every process takes part, so none waits on a lone one
-            flags = multihost_utils.process_allgather(np.array(held_elsewhere))
-            held_elsewhere = bool(np.any(flags))
-        if held_elsewhere:
-            raise UserError(
-                f"run.dir {self.path.parent} is in use by another run ({holder or 'see process 0'}"
-                f"): wait for it to finish, stop it, or use another run.dir"
-            )
+            flags = multihost_utils.process_allgather(np.array(refused))
+            refused = bool(np.any(flags))
+        if refused:
+            raise UserError(refusal or f"process 0 could not take run.dir {self.path.parent}")
         return self
 
     def _acquire(self) -> str | None:
-        """Takes the lock; None when taken, else who holds it."""
-        lock_file = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
+        """Creates the run directory and takes its lock; None when taken, else the refusal."""
+        run_dir = self.path.parent
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock_file = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
+        except OSError as error:
+            return f"run.dir {run_dir} is not writable ({error})"
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.seek(0)
             holder = lock_file.read().strip() or "a process that has not said who it is"
             lock_file.close()
-            return holder
+            return (
+                f"run.dir {run_dir} is in use by another run ({holder}): wait for it to finish, "
+                f"stop it, or use another run.dir"
+            )
         except OSError as error:
             lock_file.close()
             if error.errno not in UNSUPPORTED:
-                raise
+                return f"run.dir {run_dir} cannot be locked ({os.strerror(error.errno)})"
             print(
-                f"paisoar_jax: warning: run.dir {self.path.parent} does not support file locks "
+                f"paisoar_jax: warning: run.dir {run_dir} does not support file locks "
                 f"({os.strerror(error.errno)}): a second run started in it would not be stopped",
                 file=sys.stderr,
                 flush=True,
             )
             return None
-        lock_file.truncate(0)
-        started = time.strftime("%Y-%m-%d %H:%M:%S")
-        lock_file.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {started}\n")
-        lock_file.flush()
+        try:
+            lock_file.truncate(0)
+            started = time.strftime("%Y-%m-%d %H:%M:%S")
+            lock_file.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {started}\n")
+            lock_file.flush()
+        except OSError as error:  # held, but unable to say by whom (a full disk)
+            lock_file.close()
+            return f"run.dir {run_dir} is not writable ({error})"
         self._file = lock_file
         return None
 

@@ -1,6 +1,8 @@
 """`python -m paisoar_jax.launch` with real processes on 127.0.0.1 (CPU, gloo collectives)."""
 
 import contextlib
+import errno
+import io
 import json
 import os
 import re
@@ -15,10 +17,11 @@ import numpy as np
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import launch, sharding
+from paisoar_jax import heartbeat, launch, sharding
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
+from paisoar_jax.rank_output import Output, RankLog
 
 # Constant lr: a run cut at step 2 and resumed to 4 follows the schedule of one run of 4.
 RUN = [
@@ -308,6 +311,56 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_a_rerun_resumes(tmp_path
     assert newest == max(checkpoint_steps(run_dir))
     result = train_two(run_dir, f"train.steps={newest + 2}")
     assert f"resumed from step {newest}" in result.stdout
+
+
+def test_only_a_rank_whose_beats_stopped_is_judged(tmp_path):
+    def child(rank, beat):
+        path = tmp_path / f"rank-{rank}.json"
+        if beat is not None:
+            path.write_text(json.dumps(beat))
+        process = subprocess.Popen(["sleep", "30"])
+        return launch.Child(rank, process, path)
+
+    now = time.time()
+    children = [
+        child(0, {"time": now, "step": 5}),
+        child(1, None),  # never beat: still importing, or a script without paisoar_jax
+        child(2, {"time": now - 100, "step": 3, "exiting": True}),  # tearing down
+    ]
+    try:
+        assert launch._stalled(children, older_than=10) is None
+        children.append(child(3, {"time": now - 60, "step": 4}))
+        assert launch._stalled(children, older_than=10) is children[3]
+        assert launch._stalled(children, older_than=120) is None
+    finally:
+        for each in children:
+            each.process.kill()
+            each.process.wait()
+
+
+def test_an_exiting_process_says_so_in_its_last_beat(tmp_path):
+    beat = tmp_path / "beat.json"
+    script = "from paisoar_jax import heartbeat; import time; heartbeat.start(); time.sleep(1.5)"
+    env = {**subprocess_env(), heartbeat.HEARTBEAT_FILE: str(beat)}
+    subprocess.run([PYTHON, "-c", script], env=env, check=True, timeout=60)
+    last = heartbeat.read(beat)
+    assert last["exiting"] is True and last["pid"] > 0
+
+
+def test_a_failing_log_file_is_dropped_and_output_keeps_flowing(tmp_path):
+    class FullDisk(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log, screen, output = RankLog(), io.BytesIO(), Output()
+    log.open(tmp_path / "logs" / "rank-0.log")
+    output.write(screen, log, b"one\n")
+    log.file = FullDisk()
+    output.write(screen, log, b"two\n")  # no exception: the pipe behind it must drain
+    output.write(screen, log, b"three\n")
+    assert screen.getvalue() == b"one\ntwo\nthree\n"
+    assert log.failed and log.file is None
+    assert (tmp_path / "logs" / "rank-0.log").read_bytes() == b"one\n"
 
 
 def unused_port():

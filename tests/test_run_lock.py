@@ -1,7 +1,9 @@
 """One run per run directory: a second start stops, a dead holder does not block the next."""
 
+import contextlib
 import errno
 import os
+import pathlib
 import signal
 import subprocess
 import time
@@ -101,10 +103,14 @@ def test_a_second_start_stops_and_a_killed_holder_does_not_block(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_process_of_a_launch_stops_on_a_held_directory(tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    with RunLock(run_dir):
+@pytest.mark.parametrize("why", ["held", "unwritable"])
+def test_every_process_of_a_launch_stops_when_process_0_cannot_take_the_directory(tmp_path, why):
+    run_dir = tmp_path / "run" if why == "held" else pathlib.Path("/dev/null/run")
+    expected = "is in use by another run" if why == "held" else "is not writable"
+    with contextlib.ExitStack() as hold:
+        if why == "held":
+            run_dir.mkdir()
+            hold.enter_context(RunLock(run_dir))
         result = subprocess.run(
             [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
             + ["--", *train_command(run_dir, "train.steps=2")[3:]],
@@ -114,8 +120,10 @@ def test_every_process_of_a_launch_stops_on_a_held_directory(tmp_path):
             timeout=180,
         )
     assert result.returncode == 2, result.stderr[-3000:]
-    for rank in (0, 1):
-        assert f"[rank {rank}] paisoar_jax.train: error: run.dir {run_dir} is in use" in (
-            result.stderr
-        )
-    assert not (run_dir / "metrics.jsonl").exists()
+    assert f"[rank 0] paisoar_jax.train: error: run.dir {run_dir} {expected}" in result.stderr
+    assert "[rank 1] paisoar_jax.train: error: process 0 could not take run.dir" in (
+        result.stderr
+    )  # both stop at once: neither waits in a collective for the other
+    assert "Traceback" not in result.stderr
+    if why == "held":
+        assert not (run_dir / "metrics.jsonl").exists()

@@ -70,9 +70,10 @@ def describe_item(source: ImageSource | None, index: int | None) -> str:
         return "an image"
     if isinstance(source, ImageSubset):
         return describe_item(source.source, index)  # ImageSubset items carry the inner index
-    if isinstance(source, ImageFolder):
-        return str(source.files[index][0])
-    return f"image {index} of {getattr(source, 'directory', type(source).__name__)}"
+    if isinstance(source, ImageFolder):  # grain passes epoch * size + index: take it back
+        return str(source.files[index % len(source.files)][0])
+    where = getattr(source, "directory", type(source).__name__)
+    return f"image {index % len(source) if len(source) else index} of {where}"
 
 
 def open_dataset(directory: pathlib.Path) -> ImageFolder | ImageRecords:
