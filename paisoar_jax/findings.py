@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from paisoar_jax.config import Config
-from paisoar_jax.plan import format_bytes, format_count  # the units plan prints
+from paisoar_jax.memory import format_bytes  # the units plan prints
+from paisoar_jax.plan import format_count
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores

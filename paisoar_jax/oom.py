@@ -3,7 +3,7 @@
 When a train step does not fit, XLA says `RESOURCE_EXHAUSTED: Out of memory ...` and little
 else. This module turns that (or a compiled step that needs more than a set limit) into a
 report a user can act on: the per-device memory breakdown of the compiled step (the numbers
-`python -m paisoar_jax.plan` prints, from `plan.memory`) and the fixes, in the order to try
+`python -m paisoar_jax.plan` prints, from `memory.memory`) and the fixes, in the order to try
 them, each as the override to type:
 
 1. `remat.policy`: recompute activations in the backward pass (dots, then ... full);
@@ -25,10 +25,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from paisoar_jax import plan
+from paisoar_jax import memory
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.plan import format_bytes  # the units `plan` prints, so both reports read alike
+from paisoar_jax.memory import format_bytes  # the units `plan` prints: both read alike
 
 # XLA's words for an allocation that failed: "RESOURCE_EXHAUSTED: Out of memory allocating
 # N bytes." (CPU), "... Out of memory while trying to allocate N bytes." (GPU BFC allocator).
@@ -145,13 +145,13 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
     limit = f"the {format_bytes(limit_bytes)} limit" if limit_bytes else "the device's memory"
     if compiled is None:
         rows = {
-            "params": plan.per_device_bytes(state.params),
-            "optimizer state": plan.per_device_bytes(state.opt_state),
+            "params": memory.per_device_bytes(state.params),
+            "optimizer state": memory.per_device_bytes(state.opt_state),
         }
         headline = f"out of memory: compiling the train step ran out of {limit}"
         notes = {}
     else:
-        needed = plan.memory(layout, compiled)
+        needed = memory.memory(layout, compiled)
         rows = {
             "params": needed["params"],
             "optimizer state": needed["optimizer_state"],
@@ -215,7 +215,7 @@ def check_fits(config: Config, layout: Any, compiled: Any, limit_bytes: int | No
 
     No limit (None or 0) checks nothing.
     """
-    if limit_bytes and plan.memory(layout, compiled)["total"] > limit_bytes:
+    if limit_bytes and memory.memory(layout, compiled)["total"] > limit_bytes:
         raise OutOfMemoryError(memory_report(config, layout, compiled, limit_bytes))
 
 

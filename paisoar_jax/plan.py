@@ -41,6 +41,7 @@ from typing import Any
 from paisoar_jax import cli, hlo
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
+from paisoar_jax.memory import format_bytes, memory
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
 LINKS = {"nvlink": 450.0, "infiniband": 50.0}  # NVLink 4: 900 GB/s both ways; NDR: 400 Gb/s
@@ -109,16 +110,6 @@ def cpu_devices(count: int) -> list:
     return devices
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs that carry shardings."""
-    import jax
-
-    return sum(
-        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(tree)
-    )
-
-
 def compile_step(
     config: Config, devices: Sequence, workload: Any = None
 ) -> tuple[Any, Any, Any, float]:
@@ -149,36 +140,6 @@ def compile_step(
         step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh)
         compiled = step.lower(layout.abstract_state, batch).compile()
     return compiled, layout, mesh, time.perf_counter() - start
-
-
-def memory(layout, compiled) -> dict[str, int]:
-    """Per-device bytes: the state from its shardings, the rest from XLA's memory analysis."""
-    import jax
-
-    params = per_device_bytes(layout.abstract_state.params)
-    optimizer_state = per_device_bytes(layout.abstract_state.opt_state)
-    gradients = sum(
-        math.prod(grad_sharding.shard_shape(param.shape)) * param.dtype.itemsize
-        for param, grad_sharding in zip(
-            jax.tree.leaves(layout.abstract_state.params),
-            jax.tree.leaves(layout.gradient_shardings),
-            strict=True,
-        )
-    )
-    analysis = compiled.memory_analysis()
-    arguments, outputs = analysis.argument_size_in_bytes, analysis.output_size_in_bytes
-    aliased, temporaries = analysis.alias_size_in_bytes, analysis.temp_size_in_bytes
-    code = analysis.generated_code_size_in_bytes
-    return {
-        "params": params,
-        "optimizer_state": optimizer_state,
-        "gradients": gradients,  # live inside the step: part of the temporaries
-        "temporaries": temporaries,
-        "other_inputs": arguments - params - optimizer_state,  # batch, step counter
-        "outputs_not_donated": outputs - aliased,
-        "generated_code": code,
-        "total": arguments + outputs - aliased + temporaries + code,
-    }
 
 
 def peak_tflops(config: Config, simulated: bool) -> tuple[float, str]:
@@ -270,14 +231,6 @@ def plan(
             "perfect_overlap": compute_s / overlap_s if overlap_s else 1.0,
         },
     }
-
-
-def format_bytes(count: float) -> str:
-    """Bytes in binary units, three significant digits."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= scale:
-            return f"{count / scale:.3g} {unit}"
-    return f"{count:.0f} B"
 
 
 def format_count(number: float) -> str:

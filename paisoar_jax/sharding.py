@@ -198,12 +198,3 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = PartitionSpec(*(ACTIVATION_RULES[axis] if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of jax.Arrays (the largest share of any device)."""
-    totals: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
-    return max(totals.values(), default=0)

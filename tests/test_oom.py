@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY, run_module
 
-from paisoar_jax import cli, oom, plan
+from paisoar_jax import cli, memory, oom, plan
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 
@@ -24,7 +24,7 @@ def compile_tiny(devices, *overrides):
     """(config, layout, compiled, per-device bytes) of TINY + overrides."""
     config = load_config(None, [*TINY, *overrides])
     compiled, layout, _, _ = plan.compile_step(config, devices)
-    return config, layout, compiled, plan.memory(layout, compiled)["total"]
+    return config, layout, compiled, memory.memory(layout, compiled)["total"]
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +53,10 @@ def test_a_step_over_the_limit_gets_the_breakdown_and_fixes_that_make_it_fit(tin
     with pytest.raises(oom.OutOfMemoryError) as raised:
         oom.check_fits(config, layout, compiled, needed - 1)
     report = str(raised.value)
-    memory = plan.memory(layout, compiled)
+    breakdown = memory.memory(layout, compiled)
     assert report.startswith(
-        f"out of memory: the train step needs {plan.format_bytes(needed)} per device, more than "
-        f"the {plan.format_bytes(needed - 1)} limit"
+        f"out of memory: the train step needs {memory.format_bytes(needed)} per device, more than "
+        f"the {memory.format_bytes(needed - 1)} limit"
     )
     for label, key in [
         ("params", "params"),
@@ -65,7 +65,7 @@ def test_a_step_over_the_limit_gets_the_breakdown_and_fixes_that_make_it_fit(tin
         ("temporaries", "temporaries"),
         ("total", "total"),
     ]:
-        assert f"  {label:<17}{plan.format_bytes(memory[key]):>10}" in report, label
+        assert f"  {label:<17}{memory.format_bytes(breakdown[key]):>10}" in report, label
     overrides = fix_lines(report)
     assert overrides == [
         "remat.policy=dots",
@@ -146,7 +146,7 @@ def test_an_out_of_memory_inside_the_guard_becomes_the_report(tiny):
         with oom.readable_out_of_memory(config, layout, None, compiled):
             allocate_a_pebibyte()
     report = str(raised.value)
-    assert report.startswith(f"out of memory: the train step needs {plan.format_bytes(needed)}")
+    assert report.startswith(f"out of memory: the train step needs {memory.format_bytes(needed)}")
     assert "more than the device's memory" in report
     assert report.splitlines()[-1].startswith("XLA: RESOURCE_EXHAUSTED: Out of memory allocating")
     # Through the entrypoints' exit handling: the report on stderr and status 2.
@@ -173,8 +173,8 @@ def test_out_of_memory_while_compiling_reports_the_state(tiny):
             allocate_a_pebibyte()
     report = str(raised.value)
     assert report.startswith("out of memory: compiling the train step ran out of the 1 MiB limit")
-    params = plan.per_device_bytes(layout.abstract_state.params)
-    assert f"  {'params':<17}{plan.format_bytes(params):>10}" in report
+    params = memory.per_device_bytes(layout.abstract_state.params)
+    assert f"  {'params':<17}{memory.format_bytes(params):>10}" in report
     assert "optimizer state" in report and "temporaries" not in report
     assert "remat.policy=dots" in report
 

@@ -24,7 +24,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import plan, sharding
+from paisoar_jax import memory, plan
 
 FP32 = 4
 # TINY's model: vocab 256 (the default), width 64, 32 tokens, 2 layers, learned positions.
@@ -118,9 +118,9 @@ def test_fsdp_divides_state_memory_by_about_the_mesh_size(plans, devices):
         assert 7 < replicated[key] / split[key] <= 8, key
     # The abstract count agrees with the bytes the real sharded arrays hold.
     _, _, layout, state, _ = build_run(MESHES["fsdp"], devices)
-    assert plan.per_device_bytes(layout.abstract_state.params) == split["params"]
-    assert sharding.per_device_bytes(state.params) == split["params"]
-    assert sharding.per_device_bytes(state.opt_state) == split["optimizer_state"]
+    assert memory.per_device_bytes(layout.abstract_state.params) == split["params"]
+    assert memory.per_device_bytes(state.params) == split["params"]
+    assert memory.per_device_bytes(state.opt_state) == split["optimizer_state"]
 
 
 def test_step_time_adds_compute_and_ring_communication(plans):

@@ -74,15 +74,6 @@ def test_logical_to_sharding(devices):
         sharding.logical_to_sharding(P("bogus"), (8,), mesh, rules, "w")
 
 
-def test_per_device_bytes(devices):
-    mesh = sharding.build_mesh(MeshConfig(data=8), devices)
-    whole = jax.device_put(np.zeros((8, 4), np.float32), sharding.replicated(mesh))
-    split = jax.device_put(np.zeros((8, 4), np.float32), sharding.batch_sharding(mesh))
-    assert sharding.per_device_bytes(whole) == 128
-    assert sharding.per_device_bytes(split) == 16
-    assert sharding.per_device_bytes({"a": whole, "b": split}) == 144
-
-
 def test_constrain_is_a_no_op_without_a_mesh():
     x = np.ones((4, 2), np.float32)
     assert sharding.constrain(x, ("batch", None)) is x

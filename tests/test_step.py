@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import build_run, token_batches
 
-from paisoar_jax import sharding
+from paisoar_jax import memory, sharding
 from paisoar_jax.step import loss_and_grads
 from paisoar_jax.zoo import task_for
 
@@ -122,10 +122,10 @@ def _shardings(state):
 def test_zero3_cuts_per_device_bytes_about_8x(devices):
     _, _, _, replicated_state, _ = build_run(["mesh.data=8", "mesh.zero=0"], devices)
     _, _, _, sharded_state, _ = build_run(["mesh.data=8", "mesh.zero=3"], devices)
-    replicated_bytes = sharding.per_device_bytes(
+    replicated_bytes = memory.per_device_bytes(
         (replicated_state.params, replicated_state.opt_state)
     )
-    sharded_bytes = sharding.per_device_bytes((sharded_state.params, sharded_state.opt_state))
+    sharded_bytes = memory.per_device_bytes((sharded_state.params, sharded_state.opt_state))
     ratio = replicated_bytes / sharded_bytes
     # Not exactly 8: the biases of the MLP (on `mlp`) and of qkv stay replicated.
     assert 6.5 < ratio <= 8.0, ratio
@@ -134,8 +134,8 @@ def test_zero3_cuts_per_device_bytes_about_8x(devices):
 def test_zero1_shards_only_optimizer_state(devices):
     _, _, _, zero0, _ = build_run(["mesh.data=8", "mesh.zero=0"], devices)
     _, _, _, zero1, _ = build_run(["mesh.data=8", "mesh.zero=1"], devices)
-    assert sharding.per_device_bytes(zero1.params) == sharding.per_device_bytes(zero0.params)
-    ratio = sharding.per_device_bytes(zero0.opt_state) / sharding.per_device_bytes(zero1.opt_state)
+    assert memory.per_device_bytes(zero1.params) == memory.per_device_bytes(zero0.params)
+    ratio = memory.per_device_bytes(zero0.opt_state) / memory.per_device_bytes(zero1.opt_state)
     assert ratio > 6.5
 
 
