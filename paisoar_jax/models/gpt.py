@@ -21,14 +21,10 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8
 from paisoar_jax.config import ModelConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.layers import param
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
-
-
-def _param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple) -> nnx.Param:
-    """A parameter initialised by `initializer` and annotated with logical axis names."""
-    return nnx.Param(nnx.with_partitioning(initializer, names)(rngs.params(), shape))
 
 
 def _layer_norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -154,15 +150,15 @@ class Block(nnx.Module):
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, D // H)
         self.attention_norm = _layer_norm(D, rngs)
-        self.qkv_kernel = _param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
-        self.qkv_bias = _param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
-        self.out_kernel = _param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
-        self.out_bias = _param(rngs, zeros, (D,), ("embed",))
+        self.qkv_kernel = param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
+        self.qkv_bias = param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
+        self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
+        self.out_bias = param(rngs, zeros, (D,), ("embed",))
         self.mlp_norm = _layer_norm(D, rngs)
-        self.mlp_in_kernel = _param(rngs, normal, (D, F), ("embed", "mlp"))
-        self.mlp_in_bias = _param(rngs, zeros, (F,), ("mlp",))
-        self.mlp_out_kernel = _param(rngs, residual, (F, D), ("mlp", "embed"))
-        self.mlp_out_bias = _param(rngs, zeros, (D,), ("embed",))
+        self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+        self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
+        self.mlp_out_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
+        self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
         # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
         self.fp8 = fp8.block_dots(policy)
 
@@ -206,16 +202,16 @@ class GPT(nnx.Module):
         self.config, self.policy, self.remat_policy = config, policy, remat_policy
         normal = nnx.initializers.normal(config.init_std)
         D, V = config.width, config.vocab_size
-        self.token_embedding = _param(rngs, normal, (V, D), ("vocab", "embed"))
+        self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
         if config.position == "learned":
-            self.position_embedding = _param(rngs, normal, (config.seq_len, D), ("length", "embed"))
+            self.position_embedding = param(rngs, normal, (config.seq_len, D), ("length", "embed"))
         if config.scan_layers:
             self.blocks = _stacked_blocks(config, policy, rngs)
         else:
             self.blocks = nnx.List([Block(config, policy, rngs) for _ in range(config.layers)])
         self.final_norm = _layer_norm(D, rngs)
         if not config.tie_embeddings:
-            self.head = _param(rngs, normal, (D, V), ("embed", "vocab"))
+            self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         """Next-token logits for each position of `tokens_BxT`."""
