@@ -287,15 +287,14 @@ def _stalled(children: list[Child], older_than: float) -> Child | None:
     return child if age > older_than else None
 
 
-def _run_dir(children: list[Child]) -> str | None:
-    """The run directory the ranks reported, once one has."""
-    beats = [child.beat() or {} for child in children]
-    return next((beat["run_dir"] for beat in beats if beat.get("run_dir")), None)
+def _run_dir(beats: list[dict | None]) -> str | None:
+    """The run directory the ranks' beats report, once one has."""
+    return next((beat["run_dir"] for beat in beats if beat and beat.get("run_dir")), None)
 
 
 def _open_logs(children: list[Child], output: Output) -> bool:
     """Moves each rank's output to <run.dir>/logs/rank-N.log once the run directory is known."""
-    run_dir = _run_dir(children)
+    run_dir = _run_dir([child.beat() for child in children])
     if run_dir is None:
         return False
     with output.lock:
@@ -316,7 +315,7 @@ def _report_stall(stalled: Child, children: list[Child], args, output: Output) -
         if newest is not None
         else "no checkpoint saved yet"
     )
-    run_dir = _run_dir(children)
+    run_dir = _run_dir(beats)
     logs = f"; each rank's output is in {run_dir}/logs" if run_dir else ""
     _say(
         f"rank {stalled.rank} (pid {stalled.process.pid}) stopped making progress: no heartbeat "

@@ -212,7 +212,6 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
         heartbeat.progress.run_dir = str(run_dir.absolute())
         if checkpointer is not None:
             heartbeat.progress.checkpoint_dir = str(checkpointer.directory)
-        if checkpointer is not None:
             cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
         # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
         # and a signal that comes before the first step saves right after it.

@@ -9,6 +9,7 @@ from paisoar_jax import sharding
 from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
 from paisoar_jax.data.pipeline import (
     GlobalBatches,
+    PerExampleReads,
     WholeBatchReads,
     batch_dataset,
     dataset_identity,
@@ -106,9 +107,9 @@ def test_whole_batch_reads_follow_grain_s_own_order(shuffle):
         for process in range(2):
             options = dict(global_batch=12, seed=9, process_index=process, process_count=2)
             fast = batch_dataset(source, shuffle=shuffle, **options)
-            assert isinstance(fast.stream, WholeBatchReads)
+            assert isinstance(fast.reads, WholeBatchReads)
             slow = GlobalBatches(
-                example_stream(source, 9, shuffle), identity=fast.identity, **options
+                PerExampleReads(example_stream(source, 9, shuffle)), source=source, **options
             )
             for start in (0, 7):  # whole batches of rows, then a position that is not
                 fast.set_state({"examples": start})

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYTHON, TINY, subprocess_env
+from conftest import PYTHON, TINY, run_module, subprocess_env
 
 from paisoar_jax import run_lock
 from paisoar_jax.errors import UserError
@@ -51,9 +51,9 @@ def newest_step(checkpoints):
     return max(int(name) for name in os.listdir(checkpoints) if name.isdigit())
 
 
-def train_command(run_dir, *overrides):
+def train_arguments(run_dir, *overrides):
     overrides = [*TINY, "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", *overrides]
-    return [PYTHON, "-m", "paisoar_jax.train", *overrides, f"run.dir={run_dir}"]
+    return [*overrides, f"run.dir={run_dir}"]
 
 
 @pytest.mark.slow
@@ -61,7 +61,8 @@ def test_a_second_start_stops_and_a_killed_holder_does_not_block(tmp_path):
     run_dir = tmp_path / "run"
     metrics, checkpoints = run_dir / "metrics.jsonl", run_dir / "checkpoints"
     first = subprocess.Popen(
-        train_command(run_dir, "train.steps=100000", "run.progress=false"),
+        [PYTHON, "-m", "paisoar_jax.train"]
+        + train_arguments(run_dir, "train.steps=100000", "run.progress=false"),
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -70,12 +71,8 @@ def test_a_second_start_stops_and_a_killed_holder_does_not_block(tmp_path):
     try:
         wait_until(lambda: checkpoints.is_dir() and "2" in os.listdir(checkpoints), first)
         before, newest = metrics.read_text(), newest_step(checkpoints)
-        second = subprocess.run(
-            train_command(run_dir, "train.steps=4"),
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
+        second = run_module(
+            "train", *train_arguments(run_dir, "train.steps=4"), cwd=tmp_path, timeout=120
         )
         assert second.returncode == 2, second.stderr[-3000:]
         line = second.stderr.strip().splitlines()[-1]
@@ -91,12 +88,8 @@ def test_a_second_start_stops_and_a_killed_holder_does_not_block(tmp_path):
             first.kill()
             first.wait()
     saved = newest_step(checkpoints)
-    third = subprocess.run(
-        train_command(run_dir, f"train.steps={saved + 2}"),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    third = run_module(
+        "train", *train_arguments(run_dir, f"train.steps={saved + 2}"), cwd=tmp_path, timeout=180
     )
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"resumed from step {saved}" in third.stdout
@@ -111,12 +104,11 @@ def test_every_process_of_a_launch_stops_when_process_0_cannot_take_the_director
         if why == "held":
             run_dir.mkdir()
             hold.enter_context(RunLock(run_dir))
-        result = subprocess.run(
-            [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
-            + ["--", *train_command(run_dir, "train.steps=2")[3:]],
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
+        result = run_module(
+            "launch",
+            *("--nproc", "2", "--devices-per-proc", "4", "--"),
+            *train_arguments(run_dir, "train.steps=2"),
+            cwd=tmp_path,
             timeout=180,
         )
     assert result.returncode == 2, result.stderr[-3000:]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from paisoar_jax.data.pipeline import GlobalBatches, dataset_identity, example_stream
+from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset, example_stream
 from paisoar_jax.data.records import MANIFEST_NAME, ImageFolder, ImageRecords
 from paisoar_jax.errors import UserError
 
@@ -270,14 +270,14 @@ def image_batches(
         stream = stream.random_map(RandomFlip(), seed=flip_seed)
     else:
         stream = stream.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
-    return GlobalBatches(
-        stream,
+    return batch_dataset(
+        source,
         global_batch=global_batch,
-        identity=dataset_identity(source),
         seed=seed,
         workers=workers,
         process_index=process_index,
         process_count=process_count,
+        stream=stream,
     )
 
 

@@ -24,6 +24,7 @@ the uninterrupted run would have seen, and a resume onto other data is caught.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import signal
 from typing import Any
@@ -50,8 +51,6 @@ def as_map_dataset(source: Any) -> grain.MapDataset:
 def example_stream(source: Any, seed: int, shuffle: bool) -> grain.MapDataset:
     """The endless stream of a source's examples: reshuffled each epoch, or in order."""
     dataset = as_map_dataset(source)
-    if len(dataset) == 0:
-        raise UserError("the data has no examples")
     return (dataset.shuffle(seed=seed % 2**32) if shuffle else dataset).repeat(None)
 
 
@@ -73,6 +72,24 @@ def dataset_identity(source: Any) -> dict[str, Any]:
     return {"size": size, "fingerprint": digest.hexdigest()}
 
 
+class PerExampleReads:
+    """The global sampler over a grain stream of examples (any source, per-example maps)."""
+
+    def __init__(self, stream: grain.MapDataset):
+        self.stream = stream
+
+    def batches(self, start: int, rows: int, process_index: int, process_count: int):
+        """The batches of rows this process reads from example `start` on (a MapDataset)."""
+        # Start at a whole batch of rows where the position allows (a per-example slice is
+        # one more grain level on every read); else (another global batch since the save)
+        # cut the stream itself.
+        stream, first = self.stream, start // rows
+        if start % rows:
+            stream, first = self.stream[start:], 0
+        batches = stream.batch(rows, drop_remainder=True)
+        return batches[first + process_index :: process_count]
+
+
 class WholeBatchReads:
     """The global sampler for a source that reads many examples at once (`read_batch`).
 
@@ -85,10 +102,10 @@ class WholeBatchReads:
     def __init__(self, source: Any, seed: int, shuffle: bool):
         self.source, self.seed, self.shuffle = source, seed % 2**32, shuffle
 
-    def batches(self, start: int, global_batch: int, process_index: int, rows: int):
+    def batches(self, start: int, rows: int, process_index: int, process_count: int):
         """The batches of rows this process reads from example `start` on (a MapDataset)."""
-        first = start + process_index * rows
-        read = ReadRows(self.source, self.seed, self.shuffle, first, global_batch, rows)
+        first, stride = start + process_index * rows, rows * process_count
+        read = ReadRows(self.source, self.seed, self.shuffle, first, stride, rows)
         return grain.MapDataset.range(ENDLESS).map(read)
 
 
@@ -127,19 +144,20 @@ class ReadRows(grain.transforms.Map):
 
 
 class GlobalBatches:
-    """The rows of a stream's global batches that this process reads, from a position on.
+    """The rows of a source's global batches that this process reads, from a position on.
 
-    An iterator of per-process batches; `get_state()` is the position after the last batch
-    read (the examples consumed, the epoch, the dataset's identity and the seed) and
-    `set_state()` moves to a saved position, on any topology.
+    An iterator of per-process batches, read through `reads` (PerExampleReads or
+    WholeBatchReads); `get_state()` is the position after the last batch read (the
+    examples consumed, the epoch, the dataset's identity and the seed) and `set_state()`
+    moves to a saved position, on any topology.
     """
 
     def __init__(
         self,
-        stream: grain.MapDataset,
+        reads: PerExampleReads | WholeBatchReads,
         *,
+        source: Any,
         global_batch: int,
-        identity: dict[str, Any],
         seed: int,
         workers: int = 0,
         in_memory: bool = False,
@@ -153,8 +171,10 @@ class GlobalBatches:
                 f"train.global_batch={global_batch} does not split evenly over "
                 f"{self.process_count} processes"
             )
-        self.stream, self.global_batch = stream, global_batch
-        self.identity, self.seed = identity, seed
+        if len(source) == 0:
+            raise UserError("the data has no examples")
+        self.reads, self.source = reads, source
+        self.global_batch, self.seed = global_batch, seed
         self.workers, self.in_memory = workers, in_memory
         self.examples = 0
         self._iterator = None
@@ -162,17 +182,7 @@ class GlobalBatches:
     def _open(self):
         """Grain's iterator over this process's slices, from `self.examples` on."""
         rows = self.global_batch // self.process_count
-        if isinstance(self.stream, WholeBatchReads):
-            mine = self.stream.batches(self.examples, self.global_batch, self.process_index, rows)
-        else:
-            # Start at a whole batch of rows where the position allows (a per-example slice
-            # is one more grain level on every read); else (another global batch since the
-            # save) cut the stream itself.
-            stream, first = self.stream, self.examples // rows
-            if self.examples % rows:
-                stream, first = self.stream[self.examples :], 0
-            batches = stream.batch(rows, drop_remainder=True)
-            mine = batches[first + self.process_index :: self.process_count]
+        mine = self.reads.batches(self.examples, rows, self.process_index, self.process_count)
         # In-memory sources (embedded, synthetic, numpy arrays) read on the prefetch thread
         # alone: grain's pool of reader threads (for files) would only contend for the
         # interpreter lock with the step.
@@ -184,6 +194,14 @@ class GlobalBatches:
                 worker_init_fn=ignore_interrupts,
             )
         return iter(iterable)
+
+    @functools.cached_property
+    def identity(self) -> dict[str, Any]:
+        """The dataset's size and fingerprint, read once, when first asked for.
+
+        Eval batches are never saved, so they skip the reads.
+        """
+        return dataset_identity(self.source)
 
     def __iter__(self) -> GlobalBatches:
         return self
@@ -228,18 +246,24 @@ def batch_dataset(
     process_index: int | None = None,
     process_count: int | None = None,
     in_memory: bool = False,
+    stream: grain.MapDataset | None = None,
 ) -> GlobalBatches:
-    """The slices of a source's global batches that this process reads (see above)."""
-    if hasattr(source, "read_batch"):  # in-memory windows and arrays: a read per batch
-        if len(source) == 0:
-            raise UserError("the data has no examples")
-        stream = WholeBatchReads(source, seed, shuffle)
+    """The slices of a source's global batches that this process reads (see above).
+
+    `stream`: the source's example stream with per-example transforms already mapped on
+    (images: decode, crop, flip); by default the plain `example_stream`, or for a source
+    with `read_batch` one read per batch of rows.
+    """
+    if stream is not None:
+        reads = PerExampleReads(stream)
+    elif hasattr(source, "read_batch"):  # in-memory windows and arrays: a read per batch
+        reads = WholeBatchReads(source, seed, shuffle)
     else:
-        stream = example_stream(source, seed, shuffle)
+        reads = PerExampleReads(example_stream(source, seed, shuffle))
     return GlobalBatches(
-        stream,
+        reads,
+        source=source,
         global_batch=global_batch,
-        identity=dataset_identity(source),
         seed=seed,
         workers=workers,
         in_memory=in_memory,
