@@ -23,16 +23,17 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paisoar_jax import cli, distributed
+from paisoar_jax import distributed, output
 from paisoar_jax.config import (
     Config,
     CustomModelConfig,
-    ModelConfig,
+    LanguageModelConfig,
     config_from_dict,
     load_config,
     to_dict,
 )
 from paisoar_jax.errors import UserError
+from paisoar_jax.tools import cli
 
 ConfigLike = Config | str | pathlib.Path | None
 
@@ -90,7 +91,7 @@ def build_workload(
         raise UserError("a model of your own needs loss=: (model, batch, rng) -> (loss, metrics)")
     if data is None:
         raise UserError("a model of your own needs data= (examples or batches, see the docs)")
-    if not isinstance(config.model, CustomModelConfig) and config.model != ModelConfig():
+    if not isinstance(config.model, CustomModelConfig) and config.model != LanguageModelConfig():
         raise UserError(
             f"the config sets model.name={config.model.name} and fit got model= too: drop one"
         )
@@ -181,12 +182,12 @@ def plan_fit(
     def work() -> dict[str, Any]:
         import jax
 
-        from paisoar_jax import plan as planning
+        from paisoar_jax.tools import plan as planning
 
         resolved, run_workload = build_workload(resolve_config(config, overrides), **parts)
         result = planning.plan(resolved, jax.devices(), workload=run_workload)
         if show:
-            print(planning.format_table(result), flush=True)
+            output.result(planning.format_table(result))
         return result
 
     return _run("paisoar_jax.plan", work, exit_on_error)
@@ -208,14 +209,14 @@ def bench_fit(
     def work() -> dict[str, Any]:
         import json
 
-        from paisoar_jax.bench import BENCH_OVERRIDES, bench_train
+        from paisoar_jax.tools.bench import BENCH_OVERRIDES, bench_train
 
         resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
         if not resolved.run.dir:
             resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
         resolved, run_workload = build_workload(resolved, **parts)
         result = bench_train(resolved, run_workload)
-        print(json.dumps(result), flush=True)
+        output.result(json.dumps(result))
         return result
 
     return _run("paisoar_jax.bench", work, exit_on_error)
@@ -229,6 +230,6 @@ def export_run(
     The export is what `checkpoint.init_from` fine-tunes from, as `python -m
     paisoar_jax.export RUN_DIR --output DIR` writes it; returns the step exported.
     """
-    from paisoar_jax.export import export
+    from paisoar_jax.tools.export import export
 
     return export(pathlib.Path(run_dir), pathlib.Path(output), step)

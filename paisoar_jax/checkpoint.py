@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 import types
 import uuid
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from paisoar_jax import output
 from paisoar_jax.config import CheckpointConfig
 from paisoar_jax.errors import UserError
 
@@ -200,7 +200,7 @@ def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> N
 def warn(message: str) -> None:
     """A warning line on stderr (process 0 only)."""
     if jax.process_index() == 0:
-        print(f"paisoar_jax: warning: {message}", file=sys.stderr, flush=True)
+        output.warning(message)
 
 
 class Checkpointer:

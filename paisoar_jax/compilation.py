@@ -11,11 +11,12 @@ that names the input that changed and how, and the count goes into metrics.jsonl
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 import jax
+
+from paisoar_jax import output
 
 
 def signature(tree: Any) -> dict[str, tuple]:
@@ -75,12 +76,10 @@ class CompiledStep:
             if key not in self._compiled:
                 self.recompiles += 1
                 if jax.process_index() == 0:
-                    print(
-                        f"paisoar_jax: warning: the train step is compiling again because the "
-                        f"batch changed: {describe_change(self._first, batch_signature)}; "
-                        f"every new shape costs a compile (keep batch shapes fixed)",
-                        file=sys.stderr,
-                        flush=True,
+                    output.warning(
+                        f"the train step is compiling again because the batch changed: "
+                        f"{describe_change(self._first, batch_signature)}; "
+                        f"every new shape costs a compile (keep batch shapes fixed)"
                     )
                 self._compile(state, batch)
             self._current, self._current_key = self._compiled[key], key

@@ -86,6 +86,10 @@ class CustomTask:
         size = len(self.data) if isinstance(self.data, ExampleData) else None
         return {"user_data": self.data.kind, "examples": size}
 
+    def closing_sample(self, layout, state, mesh) -> None:
+        """A model of one's own: what it makes of a prompt is for its own code to show."""
+        return None
+
     def prepare(self, layout, global_batch: int) -> None:
         """Checks the batch against train.global_batch and the loss's return, abstractly."""
         batch = self.batch_shape(global_batch)

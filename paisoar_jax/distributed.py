@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from paisoar_jax import heartbeat
+from paisoar_jax import heartbeat, output
 from paisoar_jax.config import DistributedConfig
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -292,11 +292,10 @@ def initialize(
     finally:
         watchdog.cancel()
     if jax.process_index() == 0:
-        print(
-            f"paisoar_jax: {jax.process_count()} processes ({plan.source}), coordinator "
+        output.note(
+            f"{jax.process_count()} processes ({plan.source}), coordinator "
             f"{plan.coordinator or 'chosen by jax'}; {jax.device_count()} devices, "
-            f"{jax.local_device_count()} per process",
-            flush=True,
+            f"{jax.local_device_count()} per process"
         )
     return plan
 
@@ -315,13 +314,12 @@ def _peer_timeout(plan: Plan, environ: Mapping[str, str], start_jax) -> dict[str
 
 def _give_up(plan: Plan, program: str) -> None:
     """The watchdog: one line and exit status 2 before jax's own abort (a stack dump)."""
-    print(
-        f"{program}: error: process {plan.process_id} of {plan.num_processes} waited "
+    output.error(
+        f"process {plan.process_id} of {plan.num_processes} waited "
         f"{plan.timeout_s} s for all processes to join the coordinator "
         f"{plan.coordinator or ''} ({plan.coordinator_origin}): start every process with "
         "the same coordinator and process count, each with its own process id",
-        file=sys.stderr,
-        flush=True,
+        program=program,
     )
     os._exit(USER_ERROR_EXIT_CODE)  # the main thread is blocked inside jax: no clean exit
 

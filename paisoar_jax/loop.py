@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pathlib
 import time
 from typing import Any
 
@@ -18,44 +17,27 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from paisoar_jax import __version__, heartbeat, oom, sharding
-from paisoar_jax.checkpoint import (
-    Checkpointer,
-    Restored,
-    checkpoint_directory,
-    describe_failure,
-    load_weights,
-)
+from paisoar_jax import heartbeat, oom, output, sharding
 from paisoar_jax.compilation import CompiledStep
-from paisoar_jax.config import Config, dump_yaml, to_dict
-from paisoar_jax.data.pipeline import GlobalBatches, resume_position
+from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
 from paisoar_jax.errors import DivergenceError, UserError
-from paisoar_jax.loss_scale import all_finite, parse_mode
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.preemption import StopRequest
+from paisoar_jax.resume import make_checkpointer, resume_input, save, starting_point
 from paisoar_jax.run_lock import RunLock
-from paisoar_jax.sample import generate
-from paisoar_jax.state import StateLayout, init_state
+from paisoar_jax.state import StateLayout
 from paisoar_jax.step import jit_eval_step, jit_train_step
 from paisoar_jax.workload import Task, Workload, setup
 from paisoar_jax.zoo import zoo_workload
 
-SAMPLE_PROMPT = b"def "
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 
 
 def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[str, float]:
     """Mean eval metrics (loss, ...) over the first train.eval_batches held-out batches."""
-    batches = iter(
-        task.host_batches(
-            eval_source,
-            global_batch=config.train.global_batch,
-            seed=config.train.seed,
-            train=False,
-        )
-    )
+    batches = _host_batches(task, eval_source, config, train=False)
     results = []
     for _ in range(config.train.eval_batches):
         batch = global_batch(sharding.batch_sharding(mesh), next(batches))
@@ -64,98 +46,16 @@ def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[
     return {name: float(np.mean([result[name] for result in results])) for name in results[0]}
 
 
-def _checkpointer(config: Config) -> Checkpointer | None:
-    """The run's checkpointer, or None when checkpointing is off."""
-    settings = config.checkpoint
-    if not settings.enabled:
-        return None
-    directory = checkpoint_directory(settings, config.run_dir)
-    return Checkpointer(directory, settings.keep, settings.keep_period, settings.async_save)
-
-
-def _starting_point(
-    config: Config, layout: StateLayout, checkpointer: Checkpointer | None, task: Task
-) -> tuple[Any, int, Restored | None]:
-    """(state, step, what was restored or None): resumed, fine-tuned from params, or fresh."""
-    resume, signature = config.checkpoint.resume, input_signature(config, task)
-    if checkpointer is not None and resume != "never":
-        if resume == "auto":
-            restored = checkpointer.restore_latest(layout.abstract_state, signature)
-        elif int(resume) not in checkpointer.steps():
-            raise UserError(
-                f"checkpoint.resume={resume}: no such step in {checkpointer.directory} "
-                f"(steps: {checkpointer.steps() or 'none'})"
-            )
-        else:
-            try:
-                restored = checkpointer.restore(int(resume), layout.abstract_state, signature)
-            except UserError:
-                raise
-            except Exception as error:  # asked for by name: no silent fallback to another
-                raise UserError(
-                    f"checkpoint.resume={resume}: step {resume} in {checkpointer.directory} is "
-                    f"unreadable ({describe_failure(error)})"
-                ) from None
-            checkpointer.set_aside_after(int(resume))  # only once the older step restored
-        if restored is not None:
-            return restored.state, restored.step, restored
-    elif checkpointer is not None and checkpointer.steps():
-        raise UserError(
-            f"checkpoint.resume=never but {checkpointer.directory} already holds steps "
-            f"{checkpointer.steps()}: use another run.dir or checkpoint.dir"
-        )
-    state = init_state(config, layout)
-    if config.checkpoint.init_from:
-        params, model_state = load_weights(
-            pathlib.Path(config.checkpoint.init_from), layout.abstract_state
-        )
-        state = state.replace(params=params, model_state=model_state or state.model_state)
-    return state, 0, None
-
-
-def input_signature(config: Config, task: Task) -> dict[str, Any]:
-    """What a saved input position belongs to; a resume that changes it starts afresh."""
-    return {
-        "source": config.data.source,
-        "workers": config.data.workers,  # grain's state differs with and without workers
-        "global_batch": config.train.global_batch,
-        **task.signature(),  # seq_len, image size and channels, or a user's data
-        "seed": config.train.seed,
-    }
-
-
-def _resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
-    """Moves the input to where the checkpoint left it; a line to print when it cannot."""
-    step = restored.step
-    if isinstance(host_iterator, GlobalBatches):
-        saved_batch = restored.meta.get("config", {}).get("train", {}).get("global_batch")
-        examples, note = resume_position(
-            restored.data_state,
-            host_iterator,
-            step,
-            saved_batch or config.train.global_batch,
-            config.data.on_change,
-        )
-        host_iterator.set_state({"examples": examples})
-        return note
-    if not hasattr(host_iterator, "set_state"):
-        return (
-            f"resumed at step {step}, but the input has no position to save (a plain "
-            f"iterable): it restarts from its first batch"
-        )
-    if (restored.data_state or {}).get("sampler") == "global":
-        return (
-            f"checkpoint step {step} holds a position of examples in the global order, but "
-            f"the input is now ready batches: they restart from their first batch"
-        )
-    if restored.data_state is None:
-        why = f" (the input changed since: {restored.input_changes})"
-        return (
-            f"checkpoint step {step} holds no input position this run can continue"
-            f"{why if restored.input_changes else ''}: the input restarts from its first batch"
-        )
-    host_iterator.set_state(restored.data_state)
-    return None
+def _host_batches(task: Task, source, config: Config, *, train: bool):
+    """The rows of each global batch of `source` that this process reads (train: with workers)."""
+    batches = task.host_batches(
+        source,
+        global_batch=config.train.global_batch,
+        seed=config.train.seed,
+        train=train,
+        workers=config.data.workers if train else 0,
+    )
+    return iter(batches)
 
 
 def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
@@ -172,43 +72,23 @@ def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
     return bool(np.any(flags))
 
 
-_params_finite = jax.jit(all_finite)
-
-
-def _save(checkpointer, step, state, batches, config, mesh, task) -> None:
-    """Starts an async save of `step`; params that are no longer finite are never saved."""
-    if not bool(_params_finite(state.params)):
-        raise DivergenceError(
-            f"the params are not finite after step {step}: training diverged; the "
-            f"checkpoints before it are kept in {checkpointer.directory}"
-        )
-    meta = {
-        "step": step,
-        "mesh": dict(mesh.shape),
-        "version": __version__,
-        "config": to_dict(config),
-    }
-    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config, task))
-
-
 def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
     """Trains as configured and returns the run's summary (also printed as one line).
 
     `workload`: the model, task and optimizer to train; default: the config's zoo model.
     """
     workload = zoo_workload(config) if workload is None else workload
-    train_config, task = config.train, workload.task
+    task = workload.task
     train_source, eval_source = task.open_sources()
-    _check_split_sizes(task, train_source, eval_source, train_config.eval_every)
+    _check_split_sizes(task, train_source, eval_source, config.train.eval_every)
     run = setup(config, workload)
-    mesh, layout = run.mesh, run.layout
     run_dir, is_main = config.run_dir, jax.process_index() == 0
 
-    with contextlib.ExitStack() as cleanup, jax.set_mesh(mesh):
+    with contextlib.ExitStack() as cleanup, jax.set_mesh(run.mesh):
         # Before anything is written or cleaned up: the run directory is made and locked, and
         # a second run in it stops here.
         cleanup.enter_context(RunLock(run_dir))
-        checkpointer = _checkpointer(config)
+        checkpointer = make_checkpointer(config)
         heartbeat.progress.run_dir = str(run_dir.absolute())
         if checkpointer is not None:
             heartbeat.progress.checkpoint_dir = str(checkpointer.directory)
@@ -216,38 +96,22 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
         # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
         # and a signal that comes before the first step saves right after it.
         stop = cleanup.enter_context(StopRequest())
-        state, start_step, restored = _starting_point(config, layout, checkpointer, task)
+        state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
-        if start_step >= train_config.steps:
+        if start_step >= config.train.steps:
             if is_main:
-                print(
-                    f"paisoar_jax: {run_dir} already finished {start_step} steps (train.steps="
-                    f"{train_config.steps}); raise train.steps to go on, or use another run.dir",
-                    flush=True,
+                output.note(
+                    f"{run_dir} already finished {start_step} steps (train.steps="
+                    f"{config.train.steps}); raise train.steps to go on, or use another run.dir"
                 )
             return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
-        host_iterator = iter(
-            task.host_batches(
-                train_source,
-                global_batch=train_config.global_batch,
-                seed=train_config.seed,
-                train=True,
-                workers=config.data.workers,
-            )
-        )
-        if restored is not None:
-            note = _resume_input(host_iterator, restored, config)
-            if note and is_main:
-                print(f"paisoar_jax: {note}", flush=True)
-        batches = DevicePrefetcher(
-            host_iterator, sharding.batch_sharding(mesh), config.data.prefetch
-        )
+        batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
-        parts = RunParts(config, mesh, task, layout, run.schedule, eval_source, checkpointer, stop)
-        summary = _run_loop(parts, state, start_step, batches)
+        parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source)
+        summary = _run_loop(parts, checkpointer, stop, state, start_step, batches)
     if is_main:
-        _print_summary(summary)
+        _print_summary(summary, task)
     return summary
 
 
@@ -260,6 +124,16 @@ def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -
             raise UserError(f"the {split} split has no {task.unit_of_data}")
 
 
+def _open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
+    """The batches this process trains on, moved to the checkpoint's position, on the devices."""
+    host_iterator = _host_batches(task, train_source, config, train=True)
+    if restored is not None:
+        note = resume_input(host_iterator, restored, config)
+        if note and jax.process_index() == 0:
+            output.note(note)
+    return DevicePrefetcher(host_iterator, sharding.batch_sharding(mesh), config.data.prefetch)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunParts:
     """What the loop works with, built once by `train` before the first step."""
@@ -269,187 +143,259 @@ class RunParts:
     task: Task
     layout: StateLayout
     schedule: Any  # None: a user's optimizer whose learning rate is its own
-    eval_source: Any
-    checkpointer: Checkpointer | None
-    stop: StopRequest
+    eval_source: Any  # None: no eval data
+
+    @property
+    def eval_every(self) -> int:
+        """Steps between evals; 0 when there is no eval data."""
+        return self.config.train.eval_every if self.eval_source is not None else 0
 
 
-def _run_loop(parts: RunParts, state, start_step: int, batches) -> dict[str, Any]:
-    """Compiles the step and runs it from start_step + 1, logging, evaluating and saving."""
-    config, mesh, task, layout = parts.config, parts.mesh, parts.task, parts.layout
-    schedule, eval_source = parts.schedule, parts.eval_source
-    checkpointer, stop = parts.checkpointer, parts.stop
-    train_config, run_dir = config.train, config.run_dir
-    is_main = jax.process_index() == 0
+@dataclasses.dataclass
+class History:
+    """What the loop has seen so far: the logged losses, the loss scales, the last eval."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    scales: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Instruments:
+    """What measures and reports the run: timers, metrics.jsonl, the progress bar, profiler."""
+
+    timer: IntervalTimer
+    writer: MetricsWriter
+    progress: Any  # tqdm
+    profiler: StepProfiler
+
+    def close(self, step: int) -> None:
+        """Ends the bar, the trace and the metrics files."""
+        self.progress.close()
+        self.profiler.close(step)
+        self.writer.close()
+
+
+def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batches) -> dict:
+    """Compiles the step, then runs it from start_step + 1: log, eval, save, stop."""
+    train_config, steps = parts.config.train, parts.config.train.steps
     first_batch = next(batches)
-    limit_bytes = oom.device_limit_bytes(train_config.memory_limit_gb)
+    train_step, eval_step = _compile(parts, state, first_batch)
+    _say_compiled(parts, train_step.compile_s, start_step)
+    instruments, history = _instruments(parts, start_step), History()
+    stopped_by, step = None, start_step
+    train_start = time.perf_counter()
+    instruments.timer.restart(step=start_step)
+    for step in range(start_step + 1, steps + 1):
+        is_first = step == start_step + 1
+        batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
+        state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
+        heartbeat.progress.step = step  # what the launcher names if this process stalls
+        is_last = step == steps
+        is_eval_step = bool(parts.eval_every) and (step % parts.eval_every == 0 or is_last)
+        # An eval step is also a log step: its eval results join that step's record.
+        is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
+        if is_log_step:
+            record = _log_record(parts, step, metrics, train_step, instruments, history)
+            if is_eval_step:  # after the timings: eval time is not step time
+                record |= _evaluate(parts, eval_step, state, step, history)
+            _write_record(record, parts.task, instruments)
+        stop_now = _stop_agreed(stop, step, is_log_step)
+        if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
+            _timed_save(checkpointer, step, state, batches, parts, instruments.timer)
+        if stop_now:
+            stopped_by = stop.signal_name or "a stop signal on another process"
+            break
+    instruments.close(step)
+    if checkpointer is not None:
+        checkpointer.wait()  # committed before we say it is saved
+    train_s = time.perf_counter() - train_start
+    _say_stopped(stopped_by, step, checkpointer)
+    summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
+    summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
+    sample = None if stopped_by else parts.task.closing_sample(parts.layout, state, parts.mesh)
+    return summary if sample is None else {**summary, "sample": sample}
+
+
+def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
+    """The train step compiled for the first batch (out of memory: a readable error)."""
+    config, layout, mesh = parts.config, parts.layout, parts.mesh
+    limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
     with oom.readable_out_of_memory(config, layout, limit_bytes):
-        jitted = jit_train_step(layout, task, schedule, train_config.grad_accum, mesh)
+        jitted = jit_train_step(layout, parts.task, parts.schedule, config.train.grad_accum, mesh)
         train_step = CompiledStep(jitted, state, first_batch)
-    compile_s = train_step.compile_s
-    if train_config.memory_limit_gb:  # the device's own limit: its allocator is the judge
+    if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(config, layout, train_step.compiled, limit_bytes)
-    eval_step = jit_eval_step(layout, task, mesh)
+    return train_step, jit_eval_step(layout, parts.task, mesh)
+
+
+def _say_compiled(parts: RunParts, compile_s: float, start_step: int) -> None:
+    """The line after compiling: model size, mesh, devices, compile time."""
+    if jax.process_index() != 0:
+        return
     resumed = f", resumed from step {start_step}" if start_step else ""
-    if is_main:
-        print(
-            f"paisoar_jax: {layout.param_count / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
-            f"{jax.device_count()} {jax.devices()[0].platform} devices, "
-            f"compiled in {compile_s:.1f}s{resumed}",
-            flush=True,
-        )
-    profiler = StepProfiler(train_config.profile_steps, run_dir / "profile")
+    output.note(
+        f"{parts.layout.param_count / 1e6:.2f}M params, mesh {dict(parts.mesh.shape)}, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"compiled in {compile_s:.1f}s{resumed}"
+    )
+
+
+def _instruments(parts: RunParts, start_step: int) -> Instruments:
+    """Timers in the task's unit, the metrics writer, the progress bar and the profiler."""
+    config, task = parts.config, parts.task
+    train_config, run_dir = config.train, config.run_dir
     timer = IntervalTimer(
         units_per_step=train_config.global_batch * task.units_per_example(),
-        flops_per_unit=task.flops_per_unit(layout.param_count),
+        flops_per_unit=task.flops_per_unit(parts.layout.param_count),
         peak_tflops=device_peak_tflops(train_config.peak_tflops),
         unit=task.unit,
     )
-    writer = MetricsWriter(run_dir, config.run.tensorboard, resume_step=start_step)
     progress = tqdm(
         total=train_config.steps,
         initial=start_step,
         desc="train",
-        disable=not (config.run.progress and is_main),
+        disable=not (config.run.progress and output.shows_progress() and jax.process_index() == 0),
         mininterval=1.0,
     )
-    every = config.checkpoint.every
-    eval_every = train_config.eval_every if eval_source is not None else 0  # None: no eval data
-    losses: list[float] = []
-    scale_history: list[tuple[int, float]] = []
-    scaled = parse_mode(config.precision.loss_scale, config.precision.policy)[0] != "none"
-    eval_results: dict[str, float] = {}
-    stopped_by = None
-    train_start = time.perf_counter()
-    timer.restart(step=start_step)
-    step = start_step
-    for step in range(start_step + 1, train_config.steps + 1):
-        wait_start = time.perf_counter()
-        batch = first_batch if step == start_step + 1 else next(batches)
-        dispatch_start = time.perf_counter()
-        timer.wait_s += dispatch_start - wait_start
-        profiler.before(step)
-        if step == start_step + 1:  # XLA reports running out of memory once the step runs
-            with oom.readable_out_of_memory(config, layout, limit_bytes, train_step.compiled):
-                state, metrics = jax.block_until_ready(train_step(state, batch))
-        else:  # (the first step waited for the device: its time is not host time)
-            state, metrics = train_step(state, batch)
-            timer.dispatch_s += time.perf_counter() - dispatch_start
-        profiler.after(step, metrics)
-        progress.update(1)
-        heartbeat.progress.step = step  # what the launcher names if this process stalls
-        is_last = step == train_config.steps
-        is_eval_step = bool(eval_every) and (step % eval_every == 0 or is_last)
-        # An eval step is also a log step: its eval_loss joins that step's metrics record.
-        is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
+    return Instruments(
+        timer=timer,
+        writer=MetricsWriter(run_dir, config.run.tensorboard, resume_step=start_step),
+        progress=progress,
+        profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
+    )
 
-        if is_log_step:
-            values = jax.device_get(metrics)  # the only host sync between logs
-            record = {
-                "step": step,
-                "loss": float(values["loss"]),
-                **{name: float(values[name]) for name in task.metric_names},
-                "lr": float(values["lr"]) if "lr" in values else None,
-                "grad_norm": float(values["grad_norm"]),
-                "loss_scale": float(values["loss_scale"]),
-                "skipped_steps": int(values["skipped_steps"]),
-                **timer.timings(step),
-                "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
-                **device_memory(),
-                "recompiles": train_step.recompiles,
-            }
-            if not losses:
-                platform = jax.devices()[0].platform
-                record.update(
-                    compile_s=compile_s, param_count=layout.param_count, platform=platform
-                )
-            try:
-                check_health(record, scaled, scale_history)
-            except DivergenceError:
-                writer.write(record)  # the record that shows the divergence is kept
-                raise
-            losses.append(record["loss"])
-            if is_eval_step:  # after the timings: eval time is not step time
-                eval_results = evaluate(eval_step, state, eval_source, task, config, mesh)
-                record.update({f"eval_{name}": value for name, value in eval_results.items()})
-                if is_main:
-                    shown = ", ".join(f"eval_{k} {v:.4f}" for k, v in eval_results.items())
-                    progress.write(f"step {step}: {shown}")
-            writer.write(record)
-            rate = f"{record[timer.throughput_key]:,.0f}"
-            progress.set_postfix({"loss": f"{record['loss']:.3f}", task.rate_name: rate})
-            timer.restart(step)
 
-        stop_now = _stop_agreed(stop, step, is_log_step)
-        if checkpointer is not None and ((every and step % every == 0) or is_last or stop_now):
-            save_start = time.perf_counter()
-            _save(checkpointer, step, state, batches, config, mesh, task)
-            save_s = time.perf_counter() - save_start
-            timer.start_time += save_s  # not step time
-            timer.save_s += save_s
-        if stop_now:
-            stopped_by = stop.signal_name or "a stop signal on another process"
-            break
+def _next_batch(batches, ready, timer: IntervalTimer):
+    """The next batch (`ready` when given); the time waited counts as data wait."""
+    wait_start = time.perf_counter()
+    batch = ready if ready is not None else next(batches)
+    timer.wait_s += time.perf_counter() - wait_start
+    return batch
 
-    progress.close()
-    profiler.close(step)
-    writer.close()
-    if checkpointer is not None:
-        checkpointer.wait()  # committed before we say it is saved
-    if stopped_by and is_main:
-        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
-        print(f"paisoar_jax: stopped by {stopped_by} after step {step}; {where}", flush=True)
-    train_s = time.perf_counter() - train_start
-    steps_run = step - start_step
-    summary = {
-        "steps": step,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "eval_loss": eval_results.get("loss"),
-        **{f"eval_{name}": value for name, value in eval_results.items() if name != "loss"},
-        timer.throughput_key: timer.units_per_step * steps_run / train_s,
-        "compile_s": compile_s,
-        "train_s": train_s,
-        "run_dir": str(run_dir),
-        "resumed_from": start_step,
-        "stopped_by": stopped_by,
-        "param_count": layout.param_count,
+
+def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instruments):
+    """One train step; dispatch only, except the first, which waits (and may run out of memory)."""
+    dispatch_start = time.perf_counter()
+    instruments.profiler.before(step)
+    if is_first:  # XLA reports running out of memory once the step runs
+        limit_bytes = oom.device_limit_bytes(parts.config.train.memory_limit_gb)
+        compiled = train_step.compiled
+        with oom.readable_out_of_memory(parts.config, parts.layout, limit_bytes, compiled):
+            state, metrics = jax.block_until_ready(train_step(state, batch))
+    else:  # (the first step waited for the device: its time is not host time)
+        state, metrics = train_step(state, batch)
+        instruments.timer.dispatch_s += time.perf_counter() - dispatch_start
+    instruments.profiler.after(step, metrics)
+    instruments.progress.update(1)
+    return state, metrics
+
+
+def _log_record(parts, step: int, metrics, train_step, instruments, history) -> dict[str, Any]:
+    """The metrics.jsonl record of a log step (the one host sync between logs), health-checked."""
+    values = jax.device_get(metrics)
+    timer = instruments.timer
+    record = {
+        "step": step,
+        "loss": float(values["loss"]),
+        **{name: float(values[name]) for name in parts.task.metric_names},
+        "lr": float(values["lr"]) if "lr" in values else None,
+        "grad_norm": float(values["grad_norm"]),
+        "loss_scale": float(values["loss_scale"]),
+        "skipped_steps": int(values["skipped_steps"]),
+        **timer.timings(step),
+        "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
+        **device_memory(),
+        "recompiles": train_step.recompiles,
     }
-    is_embedded_text = config.data.source == "embedded" and task.unit == "tokens"
-    if train_config.sample_bytes and is_embedded_text and not stopped_by:
-        text = generate(
-            layout,
-            state.params,
-            state.model_state,
-            mesh,
-            SAMPLE_PROMPT,
-            train_config.sample_bytes,
-            config.model.seq_len,
-            seed=train_config.seed,
-        )
-        summary["sample"] = text.decode("utf-8", errors="replace")
-    return summary
+    if not history.losses:  # the first record also says what ran
+        platform = jax.devices()[0].platform
+        layout = parts.layout
+        record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
+        record["platform"] = platform
+    scaled = parts.config.precision.loss_scale_mode()[0] != "none"
+    try:
+        check_health(record, scaled, history.scales)
+    except DivergenceError:
+        instruments.writer.write(record)  # the record that shows the divergence is kept
+        raise
+    history.losses.append(record["loss"])
+    return record
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
+    """The eval metrics of this step, prefixed eval_, shown above the progress bar."""
+    history.eval_results = evaluate(
+        eval_step, state, parts.eval_source, parts.task, parts.config, parts.mesh
+    )
+    shown = {f"eval_{name}": value for name, value in history.eval_results.items()}
+    if jax.process_index() == 0:
+        output.note(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+    return shown
+
+
+def _write_record(record: dict[str, Any], task: Task, instruments: Instruments) -> None:
+    """Writes the record, shows its loss and rate on the bar, and starts the next interval."""
+    instruments.writer.write(record)
+    rate = f"{record[instruments.timer.throughput_key]:,.0f}"
+    instruments.progress.set_postfix({"loss": f"{record['loss']:.3f}", task.rate_name: rate})
+    instruments.timer.restart(record["step"])
+
+
+def _is_save_step(config: Config, step: int, stop_now: bool) -> bool:
+    """Every checkpoint.every steps, the last step, and a stop."""
+    every = config.checkpoint.every
+    return bool(every and step % every == 0) or step == config.train.steps or stop_now
+
+
+def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, timer) -> None:
+    """Starts the save; the time the loop blocks on it is save time, not step time."""
+    save_start = time.perf_counter()
+    save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+    save_s = time.perf_counter() - save_start
+    timer.start_time += save_s
+    timer.save_s += save_s
+
+
+def _say_stopped(stopped_by: str | None, step: int, checkpointer) -> None:
+    """After a stop signal: which step was saved, and where."""
+    if stopped_by and jax.process_index() == 0:
+        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
+        output.note(f"stopped by {stopped_by} after step {step}; {where}")
+
+
+def _summary(parts, history, timer, step: int, start_step: int, train_s: float) -> dict:
+    """The run's summary: losses, last eval, throughput in the task's unit, where it wrote."""
+    return {
+        "steps": step,
+        "first_loss": history.losses[0] if history.losses else None,
+        "final_loss": history.losses[-1] if history.losses else None,
+        "eval_loss": history.eval_results.get("loss"),
+        **{f"eval_{k}": v for k, v in history.eval_results.items() if k != "loss"},
+        timer.throughput_key: timer.units_per_step * (step - start_step) / train_s,
+        "train_s": train_s,
+        "run_dir": str(parts.config.run_dir),
+        "resumed_from": start_step,
+        "param_count": parts.layout.param_count,
+    }
+
+
+def _print_summary(summary: dict[str, Any], task: Task) -> None:
     """The sample, if any, then the one-line summary that closes every run."""
     if "sample" in summary:
-        print(f"sample:\n{summary['sample']}\n", flush=True)
+        output.note(f"sample:\n{summary['sample']}\n")
     eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
     for key, value in summary.items():
         if key.startswith("eval_") and key != "eval_loss":
             eval_text += f", {key} {value:.4f}"
-    unit = "tokens" if "tokens_per_s" in summary else "examples"
     loss_text = (
         f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
         if first_loss is not None
         else "no loss logged"
     )
-    print(
-        f"paisoar_jax: done: {summary['steps']} steps in {summary['train_s']:.1f}s, "
-        f"{loss_text}{eval_text}, "
-        f"{summary[f'{unit}_per_s']:,.0f} {unit}/s, compile {summary['compile_s']:.1f}s, "
-        f"run dir {summary['run_dir']}",
-        flush=True,
+    output.note(
+        f"done: {summary['steps']} steps in {summary['train_s']:.1f}s, {loss_text}{eval_text}, "
+        f"{summary[f'{task.unit}_per_s']:,.0f} {task.unit}/s, "
+        f"compile {summary['compile_s']:.1f}s, run dir {summary['run_dir']}"
     )

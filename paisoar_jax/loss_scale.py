@@ -103,24 +103,6 @@ def loss_scaled(
     return optax.GradientTransformation(init, update)
 
 
-def parse_mode(text: str, policy_name: str) -> tuple[str, float]:
-    """precision.loss_scale text -> (mode, static value): dynamic, static:<v> or none."""
-    if text == "auto":
-        text = "dynamic" if policy_name == "fp16" else "none"
-    if text in ("dynamic", "none"):
-        return text, 1.0
-    if text.startswith("static:"):
-        try:
-            value = float(text.removeprefix("static:"))
-        except ValueError:
-            value = -1.0
-        if value > 0:
-            return "static", value
-    raise UserError(
-        f"precision.loss_scale={text!r} is not dynamic, none or static:<positive number>"
-    )
-
-
 def current_scale(opt_state) -> jax.Array | float:
     """The scale to multiply the loss by: the loss-scaled optimizer's, else 1."""
     return opt_state.scale if isinstance(opt_state, LossScaleState) else 1.0

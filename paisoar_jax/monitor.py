@@ -20,13 +20,13 @@ the first local device's memory_stats(), which GPUs have and the CPU backend doe
 from __future__ import annotations
 
 import pathlib
-import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from paisoar_jax import output
 from paisoar_jax.errors import DivergenceError
 from paisoar_jax.metrics import mfu
 
@@ -94,12 +94,10 @@ def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> No
         later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
     )
     if falling and jax.process_index() == 0:  # every process sees it; one says it
-        print(
-            f"paisoar_jax: warning: the loss scale fell at each of the last {FALLING_SCALE_LOGS} "
-            f"log steps ({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
-            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr",
-            file=sys.stderr,
-            flush=True,
+        output.warning(
+            f"the loss scale fell at each of the last {FALLING_SCALE_LOGS} log steps "
+            f"({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
+            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr"
         )
 
 
@@ -149,9 +147,8 @@ class StepProfiler:
         """Stops the trace and says where it went."""
         jax.profiler.stop_trace()
         self.active, self.done = False, True
-        print(
-            f"paisoar_jax: profiled steps {self.first}-{step} into {self.directory} "
+        output.note(
+            f"profiled steps {self.first}-{step} into {self.directory} "
             f"(tensorboard --logdir {self.directory}, or the .trace.json.gz in Perfetto)",
-            file=sys.stderr,
-            flush=True,
+            stderr=True,
         )

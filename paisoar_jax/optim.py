@@ -105,7 +105,7 @@ def wrap_optimizer(
     if optim_config.clip_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(optim_config.clip_norm), optimizer)
     if precision is not None:
-        mode, static_scale = loss_scale.parse_mode(precision.loss_scale, precision.policy)
+        mode, static_scale = precision.loss_scale_mode()
         if mode != "none":
             # Outermost, so clipping and the optimizer see unscaled gradients.
             optimizer = loss_scale.loss_scaled(

@@ -16,13 +16,13 @@ import fcntl
 import os
 import pathlib
 import socket
-import sys
 import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paisoar_jax import output
 from paisoar_jax.errors import UserError
 
 LOCK_NAME = "run.lock"
@@ -72,11 +72,9 @@ class RunLock:
             lock_file.close()
             if error.errno not in UNSUPPORTED:
                 return f"run.dir {run_dir} cannot be locked ({os.strerror(error.errno)})"
-            print(
-                f"paisoar_jax: warning: run.dir {run_dir} does not support file locks "
-                f"({os.strerror(error.errno)}): a second run started in it would not be stopped",
-                file=sys.stderr,
-                flush=True,
+            output.warning(
+                f"run.dir {run_dir} does not support file locks "
+                f"({os.strerror(error.errno)}): a second run started in it would not be stopped"
             )
             return None
         try:

@@ -58,7 +58,7 @@ class StateLayout:
     compute_dtypes: Any = None
 
 
-def plan_state(
+def state_layout(
     config: Config,
     mesh: Mesh,
     optimizer: optax.GradientTransformation,
@@ -70,17 +70,7 @@ def plan_state(
     `follows_policy`: the model's own modules cast to the precision policy (the zoo's);
     otherwise the step casts its weights (not norms or biases) to the compute dtype.
     """
-    graphdefs = []
-
-    def split_model():
-        graphdef, params, model_state = nnx.split(create_model(), nnx.Param, ...)
-        graphdefs.append(graphdef)  # static: the same for the abstract and the real model
-        return params, model_state
-
-    # jax.eval_shape rather than nnx.eval_shape: the latter would resolve the logical names
-    # against the active mesh, and `layers`, `embed`, ... are not mesh axes.
-    abstract_variables, abstract_model_variables = jax.eval_shape(split_model)
-    graphdef = graphdefs[0]
+    graphdef, abstract_variables, abstract_model_variables = _trace_model(create_model)
     abstract_params = nnx.to_pure_dict(abstract_variables)
     abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
     logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
@@ -109,17 +99,18 @@ def plan_state(
         rng=sharding.replicated(mesh),
     )
     param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    shapes = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=abstract_params,
+        model_state=abstract_model_state,
+        opt_state=abstract_opt_state,
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+    )
     abstract_state = jax.tree.map(
         lambda shape, leaf_sharding: jax.ShapeDtypeStruct(
             shape.shape, shape.dtype, sharding=leaf_sharding
         ),
-        TrainState(
-            step=jax.ShapeDtypeStruct((), jnp.int32),
-            params=abstract_params,
-            model_state=abstract_model_state,
-            opt_state=abstract_opt_state,
-            rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
-        ),
+        shapes,
         shardings,
     )
     policy = get_policy(config.precision.policy)
@@ -139,6 +130,21 @@ def plan_state(
         create_model=create_model,
         compute_dtypes=compute_dtypes,
     )
+
+
+def _trace_model(create_model: Callable[[], nnx.Module]):
+    """(graphdef, abstract params, abstract other variables): the model traced, not built."""
+    graphdefs = []
+
+    def split_model():
+        graphdef, params, model_state = nnx.split(create_model(), nnx.Param, ...)
+        graphdefs.append(graphdef)  # static: the same for the abstract and the real model
+        return params, model_state
+
+    # jax.eval_shape rather than nnx.eval_shape: the latter would resolve the logical names
+    # against the active mesh, and `layers`, `embed`, ... are not mesh axes.
+    abstract_variables, abstract_model_variables = jax.eval_shape(split_model)
+    return graphdefs[0], abstract_variables, abstract_model_variables
 
 
 def _gather_dtypes(abstract_params, param_shardings, policy: Policy):

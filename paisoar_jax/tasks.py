@@ -13,13 +13,13 @@ Images reach the device as uint8 and are normalised there, inside the jitted ste
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.data import images as image_data
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
@@ -28,6 +28,9 @@ from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
 from paisoar_jax.precision import float32_island, get_policy
+from paisoar_jax.sample import generate
+
+SAMPLE_PROMPT = b"def "  # the embedded corpus is Python source
 
 
 class LanguageModelling:
@@ -92,6 +95,23 @@ class LanguageModelling:
 
     def prepare(self, layout, global_batch: int) -> None:
         """Nothing to check: the zoo's model and loss are known."""
+
+    def closing_sample(self, layout, state, mesh) -> str | None:
+        """train.sample_bytes bytes after a prompt, for the embedded (byte-level) text."""
+        train = self.config.train
+        if not train.sample_bytes or self.config.data.source != "embedded":
+            return None
+        text = generate(
+            layout,
+            state.params,
+            state.model_state,
+            mesh,
+            SAMPLE_PROMPT,
+            train.sample_bytes,
+            self.config.model.seq_len,
+            seed=train.seed,
+        )
+        return text.decode("utf-8", errors="replace")
 
 
 class ImageClassification:
@@ -198,6 +218,10 @@ class ImageClassification:
     def prepare(self, layout, global_batch: int) -> None:
         """Nothing to check: the zoo's model and loss are known."""
 
+    def closing_sample(self, layout, state, mesh) -> None:
+        """An image classifier has no sample to show."""
+        return None
+
 
 def _warn_of_skipped_files(*sources) -> None:
     """One warning per image folder whose scan skipped files Pillow could not read."""
@@ -205,11 +229,9 @@ def _warn_of_skipped_files(*sources) -> None:
     for folder in folders.values():
         skipped = getattr(folder, "skipped", [])
         if skipped and jax.process_index() == 0:
-            print(
-                f"paisoar_jax: warning: skipped {len(skipped)} unreadable image file(s) in "
-                f"{folder.directory} (the first: {skipped[0]})",
-                file=sys.stderr,
-                flush=True,
+            output.warning(
+                f"skipped {len(skipped)} unreadable image file(s) in "
+                f"{folder.directory} (the first: {skipped[0]})"
             )
 
 

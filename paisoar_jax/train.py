@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from paisoar_jax import cli
+from paisoar_jax.tools import cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:

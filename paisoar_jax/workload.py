@@ -23,7 +23,7 @@ from paisoar_jax import remat, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
-from paisoar_jax.state import StateLayout, plan_state
+from paisoar_jax.state import StateLayout, state_layout
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 # An optax transformation, or a factory that takes the config's learning-rate schedule.
@@ -66,6 +66,9 @@ class Task(Protocol):
 
     def prepare(self, layout: StateLayout, global_batch: int) -> None:
         """Called once by `setup` before anything compiles (checks against the model)."""
+
+    def closing_sample(self, layout: StateLayout, state: Any, mesh: Mesh) -> str | None:
+        """What the trained model makes of a prompt, shown at the end of a run; or None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +149,6 @@ def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | No
     optimizer, schedule = optimizer_for(config, workload.optimizer)
     create_model = model_builder(config, workload)
     with jax.set_mesh(mesh):
-        layout = plan_state(config, mesh, optimizer, create_model, workload.follows_policy)
+        layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
         workload.task.prepare(layout, config.train.global_batch)
     return Setup(config, mesh, layout, schedule, workload.task)

@@ -14,7 +14,7 @@ import dataclasses
 
 from flax import nnx
 
-from paisoar_jax.config import MODEL_CONFIGS, Config, ModelConfig, VisionConfig
+from paisoar_jax.config import MODEL_CONFIGS, Config, LanguageModelConfig, VisionConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
 from paisoar_jax.models.gpt import GPT
@@ -33,13 +33,14 @@ class ZooEntry:
     config_type: type
     model_class: type[nnx.Module]
     task_class: type
+    fp8: bool  # its blocks' matmuls run in fp8 under precision.policy=fp8
 
 
 ZOO: dict[str, ZooEntry] = {
-    "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling),
-    "resnet": ZooEntry(MODEL_CONFIGS["resnet"], ResNet, ImageClassification),
-    "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification),
-    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification),
+    "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling, fp8=True),
+    "resnet": ZooEntry(MODEL_CONFIGS["resnet"], ResNet, ImageClassification, fp8=False),
+    "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification, fp8=False),
+    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True),
 }
 
 
@@ -61,7 +62,10 @@ def model_class(name: str) -> type[nnx.Module]:
 
 
 def build_model(
-    model_config: ModelConfig | VisionConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
+    model_config: LanguageModelConfig | VisionConfig,
+    policy: Policy,
+    remat_policy: str,
+    rngs: nnx.Rngs,
 ) -> nnx.Module:
     """Builds the registered model named by `model_config.name`."""
     resolved = resolve_model_config(model_config)
@@ -69,9 +73,19 @@ def build_model(
 
 
 def task_for(config: Config) -> Task:
-    """The task of the configured zoo model."""
+    """The task of the configured zoo model; refuses a model the config cannot build.
+
+    The config checked itself as it was built; here come the checks that need the model's
+    own tables: an image variant's shape, and whether its blocks have fp8 matmuls.
+    """
     resolved = resolve_model_config(config.model)
     zoo_entry = entry(resolved.name)
+    if config.precision.policy == "fp8" and not zoo_entry.fp8:
+        fp8_names = " or ".join(name for name, known in ZOO.items() if known.fp8)
+        raise UserError(
+            f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name "
+            f"{fp8_names}); {resolved.name} is convolutional: use bf16"
+        )
     return zoo_entry.task_class(config, zoo_entry.model_class)
 
 

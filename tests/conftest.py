@@ -129,7 +129,7 @@ def token_dataset(tmp_path_factory):
     """A converted byte-level dataset of a few standard-library files, in 2 shards."""
     import sysconfig
 
-    from paisoar_jax.convert import main as convert
+    from paisoar_jax.tools.convert import main as convert
 
     root = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "json"
     output = tmp_path_factory.mktemp("tokens") / "dataset"

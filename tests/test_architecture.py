@@ -1,4 +1,9 @@
-"""The package's shape (docs/architecture.md): every module imports; the core imports no tool."""
+"""The package's shape (docs/architecture.md): every module imports, the arrows point one way.
+
+Tools (paisoar_jax/tools/) use the core; the core never imports a tool; config imports
+nothing of the package but its error type; a `python -m paisoar_jax.<tool>` module is only
+the door to its tool.
+"""
 
 import ast
 import importlib
@@ -9,7 +14,9 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
 TOOLS |= {"launch", "rank_output", "cli"}
-FRONT_DOORS = {"__init__", "api", "train"}  # the public entry points use either side
+COMMANDS = {"plan", "doctor", "bench", "convert", "export", "launch"}  # python -m paisoar_jax.X
+FRONT_DOORS = {"paisoar_jax", "paisoar_jax.api", "paisoar_jax.train"}
+FRONT_DOORS |= {f"paisoar_jax.{name}" for name in COMMANDS}  # entry points use either side
 
 
 def module_names():
@@ -19,23 +26,28 @@ def module_names():
         yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def package_imports(name):
-    """The top-level package modules a module imports, function-local imports included."""
+def module_path(name):
+    """The file of dotted module `name`."""
     path = PACKAGE.parent / (name.replace(".", "/") + ".py")
-    if not path.exists():
-        path = PACKAGE.parent / name.replace(".", "/") / "__init__.py"
+    return path if path.exists() else PACKAGE.parent / name.replace(".", "/") / "__init__.py"
+
+
+def package_imports(name):
+    """The package modules `name` imports, dotted, function-local imports included."""
     imported = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    known = set(module_names())
+    for node in ast.walk(ast.parse(module_path(name).read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("paisoar_jax"):
-            parts = node.module.split(".")
-            imported |= {parts[1]} if len(parts) > 1 else {alias.name for alias in node.names}
+            for alias in node.names:  # `from paisoar_jax.tools import plan` names a module
+                submodule = f"{node.module}.{alias.name}"
+                imported.add(submodule if submodule in known else node.module)
         elif isinstance(node, ast.Import):
-            imported |= {
-                alias.name.split(".")[1]
-                for alias in node.names
-                if alias.name.startswith("paisoar_jax.")
-            }
+            imported |= {alias.name for alias in node.names if alias.name.startswith("paisoar_jax")}
     return imported
+
+
+def is_tool(name):
+    return name == "paisoar_jax.tools" or name.startswith("paisoar_jax.tools.")
 
 
 @pytest.mark.parametrize("name", list(module_names()))
@@ -44,19 +56,44 @@ def test_every_module_imports(name):
 
 
 def test_the_core_never_imports_a_tool():
-    # The scan sees function-local imports too: api imports plan inside plan_fit.
-    assert "plan" in package_imports("paisoar_jax.api")
+    # The scan sees function-local imports too: api imports the plan tool inside plan_fit.
+    assert "paisoar_jax.tools.plan" in package_imports("paisoar_jax.api")
     offenders = {}
     for name in module_names():
-        top = name.split(".")[1] if "." in name else "__init__"
-        if top in TOOLS or top in FRONT_DOORS:
+        if is_tool(name) or name in FRONT_DOORS:
             continue
-        tools = package_imports(name) & TOOLS
+        tools = sorted(filter(is_tool, package_imports(name)))
         if tools:
-            offenders[name] = sorted(tools)
+            offenders[name] = tools
     assert not offenders, f"core modules importing tools: {offenders}"
 
 
-def test_every_tool_named_here_exists():
-    modules = {path.stem for path in PACKAGE.glob("*.py")}
-    assert TOOLS | FRONT_DOORS <= modules
+def test_config_is_a_leaf():
+    for name in module_names():
+        if name == "paisoar_jax.config" or name.startswith("paisoar_jax.config."):
+            others = {
+                imported
+                for imported in package_imports(name)
+                if imported != "paisoar_jax.errors"
+                and not imported.startswith("paisoar_jax.config")
+            }
+            assert not others, f"{name} imports {sorted(others)}"
+
+
+def test_the_tools_live_in_tools_and_each_command_is_only_its_door():
+    assert {path.stem for path in (PACKAGE / "tools").glob("*.py")} == TOOLS | {"__init__"}
+    for command in COMMANDS:
+        name = f"paisoar_jax.{command}"
+        assert package_imports(name) == {f"paisoar_jax.tools.{command}"}, name
+        assert len(module_path(name).read_text().splitlines()) < 12, name
+
+
+def test_every_line_for_the_user_goes_through_output():
+    printing = [
+        name
+        for name in module_names()
+        if name != "paisoar_jax.output"
+        for node in ast.walk(ast.parse(module_path(name).read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+    ]
+    assert not printing, f"print outside paisoar_jax/output.py: {sorted(set(printing))}"

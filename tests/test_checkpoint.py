@@ -13,8 +13,8 @@ from paisoar_jax import sharding
 from paisoar_jax.checkpoint import Checkpointer, check_writable, load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.export import export
 from paisoar_jax.loop import train
+from paisoar_jax.tools.export import export
 
 DATA_STATE = {"position": 7}
 

@@ -5,6 +5,7 @@ import yaml
 
 from paisoar_jax.config import CONFIG_DIR, Config, dump_yaml, load_config, resolve_config_path
 from paisoar_jax.errors import UserError
+from paisoar_jax.zoo import task_for
 
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
 
@@ -24,6 +25,8 @@ def test_every_shipped_config_parses(path):
     for section, values in raw.items():
         for key, value in values.items():
             assert getattr(getattr(config, section), key) == pytest.approx(value)
+    # The checks that need the model's tables (an image variant's shape, fp8 blocks) pass.
+    assert task_for(config) is not None
 
 
 def test_shipped_shapes():

@@ -9,8 +9,8 @@ import pytest
 from conftest import PYTHON, subprocess_env
 from PIL import Image
 
-from paisoar_jax import convert
 from paisoar_jax.data.records import ImageRecords, TokenRecords
+from paisoar_jax.tools import convert
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.\n",

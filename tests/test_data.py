@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from paisoar_jax import sharding
-from paisoar_jax.config import DataConfig, MeshConfig, ModelConfig
+from paisoar_jax.config import DataConfig, LanguageModelConfig, MeshConfig
 from paisoar_jax.data.pipeline import (
     GlobalBatches,
     PerExampleReads,
@@ -167,20 +167,20 @@ def test_prefetcher_reraises_producer_errors(devices):
 
 def test_source_errors():
     with pytest.raises(UserError, match="data.source='hdfs:/x' is not one of embedded"):
-        open_source(DataConfig(source="hdfs:/x"), ModelConfig(), 0)
+        open_source(DataConfig(source="hdfs:/x"), LanguageModelConfig(), 0)
     with pytest.raises(UserError, match="arrayrecord:/no/such: no such file or directory"):
-        open_source(DataConfig(source="arrayrecord:/no/such"), ModelConfig(), 0)
+        open_source(DataConfig(source="arrayrecord:/no/such"), LanguageModelConfig(), 0)
     with pytest.raises(UserError, match="holds images, and model.name=gpt reads tokens"):
-        open_source(DataConfig(source="images:/x"), ModelConfig(), 0)
+        open_source(DataConfig(source="images:/x"), LanguageModelConfig(), 0)
     with pytest.raises(UserError, match="needs model.vocab_size >= 256"):
-        open_source(DataConfig(), ModelConfig(vocab_size=100), 0)
+        open_source(DataConfig(), LanguageModelConfig(vocab_size=100), 0)
     with pytest.raises(UserError, match="longer than the embedded eval split"):
-        open_source(DataConfig(eval_fraction=0.0001), ModelConfig(seq_len=1 << 22), 0)
+        open_source(DataConfig(eval_fraction=0.0001), LanguageModelConfig(seq_len=1 << 22), 0)
 
 
 def test_arrayrecord_source_packs_windows_with_a_held_out_tail(token_dataset):
     data = DataConfig(source=f"arrayrecord:{token_dataset}", eval_fraction=0.1)
-    train, held_out = open_source(data, ModelConfig(seq_len=64), 0)
+    train, held_out = open_source(data, LanguageModelConfig(seq_len=64), 0)
     total = len(train) + len(held_out)
     assert total == (TokenRecords(token_dataset).token_count - 1) // 64
     assert len(held_out) == round(total * 0.1)
@@ -188,10 +188,10 @@ def test_arrayrecord_source_packs_windows_with_a_held_out_tail(token_dataset):
     assert held_out[0][0] == train[len(train) - 1][-1]
     assert b"import" in bytes(np.concatenate([train[i] for i in range(20)]).astype(np.uint8))
     shards = DataConfig(source=f"arrayrecord:{token_dataset}/*.array_record")
-    assert len(open_source(shards, ModelConfig(seq_len=64), 0)[0]) == len(
-        open_source(DataConfig(source=f"arrayrecord:{token_dataset}"), ModelConfig(seq_len=64), 0)[
-            0
-        ]
+    assert len(open_source(shards, LanguageModelConfig(seq_len=64), 0)[0]) == len(
+        open_source(
+            DataConfig(source=f"arrayrecord:{token_dataset}"), LanguageModelConfig(seq_len=64), 0
+        )[0]
     )
 
 
@@ -207,7 +207,7 @@ def test_arrayrecord_source_packs_windows_with_a_held_out_tail(token_dataset):
 def test_dataset_that_disagrees_with_the_model_is_refused(token_dataset, data, model, message):
     config = DataConfig(source=f"arrayrecord:{token_dataset}", **data)
     with pytest.raises(UserError) as error:
-        open_source(config, ModelConfig(**model), 0)
+        open_source(config, LanguageModelConfig(**model), 0)
     assert message in str(error.value)
 
 
@@ -234,7 +234,9 @@ def test_iterator_state_resumes_at_exactly_the_next_batch(devices, workers):
 
 
 def test_synthetic_source_is_reproducible():
-    train, held_out = open_source(DataConfig(source="synthetic"), ModelConfig(vocab_size=1000), 5)
+    train, held_out = open_source(
+        DataConfig(source="synthetic"), LanguageModelConfig(vocab_size=1000), 5
+    )
     np.testing.assert_array_equal(train[7], train[7])
     assert train[7].max() < 1000 and train[7].shape == (129,)
     assert not np.array_equal(train[7], held_out[7])

@@ -19,9 +19,10 @@ import time
 import pytest
 from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env
 
-from paisoar_jax import doctor, findings, loop, plan, tasks
+from paisoar_jax import loop, tasks
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
+from paisoar_jax.tools import doctor, findings, plan
 
 QUIET = ["train.eval_every=0", "checkpoint.enabled=false"]
 # 12.75M params (over the 10M that has an MFU floor), split over 8 devices by tensor

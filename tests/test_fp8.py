@@ -12,6 +12,7 @@ from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.fp8 import Fp8Dot
 from paisoar_jax.loop import train
+from paisoar_jax.zoo import zoo_workload
 
 E4M3_MAX = 448.0
 
@@ -121,7 +122,7 @@ def test_resume_restores_the_scaling_state_and_continues_exactly(tmp_path):
 
 def test_fp8_is_refused_for_convolutional_models():
     with pytest.raises(UserError, match="resnet is convolutional: use bf16"):
-        load_config(None, [*TINY_RESNET, "precision.policy=fp8"])
+        zoo_workload(load_config(None, [*TINY_RESNET, "precision.policy=fp8"]))
 
 
 def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, capsys):

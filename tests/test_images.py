@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from paisoar_jax import convert
 from paisoar_jax.data.images import (
     GRAYSCALE_MEAN,
     GRAYSCALE_STD,
@@ -28,6 +27,7 @@ from paisoar_jax.data.images import (
 )
 from paisoar_jax.data.records import ImageFolder
 from paisoar_jax.errors import UserError
+from paisoar_jax.tools import convert
 
 CLASSES = ["ant", "bee", "cow"]
 PER_CLASS = 6  # 18 images, a few per batch of 4

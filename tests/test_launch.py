@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import heartbeat, launch, sharding
+from paisoar_jax import heartbeat, sharding
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.rank_output import Output, RankLog
+from paisoar_jax.tools import launch
+from paisoar_jax.tools.rank_output import Output, RankLog
 
 # Constant lr: a run cut at step 2 and resumed to 4 follows the schedule of one run of 4.
 RUN = [

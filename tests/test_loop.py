@@ -56,22 +56,22 @@ def test_ready_batches_say_in_one_line_when_their_position_cannot_continue():
 
     from paisoar_jax.checkpoint import Restored
     from paisoar_jax.data.user_data import open_user_data
-    from paisoar_jax.loop import _resume_input
+    from paisoar_jax.resume import resume_input
 
     config = load_config(None, TINY)
     batches = [{"x": np.full((4, 2), i, np.float32)} for i in range(3)]
     data = open_user_data(grain.MapDataset.source(batches).to_iter_dataset(), "data")
     iterator = data.batches(4, seed=0, shuffle=True, workers=0)
     changed = Restored(4, None, None, {}, input_changes="process_count 2 -> 1")
-    note = _resume_input(iterator, changed, config)
+    note = resume_input(iterator, changed, config)
     assert note == (
         "checkpoint step 4 holds no input position this run can continue (the input changed "
         "since: process_count 2 -> 1): the input restarts from its first batch"
     )
     global_position = Restored(4, None, {"sampler": "global", "examples": 64}, {})
-    assert "the input is now ready batches" in _resume_input(iterator, global_position, config)
+    assert "the input is now ready batches" in resume_input(iterator, global_position, config)
     next(iterator)
     kept = Restored(4, None, iterator.get_state(), {})
     resumed = data.batches(4, seed=0, shuffle=True, workers=0)
-    assert _resume_input(resumed, kept, config) is None
+    assert resume_input(resumed, kept, config) is None
     assert next(resumed)["x"][0, 0] == 1  # after the one batch read

@@ -7,9 +7,9 @@ import pytest
 from conftest import build_run, token_batches
 
 from paisoar_jax import sharding
-from paisoar_jax.config import OptimConfig
+from paisoar_jax.config import OptimConfig, PrecisionConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.loss_scale import LossScaleState, loss_scaled, parse_mode
+from paisoar_jax.loss_scale import LossScaleState, loss_scaled
 from paisoar_jax.optim import build_optimizer
 
 PARAMS = {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}
@@ -122,14 +122,14 @@ def test_static_mode_keeps_its_scale():
         ("none", "fp16", ("none", 1.0)),
     ],
 )
-def test_parse_mode(text, policy, expected):
-    assert parse_mode(text, policy) == expected
+def test_loss_scale_modes(text, policy, expected):
+    assert PrecisionConfig(policy=policy, loss_scale=text).loss_scale_mode() == expected
 
 
 @pytest.mark.parametrize("text", ["static:", "static:-3", "sometimes"])
 def test_bad_modes(text):
     with pytest.raises(UserError, match="precision.loss_scale"):
-        parse_mode(text, "fp16")
+        PrecisionConfig(policy="fp16", loss_scale=text)
 
 
 FP16_OVERFLOWING = [

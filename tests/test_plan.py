@@ -24,7 +24,8 @@ import subprocess
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import memory, plan
+from paisoar_jax import memory
+from paisoar_jax.tools import plan
 
 FP32 = 4
 # TINY's model: vocab 256 (the default), width 64, 32 tokens, 2 layers, learned positions.

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from paisoar_jax import convert
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.records import (
     ImageFolder,
@@ -18,6 +17,7 @@ from paisoar_jax.data.records import (
     TokenRecords,
 )
 from paisoar_jax.errors import UserError
+from paisoar_jax.tools import convert
 
 DOCUMENTS = [
     b"hello world\n",

@@ -213,8 +213,8 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
     """The running statistics travel with the params: an export holds them and a run that
     starts from it (checkpoint.init_from) starts from them, not from fresh ones."""
     from paisoar_jax.checkpoint import Checkpointer, load_weights
-    from paisoar_jax.export import export
-    from paisoar_jax.loop import _starting_point
+    from paisoar_jax.resume import starting_point
+    from paisoar_jax.tools.export import export
 
     common = [*TINY_RESNET, "train.steps=3", "train.eval_every=0", "checkpoint.every=3"]
     train(load_config(None, [*common, f"run.dir={tmp_path}/run"]))
@@ -225,7 +225,7 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
         saved = checkpointer.restore(3, layout.abstract_state).state
         params, model_state = load_weights(tmp_path / "export", layout.abstract_state)
         tuned = load_config(None, [*common, f"checkpoint.init_from={tmp_path}/export"])
-        started, step, _ = _starting_point(tuned, layout, None, task_for(tuned))
+        started, step, _ = starting_point(tuned, layout, None, task_for(tuned))
     checkpointer.close()
     assert step == 0
     for tree in (model_state, started.model_state):

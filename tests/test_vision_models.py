@@ -396,7 +396,7 @@ def test_real_initialisation():
         (VisionConfig(variant="vgg16", image_size=100), "multiple of 32"),
         (VisionConfig(variant="vit_tiny", image_size=30), "multiple of model.patch=4"),
         (VisionConfig(variant="vit_tiny", width=30), "not divisible by model.heads=4"),
-        (VisionConfig(variant="resnet18", num_classes=0), "num_classes must be >= 1"),
+        (VisionConfig(variant="resnet18", channels=0), "model.channels must be >= 1"),
     ],
 )
 def test_bad_configs_are_refused(config, message):

@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from paisoar_jax.config import DataConfig, ModelConfig
+from paisoar_jax.config import DataConfig, LanguageModelConfig
 from paisoar_jax.data.records import PackedWindows, TokenRecords
 from paisoar_jax.errors import UserError
 
@@ -106,7 +106,7 @@ def dataset_directory(pattern: str) -> pathlib.Path:
 
 
 def open_token_records(
-    pattern: str, data_config: DataConfig, model_config: ModelConfig
+    pattern: str, data_config: DataConfig, model_config: LanguageModelConfig
 ) -> tuple[PackedWindows, PackedWindows]:
     """(train, eval) packed windows of a converted dataset, checked against the model."""
     records = TokenRecords(dataset_directory(pattern))
@@ -134,7 +134,7 @@ def open_token_records(
 
 
 def open_source(
-    data_config: DataConfig, model_config: ModelConfig, seed: int
+    data_config: DataConfig, model_config: LanguageModelConfig, seed: int
 ) -> tuple[TokenWindows | SyntheticWindows | PackedWindows, ...]:
     """The (train, eval) window sources named by data.source."""
     if data_config.source.startswith("arrayrecord:"):

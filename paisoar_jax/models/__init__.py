@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from paisoar_jax.config import ModelConfig, VisionConfig
+from paisoar_jax.config import LanguageModelConfig, VisionConfig
 from paisoar_jax.models.resnet import resolve_resnet_config
 from paisoar_jax.models.vgg import resolve_vgg_config
 from paisoar_jax.models.vit import resolve_vit_config
@@ -21,14 +21,14 @@ VISION_RESOLVERS: dict[str, Callable[[VisionConfig], VisionConfig]] = {
 }
 
 
-def is_image_model(model_config: ModelConfig | VisionConfig) -> bool:
+def is_image_model(model_config: LanguageModelConfig | VisionConfig) -> bool:
     """Whether the configured model classifies images (else it models tokens)."""
     return isinstance(model_config, VisionConfig)
 
 
 def resolve_model_config(
-    model_config: ModelConfig | VisionConfig,
-) -> ModelConfig | VisionConfig:
+    model_config: LanguageModelConfig | VisionConfig,
+) -> LanguageModelConfig | VisionConfig:
     """An image model's config with its variant's shape filled in (UserError if it can't be)."""
     if not is_image_model(model_config):
         return model_config

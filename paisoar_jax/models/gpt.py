@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from paisoar_jax import fp8
-from paisoar_jax.config import ModelConfig
+from paisoar_jax import fp8, output
+from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.layers import param
 from paisoar_jax.precision import Policy, float32_island
@@ -39,7 +38,7 @@ def _layer_norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
-def mlp_width(config: ModelConfig) -> int:
+def mlp_width(config: LanguageModelConfig) -> int:
     """The MLP hidden width: model.mlp_width, or 4 x width when that is 0."""
     return config.mlp_width or 4 * config.width
 
@@ -129,10 +128,7 @@ def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
     except Exception as error:  # any failure means: use XLA's attention, and say why
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         if jax.process_index() == 0:  # stderr: bench's stdout carries its JSON line
-            print(
-                f"paisoar_jax: cuDNN attention unavailable ({reason}); using XLA attention",
-                file=sys.stderr,
-            )
+            output.note(f"cuDNN attention unavailable ({reason}); using XLA attention", stderr=True)
         return False
     return True
 
@@ -140,7 +136,7 @@ def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
 class Block(nnx.Module):
     """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, policy: Policy, rngs: nnx.Rngs):
+    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
         D, H, F = config.width, config.heads, mlp_width(config)
         E = D // H
         normal = nnx.initializers.normal(config.init_std)
@@ -198,7 +194,9 @@ class GPT(nnx.Module):
     The logits are fp32, or in the compute dtype with model.fp32_logits=false.
     """
 
-    def __init__(self, config: ModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs):
+    def __init__(
+        self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
+    ):
         self.config, self.policy, self.remat_policy = config, policy, remat_policy
         normal = nnx.initializers.normal(config.init_std)
         D, V = config.width, config.vocab_size
@@ -253,7 +251,7 @@ class GPT(nnx.Module):
         return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
     @staticmethod
-    def flops_per_token(config: ModelConfig, param_count: int) -> float:
+    def flops_per_token(config: LanguageModelConfig, param_count: int) -> float:
         """Training FLOPs per token: 6 N for the matmuls plus 12 L D T for attention."""
         return 6 * param_count + 12 * config.layers * config.width * config.seq_len
 
@@ -264,7 +262,7 @@ def _block_step(graphdef, rotary, x_BxTxD, block_state):
     return nnx.merge(graphdef, block_state)(x_BxTxD, rotary).astype(x_BxTxD.dtype), None
 
 
-def _stacked_blocks(config: ModelConfig, policy: Policy, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs) -> Block:
     """`layers` blocks with their params stacked on a leading `layers` axis, for scan."""
 
     @nnx.split_rngs(splits=config.layers)

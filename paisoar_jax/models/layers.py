@@ -92,7 +92,7 @@ def resolve_config(config: VisionConfig, family: str) -> VisionConfig:
         )
     filled = {key: value for key, value in defaults.items() if getattr(config, key) == 0}
     config = dataclasses.replace(config, name=family, **filled)
-    for key in ("num_classes", "image_size", "channels", "width", "depth"):
+    for key in ("image_size", "channels", "width", "depth"):  # num_classes: VisionConfig
         if getattr(config, key) < 1:
             raise UserError(f"model.{key} must be >= 1, got {getattr(config, key)}")
     return config

@@ -17,7 +17,7 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.memory import format_bytes  # the units plan prints
-from paisoar_jax.plan import format_count
+from paisoar_jax.tools.plan import format_count
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores
@@ -75,9 +75,7 @@ def _scale(value: float) -> str:
 
 def _loss_scale_mode(config: Config) -> str:
     """dynamic, static or none: the run's loss scaling."""
-    from paisoar_jax.loss_scale import parse_mode
-
-    return parse_mode(config.precision.loss_scale, config.precision.policy)[0]
+    return config.precision.loss_scale_mode()[0]
 
 
 def _larger_batch(config: Config, why: str) -> str:

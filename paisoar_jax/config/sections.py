@@ -1,31 +1,46 @@
-"""Run configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
+"""The run's settings: one frozen dataclass per concern, each checking its own values.
 
-A YAML file holds sections named after the fields of `Config` (mesh, model, data, ...); each
-section lists only what differs from the dataclass defaults, so the defaults alone are the
-embedded CPU-friendly run. Command-line overrides look like `optim.lr=3e-4`. Unknown keys,
-wrong types and values outside a field's choices raise `UserError` with one line.
+A section refuses a value no run could use in its `__post_init__` (a count below its
+minimum, a rate that is not finite, a shape that does not divide) with one-line `UserError`s;
+`Config.__post_init__` holds the checks that read several sections at once, in one place.
+What needs the devices (mesh sizes: sharding.py) or a model's own tables (an image variant's
+shape: models/) is checked there, once the run has them. This module imports nothing of the
+package but its error type, so anything may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import pathlib
 import re
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import yaml
+from typing import Literal
 
 from paisoar_jax.errors import UserError
 
-# The shipped recipes: paisoar_jax/configs inside an installed wheel, configs/ beside the
-# package in a checkout and an editable install (pyproject.toml maps the one to the other).
-_PACKAGE_DIR = pathlib.Path(__file__).parent
-CONFIG_DIR = next(
-    (path for path in (_PACKAGE_DIR / "configs", _PACKAGE_DIR.parent / "configs") if path.is_dir()),
-    _PACKAGE_DIR / "configs",
-)
+
+def _check_at_least(section: str, owner: object, minimums: dict[str, int]) -> None:
+    """Each named count of `owner` must be at least its minimum."""
+    for key, minimum in minimums.items():
+        value = getattr(owner, key)
+        if value < minimum:
+            raise UserError(f"{section}.{key} must be >= {minimum}, got {value}")
+
+
+def _check_finite_non_negative(section: str, owner: object, keys: tuple[str, ...]) -> None:
+    """Each named number of `owner` must be finite and >= 0."""
+    for key in keys:
+        value = getattr(owner, key)
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"{section}.{key} must be a finite number >= 0, got {value}")
+
+
+def _check_regex(pattern: str, key: str) -> None:
+    """A regex of a config key must compile."""
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise UserError(f"{key}: {pattern!r} is not a valid regex ({error})") from None
 
 
 @dataclass(frozen=True)
@@ -39,10 +54,18 @@ class MeshConfig:
     dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
     zero: int = 0  # 0 replicate over data; 1 (=2) shard optimizer state; 3 params too
 
+    def __post_init__(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"mesh.zero must be 0, 1, 2 or 3, got {self.zero}")
+        for key in ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp"):
+            size = getattr(self, key)
+            if size == 0 or size < -1:
+                raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
+
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Model choice (a name in the registry) and its shape."""
+class LanguageModelConfig:
+    """A decoder language model (model.name gpt, the default) and its shape."""
 
     name: str = "gpt"
     vocab_size: int = 256  # the embedded corpus is read byte-level
@@ -59,6 +82,20 @@ class ModelConfig:
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
     fp32_logits: bool = True
     init_std: float = 0.02
+
+    def __post_init__(self):
+        positive = {key: 1 for key in ("vocab_size", "seq_len", "layers", "width", "heads")}
+        _check_at_least("model", self, positive)
+        if self.mlp_width < 0:
+            raise UserError(
+                f"model.mlp_width must be >= 0 (0 means 4 * width), got {self.mlp_width}"
+            )
+        if self.width % self.heads:
+            raise UserError(
+                f"model.width={self.width} is not divisible by model.heads={self.heads}"
+            )
+        if self.position == "rotary" and (self.width // self.heads) % 2:
+            raise UserError("model.position=rotary needs an even head width (width / heads)")
 
 
 @dataclass(frozen=True)
@@ -83,6 +120,12 @@ class VisionConfig:
     init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
     label_smoothing: float = 0.0  # share of the target spread evenly over all classes
 
+    def __post_init__(self):
+        if self.num_classes < 2:
+            raise UserError(f"model.num_classes must be >= 2, got {self.num_classes}")
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"model.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
 
 @dataclass(frozen=True)
 class CustomModelConfig:
@@ -94,7 +137,7 @@ class CustomModelConfig:
 
 # model.name -> the dataclass of the `model` section: each family has its own keys.
 MODEL_CONFIGS: dict[str, type] = {
-    "gpt": ModelConfig,
+    "gpt": LanguageModelConfig,
     "resnet": VisionConfig,
     "vgg": VisionConfig,
     "vit": VisionConfig,
@@ -130,14 +173,6 @@ class ShardingConfig:
             raise UserError(f"sharding.min_split_size must be >= 1, got {self.min_split_size}")
 
 
-def _check_regex(pattern: str, key: str) -> None:
-    """A regex of a config key must compile."""
-    try:
-        re.compile(pattern)
-    except re.error as error:
-        raise UserError(f"{key}: {pattern!r} is not a valid regex ({error})") from None
-
-
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are loaded."""
@@ -154,6 +189,23 @@ class DataConfig:
     # a resume onto data of another size or fingerprint: refuse it, or start the new data
     # from its first example
     on_change: Literal["refuse", "restart"] = "refuse"
+
+    def __post_init__(self):
+        _check_at_least("data", self, {"prefetch": 1, "workers": 0})
+        if not 0 <= self.eval_fraction < 1:
+            raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not 0 < self.min_crop_scale <= 1:
+            raise UserError(f"data.min_crop_scale must be in (0, 1], got {self.min_crop_scale}")
+        if not (math.isfinite(self.mixup_alpha) and self.mixup_alpha >= 0):
+            raise UserError(
+                f"data.mixup_alpha must be a finite number >= 0, got {self.mixup_alpha}"
+            )
+
+    def image_keys_changed(self) -> list[str]:
+        """The image augmentation keys set away from their defaults."""
+        defaults = DataConfig()
+        keys = ("min_crop_scale", "mixup_alpha")
+        return [key for key in keys if getattr(self, key) != getattr(defaults, key)]
 
 
 @dataclass(frozen=True)
@@ -176,6 +228,15 @@ class OptimConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # rescale lr for the global batch
     base_batch: int = 0  # the global batch `lr` was tuned for (needed when lr_scaling != none)
 
+    def __post_init__(self):
+        if self.lr_scaling != "none" and self.base_batch < 1:
+            raise UserError(f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch >= 1")
+        if not self.lr > 0:
+            raise UserError(f"optim.lr must be > 0, got {self.lr}")
+        _check_at_least("optim", self, {"warmup_steps": 0})
+        numbers = ("clip_norm", "weight_decay", "final_lr_fraction", "lr")
+        _check_finite_non_negative("optim", self, numbers)
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
@@ -188,6 +249,27 @@ class PrecisionConfig:
     hysteresis: int = 1  # non-finite steps in a row before the scale halves
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+
+    def __post_init__(self):
+        self.loss_scale_mode()
+
+    def loss_scale_mode(self) -> tuple[str, float]:
+        """(mode, static value) of `loss_scale`: dynamic, static or none (auto resolved)."""
+        text = self.loss_scale
+        if text == "auto":
+            text = "dynamic" if self.policy == "fp16" else "none"
+        if text in ("dynamic", "none"):
+            return text, 1.0
+        if text.startswith("static:"):
+            try:
+                value = float(text.removeprefix("static:"))
+            except ValueError:
+                value = -1.0
+            if value > 0:
+                return "static", value
+        raise UserError(
+            f"precision.loss_scale={text!r} is not dynamic, none or static:<positive number>"
+        )
 
 
 @dataclass(frozen=True)
@@ -225,6 +307,13 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (the newest readable checkpoint) | never | <step>
     init_from: str = ""  # start from exported params (a params export or checkpoint step dir)
 
+    def __post_init__(self):
+        _check_at_least("checkpoint", self, {"every": 0, "keep": 1, "keep_period": 0})
+        if self.resume not in ("auto", "never") and not self.resume.isdigit():
+            raise UserError(
+                f"checkpoint.resume must be auto, never or a step number, got {self.resume!r}"
+            )
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -243,6 +332,28 @@ class TrainConfig:
     # profile plugin or Perfetto); empty: no trace.
     profile_steps: tuple[int, ...] = ()
     memory_limit_gb: float = 0.0  # per-device GiB the compiled step must fit; 0: no check
+
+    def __post_init__(self):
+        positive = {key: 1 for key in ("steps", "global_batch", "grad_accum", "log_every")}
+        _check_at_least("train", self, positive)
+        if self.global_batch % self.grad_accum:
+            raise UserError(
+                f"train.global_batch={self.global_batch} is not divisible by "
+                f"train.grad_accum={self.grad_accum}"
+            )
+        profile = self.profile_steps
+        if profile and profile[-1] > self.steps:
+            raise UserError(
+                f"train.profile_steps={list(profile)} ends after the last step "
+                f"(train.steps={self.steps})"
+            )
+        _check_at_least("train", self, {"eval_every": 0, "eval_batches": 1, "sample_bytes": 0})
+        _check_finite_non_negative("train", self, ("memory_limit_gb", "peak_tflops"))
+        if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
+            raise UserError(
+                "train.profile_steps must be [start, end] with 1 <= start <= end, "
+                f"got {list(profile)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -276,7 +387,7 @@ class Config:
     """The whole run: one section per concern."""
 
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig | VisionConfig = field(default_factory=ModelConfig)
+    model: LanguageModelConfig | VisionConfig = field(default_factory=LanguageModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -287,233 +398,20 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self):
+        """The checks that read several sections; each section has checked itself."""
+        if not isinstance(self.model, VisionConfig):
+            for key in self.data.image_keys_changed():
+                raise UserError(f"data.{key} is for image models (model.name=resnet|vgg|vit)")
+        if isinstance(self.model, CustomModelConfig) and self.precision.policy == "fp8":
+            raise UserError(
+                "precision.policy=fp8 runs the zoo's transformer blocks (gpt, vit) in fp8; a "
+                "model of your own trains in bf16 (its matmuls are not fp8 ops)"
+            )
+        if self.data.eval_fraction == 0 and self.train.eval_every > 0:
+            raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
+
     @property
     def run_dir(self) -> pathlib.Path:
         """The directory that holds everything this run writes."""
         return pathlib.Path(self.run.dir or f"runs/{self.run.name}")
-
-
-def _coerce(value: Any, kind: Any, key: str) -> Any:
-    """Returns `value` as type `kind`, accepting strings from the command line."""
-    if typing.get_origin(kind) is tuple:
-        item_kind = typing.get_args(kind)[0]
-        if item_kind in (int, str):  # [10, 20] in YAML, 10,20 or [10,20] on the command line
-            items = _split_list(value) if isinstance(value, str) else value
-            if isinstance(items, list | tuple):
-                try:
-                    return tuple(
-                        _coerce(item, item_kind, key) for item in items if str(item).strip()
-                    )
-                except UserError:
-                    pass
-            example = "integers like [10, 20]" if item_kind is int else "strings like [a, b]"
-            raise UserError(f"{key}: expected a list of {example}, got {value!r}")
-        return _coerce_rules(value, key)
-    if typing.get_origin(kind) is Literal:
-        choices = typing.get_args(kind)
-        if value not in choices:
-            raise UserError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
-        return value
-    if kind is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if isinstance(value, bool):
-            return value
-    elif kind is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif kind is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)
-    raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
-
-
-def _split_list(text: str) -> list[str]:
-    """`[a, b]` or `a,b` -> its items, split on commas outside brackets (regexes keep theirs)."""
-    text = text.strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    items, depth, current = [], 0, ""
-    for character in text:
-        depth += (character in "[({") - (character in "])}")
-        if character == "," and depth == 0:
-            items.append(current.strip())
-            current = ""
-        else:
-            current += character
-    return [*items, current.strip()]
-
-
-def _coerce_rules(value: Any, key: str) -> tuple:
-    """Sharding rules: [[regex, [entry, ...]], ...] or {regex: [entry, ...]}, YAML on the CLI."""
-    if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise UserError(f"{key}: not valid YAML: {value!r}") from None
-    if isinstance(value, dict):
-        value = list(value.items())
-    if not isinstance(value, list | tuple):
-        raise UserError(f"{key}: expected a list of [regex, [axes per dimension]], got {value!r}")
-    rules = []
-    for rule in value:
-        if not (isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise UserError(f"{key}: a rule is [regex, [axes per dimension]], got {rule!r}")
-        pattern, entries = rule
-        if isinstance(entries, str) or not isinstance(entries, list | tuple):
-            entries = [entries]
-        rules.append((pattern, tuple(_axis_entry(entry, key, pattern) for entry in entries)))
-    return tuple(rules)
-
-
-def _axis_entry(entry: Any, key: str, pattern: str) -> str | tuple[str, ...] | None:
-    """One dimension of a rule: None, a name, or a list of mesh-axis names."""
-    if entry is None or (isinstance(entry, str) and entry.lower() in ("none", "null", "")):
-        return None
-    if isinstance(entry, str):
-        return entry
-    if isinstance(entry, list | tuple) and all(isinstance(name, str) for name in entry):
-        return tuple(entry)
-    raise UserError(f"{key}: rule {pattern!r}: {entry!r} is not an axis name or a list of them")
-
-
-def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> Any:
-    """Builds one section dataclass from a dict, rejecting unknown keys and wrong types."""
-    if not isinstance(values, dict):
-        raise UserError(f"{prefix}: expected a mapping of keys, got {values!r}")
-    hints = typing.get_type_hints(section_type)
-    known = {f.name for f in dataclasses.fields(section_type)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in known:
-            raise UserError(
-                f"unknown config key {prefix}.{key}{_model_hint(prefix, key, values)} "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
-    return section_type(**kwargs)
-
-
-def _model_hint(prefix: str, key: str, values: dict[str, Any]) -> str:
-    """For a model key of another family: which model.name it belongs to."""
-    if prefix != "model":
-        return ""
-    owners = sorted(
-        {
-            name
-            for name, section_type in MODEL_CONFIGS.items()
-            if key in {f.name for f in dataclasses.fields(section_type)}
-        }
-    )
-    if not owners:
-        return ""
-    return f": it belongs to model.name={'|'.join(owners)}, not {values.get('name', 'gpt')}"
-
-
-def resolve_config_path(path_or_name: str) -> pathlib.Path:
-    """Finds a config by path, or by name among the shipped configs (`gpt2_124m`)."""
-    path = pathlib.Path(path_or_name)
-    if path.is_file():
-        return path
-    shipped = CONFIG_DIR / f"{path.stem}.yaml"
-    if len(path.parts) == 1 and shipped.is_file():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise UserError(f"config file not found: {path_or_name} (shipped configs: {names})")
-
-
-def _parse_override(text: str) -> tuple[str, str, str]:
-    """Splits `section.key=value` into its three parts."""
-    if "=" not in text:
-        raise UserError(f"override {text!r} is not of the form section.key=value")
-    dotted, value = text.split("=", 1)
-    if dotted.count(".") != 1:
-        raise UserError(f"override key {dotted!r} is not of the form section.key")
-    section, key = dotted.split(".")
-    return section, key, value
-
-
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Loads a YAML config (or the defaults when `path` is None) and applies overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        config_path = resolve_config_path(path)
-        try:
-            raw = yaml.safe_load(config_path.read_text()) or {}
-        except yaml.YAMLError as error:
-            first_line = str(error).splitlines()[0]
-            raise UserError(f"{config_path}: not valid YAML ({first_line})") from None
-        if not isinstance(raw, dict):
-            raise UserError(f"{config_path}: expected a mapping of sections at the top level")
-        raw.setdefault("run", {}).setdefault("name", config_path.stem)
-    return config_from_dict(raw, overrides)
-
-
-def config_from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
-    """Builds and validates a Config from plain sections (as YAML gives them) and overrides."""
-    raw = {
-        name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()
-    }
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    for text in overrides:
-        section, key, value = _parse_override(text)
-        if section not in sections:
-            raise UserError(f"unknown config section {section!r} in override {text!r}")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise UserError(f"{section}: expected a mapping of keys")
-        raw[section][key] = value
-    for name in raw:
-        if name not in sections:
-            raise UserError(f"unknown config section {name!r} (known: {', '.join(sections)})")
-    config = Config(
-        **{
-            name: _build_section(_section_type(name, raw), raw.get(name) or {}, name)
-            for name in sections
-        }
-    )
-    from paisoar_jax.validation import validate  # it imports this module's dataclasses
-
-    validate(config)
-    return config
-
-
-def _section_type(name: str, raw: dict[str, Any]) -> type:
-    """The dataclass of section `name`; the model section's follows its model.name."""
-    if name != "model":
-        return typing.get_type_hints(Config)[name]
-    model_name = (
-        (raw.get("model") or {}).get("name", "gpt") if isinstance(raw.get("model"), dict) else "gpt"
-    )
-    if model_name not in MODEL_CONFIGS:
-        zoo = sorted(name for name in MODEL_CONFIGS if name != "custom")
-        raise UserError(
-            f"model.name={model_name!r} is not one of {', '.join(zoo)} (custom: a model of "
-            f"your own, given to paisoar_jax.fit)"
-        )
-    return MODEL_CONFIGS[model_name]
-
-
-def to_dict(config: Config) -> dict[str, Any]:
-    """The resolved config as plain dicts, for config.yaml in the run directory."""
-    return dataclasses.asdict(config)
-
-
-def dump_yaml(config: Config) -> str:
-    """The resolved config as YAML text that load_config reads back to the same Config."""
-    return yaml.safe_dump(to_dict(config), sort_keys=False)

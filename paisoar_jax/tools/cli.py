@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from paisoar_jax import distributed
+from paisoar_jax import distributed, output
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, DivergenceError, UserError
 
@@ -52,10 +51,10 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
     try:
         work()
     except UserError as error:
-        print(f"{program}: error: {error}", file=sys.stderr)
+        output.error(str(error), program=program)
         status = USER_ERROR_EXIT_CODE
     except DivergenceError as error:
-        print(f"{program}: error: {error}", file=sys.stderr)
+        output.error(str(error), program=program)
         status = 1
     except Exception:
         if not distributed.joined():

@@ -138,7 +138,7 @@ def pieces_ms(config: Config) -> dict[str, float]:
 
 def overhead(config: Config) -> dict[str, Any]:
     """The library's ms/step beside the bare loop's, their ratio and the pieces."""
-    from paisoar_jax.bench import bench_train
+    from paisoar_jax.tools.bench import bench_train
 
     library = bench_train(config)
     bare_ms = bare_loop_ms(config)

@@ -1,0 +1,59 @@
+"""Run configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
+
+sections.py holds the dataclasses and their checks; loading.py reads YAML files and
+`section.key=value` overrides into them and writes the resolved config back. Everything a
+caller needs is importable from here (`from paisoar_jax.config import Config, load_config`).
+The package imports nothing of paisoar_jax but `errors`, so every other module may use it.
+"""
+
+from paisoar_jax.config.loading import (
+    CONFIG_DIR,
+    config_from_dict,
+    dump_yaml,
+    load_config,
+    resolve_config_path,
+    to_dict,
+)
+from paisoar_jax.config.sections import (
+    MODEL_CONFIGS,
+    AxisEntry,
+    CheckpointConfig,
+    Config,
+    CustomModelConfig,
+    DataConfig,
+    DistributedConfig,
+    LanguageModelConfig,
+    MeshConfig,
+    OptimConfig,
+    PrecisionConfig,
+    RematConfig,
+    RunConfig,
+    ShardingConfig,
+    TrainConfig,
+    VisionConfig,
+)
+
+__all__ = [
+    "CONFIG_DIR",
+    "MODEL_CONFIGS",
+    "AxisEntry",
+    "CheckpointConfig",
+    "Config",
+    "CustomModelConfig",
+    "DataConfig",
+    "DistributedConfig",
+    "MeshConfig",
+    "LanguageModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "RematConfig",
+    "RunConfig",
+    "ShardingConfig",
+    "TrainConfig",
+    "VisionConfig",
+    "config_from_dict",
+    "dump_yaml",
+    "load_config",
+    "resolve_config_path",
+    "to_dict",
+]

@@ -1,0 +1,69 @@
+"""The one path for the lines a user reads: notes, warnings, errors and a tool's result.
+
+Every user-facing line of the core and the tools goes through `note`, `warning` or `error`,
+so one switch, the environment variable PAISOAR_OUTPUT, changes all of them:
+
+    text   (default) `paisoar_jax: ...` lines; notes on stdout, warnings and errors on stderr
+    quiet  warnings and errors only (and the progress bar off)
+    json   each line one JSON object on the same stream:
+           {"level": "note" | "warning" | "error", "program": ..., "message": ...}
+
+A tool's product (plan's table, doctor's findings, bench's JSON line) is its `result`: it is
+written as it is in every mode, since that is what the user asked the tool for. Callers
+decide which process speaks (process 0, as a rule): this module never touches jax, so it
+can speak before `jax.distributed.initialize`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tqdm import tqdm
+
+PROGRAM = "paisoar_jax"
+MODES = ("text", "quiet", "json")
+
+
+def mode() -> str:
+    """The output mode PAISOAR_OUTPUT asks for (an unknown value reads as text)."""
+    value = os.environ.get("PAISOAR_OUTPUT", "text").strip().lower()
+    return value if value in MODES else "text"
+
+
+def shows_progress() -> bool:
+    """Whether a progress bar may be drawn (text mode only: quiet is quiet, json is parsed)."""
+    return mode() == "text"
+
+
+def note(message: str, *, program: str = PROGRAM, stderr: bool = False) -> None:
+    """Something the user should know; on stderr where stdout carries a tool's result."""
+    _write("note", message, program, sys.stderr if stderr else sys.stdout)
+
+
+def warning(message: str, *, program: str = PROGRAM) -> None:
+    """Something that may be wrong, on stderr; the run goes on."""
+    _write("warning", message, program, sys.stderr)
+
+
+def error(message: str, *, program: str = PROGRAM) -> None:
+    """The one line that says why a command stops (exit status 2 or 1 follows), on stderr."""
+    _write("error", message, program, sys.stderr)
+
+
+def result(text: str) -> None:
+    """A tool's product, on stdout, as it is in every mode."""
+    print(text, flush=True)
+
+
+def _write(level: str, message: str, program: str, stream) -> None:
+    current = mode()
+    if current == "quiet" and level == "note":
+        return
+    if current == "json":
+        line = json.dumps({"level": level, "program": program, "message": message})
+    else:
+        line = f"{program}: {'' if level == 'note' else level + ': '}{message}"
+    tqdm.write(line, file=stream)  # above a progress bar, when one is drawn
+    stream.flush()

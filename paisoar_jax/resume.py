@@ -1,0 +1,143 @@
+"""Where a run starts and what a save keeps: the loop's side of checkpoints.
+
+`starting_point` gives the state a run starts from: the newest (or a named) checkpoint,
+exported params to fine-tune (`checkpoint.init_from`), or a fresh init. `resume_input` moves
+the input to the position the checkpoint saved. `save` stores the state with that position
+and what it belongs to (`input_signature`), so a resume on another topology continues the
+same order. Orbax itself is driven by checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+
+from paisoar_jax import __version__
+from paisoar_jax.checkpoint import (
+    Checkpointer,
+    Restored,
+    checkpoint_directory,
+    describe_failure,
+    load_weights,
+)
+from paisoar_jax.config import Config, to_dict
+from paisoar_jax.data.pipeline import GlobalBatches, resume_position
+from paisoar_jax.errors import DivergenceError, UserError
+from paisoar_jax.loss_scale import all_finite
+from paisoar_jax.state import StateLayout, init_state
+from paisoar_jax.workload import Task
+
+
+def make_checkpointer(config: Config) -> Checkpointer | None:
+    """The run's checkpointer, or None when checkpointing is off."""
+    settings = config.checkpoint
+    if not settings.enabled:
+        return None
+    directory = checkpoint_directory(settings, config.run_dir)
+    return Checkpointer(directory, settings.keep, settings.keep_period, settings.async_save)
+
+
+def starting_point(
+    config: Config, layout: StateLayout, checkpointer: Checkpointer | None, task: Task
+) -> tuple[Any, int, Restored | None]:
+    """(state, step, what was restored or None): resumed, fine-tuned from params, or fresh."""
+    resume, signature = config.checkpoint.resume, input_signature(config, task)
+    if checkpointer is not None and resume != "never":
+        if resume == "auto":
+            restored = checkpointer.restore_latest(layout.abstract_state, signature)
+        elif int(resume) not in checkpointer.steps():
+            raise UserError(
+                f"checkpoint.resume={resume}: no such step in {checkpointer.directory} "
+                f"(steps: {checkpointer.steps() or 'none'})"
+            )
+        else:
+            try:
+                restored = checkpointer.restore(int(resume), layout.abstract_state, signature)
+            except UserError:
+                raise
+            except Exception as error:  # asked for by name: no silent fallback to another
+                raise UserError(
+                    f"checkpoint.resume={resume}: step {resume} in {checkpointer.directory} is "
+                    f"unreadable ({describe_failure(error)})"
+                ) from None
+            checkpointer.set_aside_after(int(resume))  # only once the older step restored
+        if restored is not None:
+            return restored.state, restored.step, restored
+    elif checkpointer is not None and checkpointer.steps():
+        raise UserError(
+            f"checkpoint.resume=never but {checkpointer.directory} already holds steps "
+            f"{checkpointer.steps()}: use another run.dir or checkpoint.dir"
+        )
+    state = init_state(config, layout)
+    if config.checkpoint.init_from:
+        params, model_state = load_weights(
+            pathlib.Path(config.checkpoint.init_from), layout.abstract_state
+        )
+        state = state.replace(params=params, model_state=model_state or state.model_state)
+    return state, 0, None
+
+
+def input_signature(config: Config, task: Task) -> dict[str, Any]:
+    """What a saved input position belongs to; a resume that changes it starts afresh."""
+    return {
+        "source": config.data.source,
+        "workers": config.data.workers,  # grain's state differs with and without workers
+        "global_batch": config.train.global_batch,
+        **task.signature(),  # seq_len, image size and channels, or a user's data
+        "seed": config.train.seed,
+    }
+
+
+def resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
+    """Moves the input to where the checkpoint left it; a line to print when it cannot."""
+    step = restored.step
+    if isinstance(host_iterator, GlobalBatches):
+        saved_batch = restored.meta.get("config", {}).get("train", {}).get("global_batch")
+        examples, note = resume_position(
+            restored.data_state,
+            host_iterator,
+            step,
+            saved_batch or config.train.global_batch,
+            config.data.on_change,
+        )
+        host_iterator.set_state({"examples": examples})
+        return note
+    if not hasattr(host_iterator, "set_state"):
+        return (
+            f"resumed at step {step}, but the input has no position to save (a plain "
+            f"iterable): it restarts from its first batch"
+        )
+    if (restored.data_state or {}).get("sampler") == "global":
+        return (
+            f"checkpoint step {step} holds a position of examples in the global order, but "
+            f"the input is now ready batches: they restart from their first batch"
+        )
+    if restored.data_state is None:
+        why = f" (the input changed since: {restored.input_changes})"
+        return (
+            f"checkpoint step {step} holds no input position this run can continue"
+            f"{why if restored.input_changes else ''}: the input restarts from its first batch"
+        )
+    host_iterator.set_state(restored.data_state)
+    return None
+
+
+_params_finite = jax.jit(all_finite)
+
+
+def save(checkpointer, step, state, batches, config, mesh, task) -> None:
+    """Starts an async save of `step`; params that are no longer finite are never saved."""
+    if not bool(_params_finite(state.params)):
+        raise DivergenceError(
+            f"the params are not finite after step {step}: training diverged; the "
+            f"checkpoints before it are kept in {checkpointer.directory}"
+        )
+    meta = {
+        "step": step,
+        "mesh": dict(mesh.shape),
+        "version": __version__,
+        "config": to_dict(config),
+    }
+    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config, task))

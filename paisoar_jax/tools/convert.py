@@ -1,0 +1,334 @@
+"""`python -m paisoar_jax.convert text|images|verify ...`: build ArrayRecord datasets.
+
+`text` tokenizes files (one file = one document, each followed by the end-of-document id)
+into one stream cut into fixed-size records; `images` packs a class-per-folder image tree
+into labelled records; `verify` checks a dataset's shards against its manifest. The formats
+and their readers are in `paisoar_jax.data.records`.
+
+Inputs are files, directories (every non-hidden file below them) or recursive globs. The
+`byte` tokenizer stores each file's raw UTF-8 bytes (vocab 256) and uses 0 as the
+end-of-document id: text never contains NUL, so a file that does is rejected as binary.
+A `tokenizers` JSON file ends documents with the first of <|endoftext|>, </s>, <eos> it has.
+
+The same inputs give byte-identical output: inputs are sorted and the manifest holds no
+timestamps or absolute paths. A dataset is built in a hidden sibling directory and renamed
+into place only when complete, so a failed or interrupted run leaves no half dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import pathlib
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from paisoar_jax import output
+from paisoar_jax.data import records
+from paisoar_jax.errors import UserError
+from paisoar_jax.tools.cli import exit_status
+
+PROGRAM = "paisoar_jax.convert"
+DEFAULT_RECORD_TOKENS = 16384
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")
+# One record per chunk, so reading one record decompresses only that record.
+TOKEN_WRITER_OPTIONS = "group_size:1,zstd:3"
+# JPEG and PNG bytes are compressed already; compressing again costs time and saves nothing.
+IMAGE_WRITER_OPTIONS = "group_size:1,uncompressed"
+SHOWN_SKIPPED = 3
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """Byte-level (model None) or a HuggingFace `tokenizers` model, with its ids."""
+
+    name: str
+    sha256: str | None
+    vocab_size: int
+    eos_id: int
+    model: object | None = None
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte`, or the tokenizer in a HuggingFace `tokenizers` JSON file."""
+    if spec == "byte":
+        # UTF-8 text never contains NUL, so byte 0 is free to mark the end of a document.
+        return Tokenizer("byte", None, 256, 0)
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise UserError(f"--tokenizer {spec}: no such file (use byte or a tokenizers JSON file)")
+    try:
+        import tokenizers
+    except ImportError:
+        raise UserError(
+            "--tokenizer FILE needs the tokenizers package: pip install tokenizers"
+        ) from None
+    try:
+        model = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:
+        raise UserError(f"{path} is not a tokenizers JSON file: {error}") from None
+    eos_ids = [model.token_to_id(name) for name in EOS_NAMES]
+    eos_id = next((token for token in eos_ids if token is not None), None)
+    if eos_id is None:
+        raise UserError(f"{path} has no end-of-document token (one of {', '.join(EOS_NAMES)})")
+    sha256 = records.file_sha256(path)
+    return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model)
+
+
+def tokenize_file(tokenizer: Tokenizer, path: pathlib.Path) -> np.ndarray:
+    """The token ids of one document, without its end-of-document id."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror}") from None
+    if tokenizer.model is None:
+        if b"\0" in data:
+            raise UserError(f"{path} contains NUL bytes (the byte tokenizer's end-of-document)")
+        return np.frombuffer(data, np.uint8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text: {error}") from None
+    return np.asarray(tokenizer.model.encode(text, add_special_tokens=False).ids, np.int64)
+
+
+def files_under(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The files below a directory at any depth, skipping hidden ones (.git and the like)."""
+    return [
+        path
+        for path in directory.rglob("*")
+        if path.is_file()
+        and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    ]
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
+    """The sorted, deduplicated files named by files, directories or (recursive) globs."""
+    found: set[pathlib.Path] = set()
+    for pattern in patterns:
+        matched = []
+        for name in [pattern] if os.path.exists(pattern) else glob.glob(pattern, recursive=True):
+            path = pathlib.Path(name)
+            matched += files_under(path) if path.is_dir() else [path]
+        if not matched:
+            raise UserError(f"--input {pattern}: no such file, or no files under or matching it")
+        found.update(pathlib.Path(os.path.abspath(path)) for path in matched)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def staged_output(output: pathlib.Path, overwrite: bool) -> Iterator[pathlib.Path]:
+    """A fresh sibling directory of `output` that replaces it only if the body succeeds."""
+    output = pathlib.Path(os.path.abspath(output))  # "." and "out/" need a real name and parent
+    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not empty (--overwrite replaces it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.is_dir():
+        retired = staging.with_name(f".{output.name}.old-{os.getpid()}")
+        output.rename(retired)
+        staging.rename(output)
+        shutil.rmtree(retired)
+    else:
+        output.unlink(missing_ok=True)
+        staging.rename(output)
+
+
+def write_shards(
+    directory: pathlib.Path,
+    prefix: str,
+    contents: Iterator[bytes],
+    record_count: int,
+    shard_count: int,
+    options: str,
+) -> list[dict]:
+    """Writes record_count records in order, contiguously over at most shard_count shards."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    shard_count = max(1, min(shard_count, record_count))
+    base, extra = divmod(record_count, shard_count)
+    shards = []
+    for index in range(shard_count):
+        count = base + (index < extra)
+        path = directory / records.shard_name(prefix, index, shard_count)
+        writer = ArrayRecordWriter(str(path), options)
+        if not writer.ok():
+            raise UserError(f"cannot create {path}")
+        for _ in range(count):
+            writer.write(next(contents))
+        writer.close()
+        size, sha256 = path.stat().st_size, records.file_sha256(path)
+        shards.append({"path": path.name, "records": count, "bytes": size, "sha256": sha256})
+    return shards
+
+
+def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
+    """Writes manifest.json with sorted keys, so equal datasets have equal bytes."""
+    text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
+    (directory / records.MANIFEST_NAME).write_text(text)
+
+
+def progress(items: Sequence, description: str, enabled: bool) -> Iterator:
+    """A tqdm bar on stderr, shown only on a terminal and when enabled."""
+    from tqdm import tqdm
+
+    return tqdm(
+        items, desc=description, unit="file", file=sys.stderr, disable=None if enabled else True
+    )
+
+
+def convert_text(args: argparse.Namespace) -> str:
+    """Tokenizes the input files into a tokens dataset; returns the summary line."""
+    if args.record_tokens < 1:
+        raise UserError(f"--record-tokens must be at least 1, got {args.record_tokens}")
+    files = expand_inputs(args.input)
+    tokenizer = load_tokenizer(args.tokenizer)
+    dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
+    record_tokens = args.record_tokens
+    with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
+        # The stream goes to disk first: shard sizes depend on the total, known only at the end.
+        stream_path, token_count = staging / "stream.tmp", 0
+        with open(stream_path, "wb") as stream:
+            for path in progress(files, "tokenizing", args.progress):
+                tokens = np.append(tokenize_file(tokenizer, path), tokenizer.eos_id)
+                stream.write(tokens.astype(dtype).tobytes())
+                token_count += len(tokens)
+        if token_count == len(files):
+            raise UserError(f"every input file is empty ({len(files)} files)")
+        stream_tokens = np.memmap(stream_path, dtype, "r")
+        contents = (
+            stream_tokens[start : start + record_tokens].tobytes()
+            for start in range(0, token_count, record_tokens)
+        )
+        record_count = -(-token_count // record_tokens)
+        shards = write_shards(
+            staging, "tokens", contents, record_count, args.shards, TOKEN_WRITER_OPTIONS
+        )
+        del contents, stream_tokens
+        stream_path.unlink()
+        first = 0
+        for shard in shards:
+            stop = first + shard["records"]
+            shard["tokens"] = min(stop * record_tokens, token_count) - first * record_tokens
+            first = stop
+        manifest = {
+            "format": records.TOKENS_FORMAT,
+            "version": records.FORMAT_VERSION,
+            "tokenizer": tokenizer.name,
+            "tokenizer_sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "dtype": dtype.name,
+            "record_tokens": record_tokens,
+            "token_count": token_count,
+            "documents": len(files),
+            "shards": shards,
+        }
+        write_manifest(staging, manifest)
+    return (
+        f"wrote {len(files)} documents, {token_count} tokens "
+        f"in {len(shards)} shards to {args.output}"
+    )
+
+
+def convert_images(args: argparse.Namespace) -> str:
+    """Packs a class-per-folder image tree into an images dataset; returns the summary line."""
+    directory = pathlib.Path(args.input)
+    classes, files, skipped = records.scan_image_folder(directory)
+    if skipped:
+        names = [str(path.relative_to(directory)) for path in skipped[:SHOWN_SKIPPED]]
+        names += ["..."] if len(skipped) > SHOWN_SKIPPED else []
+        output.warning(
+            f"skipped {len(skipped)} unreadable images: {', '.join(names)}", program=PROGRAM
+        )
+    if not files:
+        raise UserError(f"{directory} has no readable .jpg/.jpeg/.png images")
+    contents = (
+        np.array(label, records.LABEL_DTYPE).tobytes() + path.read_bytes()
+        for path, label in progress(files, "packing", args.progress)
+    )
+    with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
+        shards = write_shards(
+            staging, "images", contents, len(files), args.shards, IMAGE_WRITER_OPTIONS
+        )
+        manifest = {
+            "format": records.IMAGES_FORMAT,
+            "version": records.FORMAT_VERSION,
+            "classes": classes,
+            "count": len(files),
+            "skipped": len(skipped),
+            "shards": shards,
+        }
+        write_manifest(staging, manifest)
+    return (
+        f"wrote {len(files)} images of {len(classes)} classes "
+        f"({len(skipped)} unreadable skipped) in {len(shards)} shards to {args.output}"
+    )
+
+
+def verify_dataset(args: argparse.Namespace) -> str:
+    """Checks a dataset's manifest, shard sizes, record counts and hashes; returns the OK line."""
+    directory = pathlib.Path(args.directory)
+    try:
+        found = json.loads((directory / records.MANIFEST_NAME).read_text()).get("format")
+    except Exception:
+        found = None  # TokenRecords below reports what exactly is wrong with the manifest.
+    reader = (records.ImageRecords if found == records.IMAGES_FORMAT else records.TokenRecords)(
+        directory
+    )
+    reader.verify()
+    shards = len(reader.shard_paths)
+    return f"OK: {directory}: {len(reader)} records in {shards} shards match the manifest"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `text`, `images` and `verify` subcommands."""
+    parser = argparse.ArgumentParser(prog=PROGRAM, description="Build ArrayRecord datasets.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    text = commands.add_parser("text", help="tokenize text files into a tokens dataset")
+    text.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB")
+    text.add_argument("--tokenizer", default="byte", help="byte, or a tokenizers JSON file")
+    text.add_argument("--record-tokens", type=int, default=DEFAULT_RECORD_TOKENS)
+    text.set_defaults(handler=convert_text)
+    images = commands.add_parser("images", help="pack a DIR/CLASS/*.jpg tree into a dataset")
+    images.add_argument("--input", required=True, metavar="DIR")
+    images.set_defaults(handler=convert_images)
+    for command in (text, images):
+        command.add_argument("--output", required=True, metavar="DIR")
+        command.add_argument("--shards", type=int, default=1)
+        command.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+        command.add_argument("--no-progress", dest="progress", action="store_false")
+    verify = commands.add_parser("verify", help="check a dataset against its manifest")
+    verify.add_argument("directory", metavar="DIR")
+    verify.set_defaults(handler=verify_dataset)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+
+    def work() -> None:
+        if getattr(args, "shards", 1) < 1:
+            raise UserError(f"--shards must be at least 1, got {args.shards}")
+        output.note(args.handler(args), program=PROGRAM)
+
+    return exit_status(PROGRAM, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

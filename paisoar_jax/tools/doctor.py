@@ -1,0 +1,136 @@
+"""`python -m paisoar_jax.doctor RUN_DIR [--json]`: what holds a run back, and the fix.
+
+Reads RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl and, when present, RUN_DIR/plan.json
+(written by `python -m paisoar_jax.plan ... --output RUN_DIR/plan.json`), and runs one check
+per known problem. Each finding shows its evidence (numbers and steps of this run) and the
+fixes, most useful first, each naming the override to type. The exit status is 0 whatever
+is found ("no findings" for a healthy run), 2 with one line when the run directory or its
+metrics cannot be read.
+
+    check                  fires when
+    input-bound            the input wait is over 5% of the step time (after the first log)
+    communication-bound    plan.json: collectives over 30% of the projected step
+    low-mfu                the median MFU is below the floor for the model's size
+    loss-scale-collapse    the dynamic loss scale fell at each of the last 3 log steps
+    skipped-steps          over 5% of the steps were skipped for non-finite gradients
+    diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
+                           its minimum
+    memory-headroom        peak device memory under 50% of the limit (room for more batch)
+    memory-near-limit      peak device memory over 90% of the limit
+    recompiles             the train step compiled again after its first compilation
+
+Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
+The checks and their thresholds are in paisoar_jax/findings.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from paisoar_jax import output
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.tools.cli import exit_status
+from paisoar_jax.tools.findings import CHECKS, Finding, Run
+
+PROGRAM = "paisoar_jax.doctor"
+
+
+def _read_json_lines(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics.jsonl (a last line still being written is left out)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise UserError(f"cannot read {path} ({error.strerror or error})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if not line.endswith("\n"):
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)  # Python's json reads the NaN and Infinity it writes
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "step" not in record:
+            raise UserError(f"{path}:{number} is not a metrics record (a JSON object with step)")
+        records.append(record)
+    if not records:
+        raise UserError(f"{path} holds no records yet (one comes every train.log_every steps)")
+    return records
+
+
+def load_run(directory: pathlib.Path) -> Run:
+    """Reads a run directory; a missing or unreadable part raises UserError."""
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such run directory")
+    config_path = directory / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{directory} is not a run directory (no config.yaml)")
+    try:
+        config = load_config(str(config_path))
+    except OSError as error:
+        raise UserError(f"cannot read {config_path} ({error.strerror or error})") from None
+    records = _read_json_lines(directory / "metrics.jsonl")
+    plan_path, plan = directory / "plan.json", None
+    if plan_path.exists():
+        try:
+            plan = json.loads(plan_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise UserError(f"cannot read {plan_path} ({error})") from None
+    return Run(directory, config, records, plan)
+
+
+def diagnose(run: Run) -> list[Finding]:
+    """Every finding of every check, in the order of CHECKS."""
+    return [finding for check in CHECKS if (finding := check(run)) is not None]
+
+
+def format_findings(run: Run, findings: Sequence[Finding]) -> str:
+    """The findings as text: title, evidence and fixes of each."""
+    if not findings:
+        return f"{run.directory}: no findings"
+    lines = [f"{run.directory}: {len(findings)} finding{'s' * (len(findings) > 1)}"]
+    for number, finding in enumerate(findings, start=1):
+        lines += [
+            "",
+            f"{number}. {finding.name}: {finding.title}",
+            f"   evidence: {finding.evidence}",
+        ]
+        lines += [f"   fix: {fix}" for fix in finding.fixes]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM,
+        description="Read a run directory and say what holds the run back, with the fix.",
+    )
+    parser.add_argument("run_dir", type=pathlib.Path, help="a run directory (holds config.yaml)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    args = parser.parse_args(argv)
+
+    def work() -> None:
+        run = load_run(args.run_dir)
+        findings = diagnose(run)
+        if args.json:
+            payload = {
+                "run_dir": str(run.directory),
+                "findings": [dataclasses.asdict(finding) for finding in findings],
+            }
+            output.result(json.dumps(payload))
+        else:
+            output.result(format_findings(run, findings))
+
+    return exit_status(PROGRAM, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""`python -m paisoar_jax.export RUN_DIR --output DIR [--step N]`: weights only, for inference.
+
+Reads the run's config.yaml and a checkpoint (the newest, or --step), and writes the
+params (and BatchNorm's running statistics, for models that have them) without the
+optimizer state to DIR/params, with the run's config beside them. The export is the input of
+inference code and of fine-tuning: `python -m paisoar_jax.train checkpoint.init_from=DIR`
+starts a new run from these params with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from paisoar_jax.errors import UserError
+from paisoar_jax.output import note
+from paisoar_jax.tools.cli import exit_status
+
+PROGRAM = "paisoar_jax.export"
+
+
+def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None) -> int:
+    """Writes the params of `step` (default: the newest) of the run in `run_dir` to `output`."""
+    import math
+
+    import jax
+
+    from paisoar_jax.checkpoint import (
+        abstract_weights,
+        checkpoint_directory,
+        export_weights,
+        load_weights,
+    )
+    from paisoar_jax.config import dump_yaml, load_config
+
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not an empty directory")
+    config = load_config(str(config_path))
+    checkpoints = checkpoint_directory(config.checkpoint, run_dir)
+    # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
+    steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.name.isdigit())
+    if not steps or (step is not None and step not in steps):
+        wanted = f"step {step}" if step is not None else "a checkpoint"
+        raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
+    step = steps[-1] if step is None else step
+    # The weights' shapes come from the checkpoint itself, so no model is rebuilt (a model
+    # of one's own cannot be: only its factory knows it); one device holds them.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = abstract_weights(checkpoints / str(step), device)
+    params, model_state = load_weights(checkpoints / str(step), target)
+    export_weights(params, model_state or {}, output)
+    (output / "config.yaml").write_text(dump_yaml(config))
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    note(f"{count / 1e6:.2f}M params of step {step} -> {output}/params", program=PROGRAM)
+    return step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__)
+    parser.add_argument("run_dir", type=pathlib.Path, help="a run directory (holds config.yaml)")
+    parser.add_argument("--output", type=pathlib.Path, required=True, help="where to write")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    args = parser.parse_args(argv)
+    return exit_status(parser.prog, lambda: export(args.run_dir, args.output, args.step))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""`python -m paisoar_jax.launch --nproc N [--devices-per-proc K] -- [train arguments ...]`.
+
+Starts N processes of `python -m paisoar_jax.train` on this machine (or of any script:
+`-- python my_script.py ARGS`, whose `paisoar_jax.fit` or `paisoar_jax.initialize()` joins
+them), joined by jax.distributed through the PAISOAR_* variables
+(paisoar_jax/distributed.py): a free port
+on 127.0.0.1 for one node, `--coordinator HOST:PORT` for several (`--nnodes`,
+`--node-rank`, one launcher per node). On CPU each process gets K simulated devices; on a
+GPU node, K GPUs (default: an equal share).
+
+Every output line is prefixed with `[rank i] `. When a process fails (non-zero exit or a
+signal) the others get SIGTERM, then SIGKILL after `--grace` seconds (a process whose peer
+died is stuck in a collective and cannot stop by itself), and the launcher exits with the
+failing rank's status after printing its last lines. SIGINT/SIGTERM to the launcher go to
+each process once (they save a checkpoint and exit 0); a second one kills them.
+
+A stalled rank is named. Each rank beats every second (paisoar_jax/heartbeat.py) with the
+step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a frozen node)
+is reported in one line with its last step and the newest checkpoint, and every process is
+stopped (exit status 1). Once a rank has said where its run directory is, every rank's
+output (with the last 8 MB from before) is also written to <run.dir>/logs/rank-N.log; when
+those logs are open, the screen stays quiet after a stall is named, and the healthy ranks'
+stack traces go to the logs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from paisoar_jax import distributed, heartbeat, output
+from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
+
+PROGRAM = "paisoar_jax.launch"
+TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+USER_ERROR_WAIT_S = 3.0  # how long the others may take to report a bad input themselves
+STALE_S = 10.0  # beats missed this long mark a rank as the stalled one when a peer fails
+
+
+def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """Launcher options before `--`, the child's arguments after it."""
+    argv = list(argv)
+    child_arguments = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, required=True, help="processes on this node")
+    parser.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=None,
+        help="CPU: simulated devices per process (default: jax's); GPU: GPUs per process "
+        "(default: the node's GPUs / nproc)",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT on node 0 (needed with --nnodes > 1; default: a free port on 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=300,
+        help="seconds the processes wait for each other: to join, and for a stalled rank",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=10.0, help="after a failure: seconds from SIGTERM to SIGKILL"
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the others may run on after a signal or a first clean exit",
+    )
+    parser.add_argument("--module", default="paisoar_jax.train", help="python -m MODULE to run")
+    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(own)
+    args.arguments = args.arguments + child_arguments
+    for name in ("nproc", "nnodes", "timeout"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} is not in 0 .. {args.nnodes - 1}")
+    if args.nnodes > 1 and not args.coordinator:
+        parser.error("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0)")
+    if args.devices_per_proc is not None and args.devices_per_proc < 1:
+        parser.error("--devices-per-proc must be >= 1")
+    return args
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the coordinator binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def local_gpu_count(environ: Mapping[str, str]) -> int:
+    """GPUs this node offers to jax, without starting CUDA (that would hold memory)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([item for item in visible.split(",") if item.strip() not in ("", "-1")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def child_environments(
+    args: argparse.Namespace, environ: Mapping[str, str], gpu_count: int, coordinator: str
+) -> list[dict[str, str]]:
+    """One environment per local process: ranks, coordinator, and its devices."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    use_gpu = args.platform == "gpu" or (
+        args.platform == "auto"
+        and gpu_count > 0
+        and (not platforms or "cuda" in platforms or "gpu" in platforms)
+    )
+    per_process = args.devices_per_proc
+    if use_gpu:
+        per_process = per_process or gpu_count // args.nproc
+        if per_process < 1 or per_process * args.nproc > gpu_count:
+            raise UserError(
+                f"{args.nproc} processes x {per_process or 1} GPUs do not fit the {gpu_count} "
+                "GPUs of this node (--nproc, --devices-per-proc)"
+            )
+    environments = []
+    for local_rank in range(args.nproc):
+        environment = dict(environ)
+        environment.update(
+            {
+                distributed.COORDINATOR: coordinator,
+                distributed.NUM_PROCESSES: str(args.nnodes * args.nproc),
+                distributed.PROCESS_ID: str(args.node_rank * args.nproc + local_rank),
+                distributed.TIMEOUT: str(args.timeout),
+                "PAISOAR_LOCAL_RANK": str(local_rank),
+                "PYTHONUNBUFFERED": "1",  # lines arrive as printed, and none lost on a crash
+            }
+        )
+        if use_gpu:
+            first = local_rank * per_process
+            ids = ",".join(str(index) for index in range(first, first + per_process))
+            environment[distributed.LOCAL_DEVICE_IDS] = ids
+        else:
+            if args.platform == "cpu":
+                environment["JAX_PLATFORMS"] = "cpu"
+            if per_process:
+                environment[distributed.CPU_DEVICES] = str(per_process)
+        environments.append(environment)
+    return environments
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies (Linux), so none is orphaned."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Child:
+    """One launched process, the threads copying its output, its last lines and its beats."""
+
+    rank: int
+    process: subprocess.Popen
+    heartbeat_file: pathlib.Path
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    threads: list[threading.Thread] = field(default_factory=list)
+    log: RankLog = field(default_factory=RankLog)
+
+    def beat(self) -> dict | None:
+        """Its last heartbeat; None before the first (or from a script that sends none)."""
+        return heartbeat.read(self.heartbeat_file)
+
+    def describe_exit(self) -> str:
+        """`exited with status 2` or `was killed by SIGKILL`."""
+        code = self.process.returncode
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def exit_status(self) -> int:
+        """Its status for the launcher to exit with: the code, or 128 + the signal."""
+        code = self.process.returncode
+        return code if code > 0 else 128 - code
+
+    def signal_group(self, number: int) -> None:
+        """Signals the process and whatever it started (grain workers): its own session."""
+        try:
+            os.killpg(self.process.pid, number)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class SignalLog:
+    """Records SIGINT/SIGTERM for the supervising loop, which forwards them."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalLog:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self._previous[number] = signal.signal(number, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _record(self, number: int, frame) -> None:
+        self.received.append(number)
+
+
+def _say(message: str) -> None:
+    output.note(message, program=PROGRAM, stderr=True)
+
+
+def _stop(children: list[Child], grace: float) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds for what still runs; waits for them."""
+    for child in children:
+        child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(child.process.poll() is None for child in children):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for child in children:
+        child.signal_group(signal.SIGKILL)
+        child.process.wait(timeout=30)
+
+
+def _fail(failed: Child, children: list[Child], grace: float) -> int:
+    """Stops every other process, prints the failing rank's last lines, returns its status.
+
+    A rank that exits with the bad-input status has usually found what every rank finds (a
+    bad setting, an unreachable coordinator): the others get a moment to say it themselves.
+    """
+    if failed.process.returncode == USER_ERROR_EXIT_CODE:
+        deadline = time.monotonic() + USER_ERROR_WAIT_S
+        while time.monotonic() < deadline and any(c.process.poll() is None for c in children):
+            time.sleep(0.05)
+    others = [child for child in children if child.process.poll() is None]
+    _say(f"rank {failed.rank} {failed.describe_exit()}; stopping {len(others)} other process(es)")
+    _stop(others, grace)
+    failed.signal_group(signal.SIGKILL)  # its workers, if it left any behind
+    for thread in failed.threads:
+        thread.join(timeout=5)
+    _say(f"last lines of rank {failed.rank}:\n" + "\n".join(f"  {line}" for line in failed.tail))
+    return failed.exit_status()
+
+
+def _stalled(children: list[Child], older_than: float) -> Child | None:
+    """The running child whose beats stopped longest ago, if that is over `older_than` s.
+
+    Only a rank that has beaten can stall: one that never did (still importing, or a
+    script that does not start paisoar_jax's distributed set-up) is not judged, nor one
+    whose last beat said it was exiting.
+    """
+    now = time.time()
+    beats = [(child.beat(), child) for child in children if child.process.poll() is None]
+    ages = [
+        (now - beat["time"], child)
+        for beat, child in beats
+        if beat is not None and not beat.get("exiting")  # tearing down, not stalled
+    ]
+    age, child = max(ages, key=lambda pair: pair[0], default=(0.0, None))
+    return child if age > older_than else None
+
+
+def _run_dir(beats: list[dict | None]) -> str | None:
+    """The run directory the ranks' beats report, once one has."""
+    return next((beat["run_dir"] for beat in beats if beat and beat.get("run_dir")), None)
+
+
+def _open_logs(children: list[Child], screen: Output) -> bool:
+    """Moves each rank's output to <run.dir>/logs/rank-N.log once the run directory is known."""
+    run_dir = _run_dir([child.beat() for child in children])
+    if run_dir is None:
+        return False
+    with screen.lock:
+        for child in children:
+            child.log.open(pathlib.Path(run_dir) / "logs" / f"rank-{child.rank}.log")
+    return True
+
+
+def _report_stall(stalled: Child, children: list[Child], args, screen: Output) -> int:
+    """One line naming the stalled rank, its last step and the newest checkpoint; stops all."""
+    # What follows (the peers' aborts, stack traces) goes to the logs only, where there are.
+    screen.muted = all(child.log.file is not None for child in children)
+    beat, beats = stalled.beat(), [child.beat() or {} for child in children]
+    checkpoint_dir = next((b["checkpoint_dir"] for b in beats if b.get("checkpoint_dir")), None)
+    newest = heartbeat.newest_checkpoint(checkpoint_dir)
+    saved = (
+        f"newest checkpoint: step {newest} in {checkpoint_dir} (a rerun resumes from it)"
+        if newest is not None
+        else "no checkpoint saved yet"
+    )
+    run_dir = _run_dir(beats)
+    logs = f"; each rank's output is in {run_dir}/logs" if run_dir else ""
+    _say(
+        f"rank {stalled.rank} (pid {stalled.process.pid}) stopped making progress: no heartbeat "
+        f"for {time.time() - beat['time']:.0f} s, last step {beat['step']}; {saved}; stopping "
+        f"every process{logs}"
+    )
+    _stop([child for child in children if child.process.poll() is None], args.grace)
+    return 1
+
+
+def _supervise(
+    children: list[Child], args: argparse.Namespace, signals: SignalLog, screen: Output
+) -> int:
+    """Waits for the children: the first failure or stall stops them all; signals go on."""
+    forwarded, deadline, logs_open, next_watch = 0, None, False, 0.0
+    while True:
+        failed = next((child for child in children if child.process.poll() not in (None, 0)), None)
+        if failed is not None:
+            # A peer whose beats stopped is the cause: jax aborts the healthy ranks after it.
+            stalled = _stalled([child for child in children if child is not failed], STALE_S)
+            if stalled is not None:
+                return _report_stall(stalled, children, args, screen)
+            return _fail(failed, children, args.grace)
+        running = [child for child in children if child.process.returncode is None]
+        if not running:
+            return 0
+        if time.monotonic() > next_watch:  # the beats, once a second
+            next_watch = time.monotonic() + heartbeat.INTERVAL_S
+            logs_open = logs_open or _open_logs(children, screen)
+            stalled = _stalled(children, max(args.timeout, STALE_S))
+            if stalled is not None:
+                return _report_stall(stalled, children, args, screen)
+        if len(signals.received) > forwarded:
+            number = signals.received[forwarded]
+            forwarded += 1
+            name = signal.Signals(number).name
+            if forwarded > 1:
+                _say(f"second {name}: killing the processes")
+                _stop(running, grace=0)
+                return 128 + number
+            _say(f"{name}: passed on to the processes (they save and exit); again to kill them")
+            for child in running:
+                os.kill(child.process.pid, number)
+            deadline = time.monotonic() + args.stop_timeout
+        if deadline is None and len(running) < len(children):  # one finished: the rest follow
+            deadline = time.monotonic() + args.stop_timeout
+        if deadline is not None and time.monotonic() > deadline:
+            ranks = ", ".join(str(child.rank) for child in running)
+            _say(f"rank(s) {ranks} still running {args.stop_timeout:g} s later: killing them")
+            _stop(running, args.grace)
+            return 1
+        time.sleep(0.1)
+
+
+def child_command(module: str, arguments: Sequence[str]) -> list[str]:
+    """The command each process runs: `python -m MODULE ARGS`, or the script given.
+
+    `-- python my_script.py ARGS` (any python, python3, python3.12 ...) and
+    `-- my_script.py ARGS` run the script with this interpreter, as torchrun does; anything
+    else is arguments of `--module` (the trainer by default).
+    """
+    arguments = list(arguments)
+    if arguments and re.fullmatch(r"python[\d.]*", os.path.basename(arguments[0])):
+        if len(arguments) < 2:
+            raise UserError("-- python needs a script (or -m MODULE) to run")
+        return [sys.executable, *arguments[1:]]
+    if arguments and arguments[0].endswith(".py"):
+        return [sys.executable, *arguments]
+    return [sys.executable, "-m", module, *arguments]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Starts the processes, copies their output and supervises them; the exit status."""
+    coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
+    environments = child_environments(args, os.environ, local_gpu_count(os.environ), coordinator)
+    command = child_command(args.module, args.arguments)
+    screen = Output()
+    children: list[Child] = []
+    beats = pathlib.Path(tempfile.mkdtemp(prefix="paisoar-launch-"))
+    with SignalLog() as signals:
+        try:
+            for environment in environments:
+                beat_file = beats / f"rank-{environment[distributed.PROCESS_ID]}.json"
+                environment[heartbeat.HEARTBEAT_FILE] = str(beat_file)
+                process = subprocess.Popen(
+                    command,
+                    env=environment,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches them once, through us
+                    preexec_fn=_die_with_parent,
+                )
+                children.append(Child(int(environment[distributed.PROCESS_ID]), process, beat_file))
+            pids = ", ".join(f"rank {child.rank}: {child.process.pid}" for child in children)
+            _say(f"started {len(children)} processes ({pids}), coordinator {coordinator}")
+            for child in children:
+                prefix = f"[rank {child.rank}] ".encode()
+                for stream, sink in (
+                    (child.process.stdout, sys.stdout),
+                    (child.process.stderr, sys.stderr),
+                ):
+                    thread = threading.Thread(
+                        target=copy_lines,
+                        args=(stream, sink.buffer, prefix, child.log, child.tail, screen),
+                        daemon=True,
+                    )
+                    thread.start()
+                    child.threads.append(thread)
+            status = _supervise(children, args, signals, screen)
+        except BaseException:
+            _stop([child for child in children if child.process.poll() is None], grace=0)
+            raise
+        finally:
+            shutil.rmtree(beats, ignore_errors=True)
+    for child in children:
+        for thread in child.threads:
+            thread.join(timeout=5)
+        child.log.close()
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the launcher's exit status."""
+    try:
+        return launch(parse_arguments(sys.argv[1:] if argv is None else argv))
+    except UserError as error:
+        _say(f"error: {error}")
+        return USER_ERROR_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

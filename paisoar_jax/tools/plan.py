@@ -1,0 +1,383 @@
+"""`python -m paisoar_jax.plan [--config FILE.yaml] [section.key=value ...]`: memory and traffic.
+
+Compiles one train step for the config's mesh from abstract arrays (no weights are ever
+built; `--devices N` simulates N devices on CPU) and reports, per device:
+
+- bytes of params, optimizer state and gradients (from the shardings), and XLA's own
+  account of the compiled step (compiled.memory_analysis()): temporaries, inputs, outputs
+  not donated, generated code and their total;
+- the collectives one step runs, by kind, with their bytes, read from the compiled HLO
+  (paisoar_jax/hlo.py says how they are counted);
+- a projected step time on a given link: compute from the model's FLOPs at an assumed share
+  of the peak, communication from NCCL's ring-algorithm costs, with no overlap and with
+  perfect overlap, and the scaling efficiency compute / (compute + exposed communication).
+
+The model is bandwidth only: no per-collective latency, and every collective runs over the
+one link given (no ici/dcn split), so many small collectives look cheaper than they are. The
+collectives are those of the platform that compiles the step: on CPU, XLA keeps an
+all-reduce followed by a slice where XLA GPU emits a reduce-scatter, so the gradient
+reduction of FSDP and ZeRO is counted (and timed) as an all-reduce there, at twice the
+ring cost. XLA CPU also runs bf16 collectives in f32 (it converts around them), so the
+FSDP all-gathers of a bf16 run, which move bf16 weights on a GPU (step.params_for_compute),
+count twice their GPU bytes here. Temporaries come from the CPU compiler too (other fusions,
+no cuDNN attention).
+
+`--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
+`python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from paisoar_jax import output
+from paisoar_jax.config import Config
+from paisoar_jax.errors import UserError
+from paisoar_jax.memory import format_bytes, memory
+from paisoar_jax.tools import cli, hlo
+
+# Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
+LINKS = {"nvlink": 450.0, "infiniband": 50.0}  # NVLink 4: 900 GB/s both ways; NDR: 400 Gb/s
+DEFAULT_PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16, for plans made off the GPU
+DEFAULT_EFFICIENCY = 0.5
+DESCRIPTION = (
+    "Plan a run without running it: per-device memory, the collectives of one step and a "
+    "projected step time, from the step compiled on abstract arrays. Peak FLOP/s: "
+    "train.peak_tflops, else the device's (metrics.PEAK_TFLOPS), else 989 (H200 dense bf16)."
+)
+
+
+def parse_link(text: str) -> tuple[str, float]:
+    """`nvlink`, `infiniband` or a bandwidth in GB/s -> (name, GB/s per direction)."""
+    if text in LINKS:
+        return text, LINKS[text]
+    try:
+        bandwidth = float(text.removesuffix("GB/s").strip())
+    except ValueError:
+        bandwidth = 0.0
+    if not math.isfinite(bandwidth) or bandwidth <= 0:
+        names = ", ".join(LINKS)
+        raise UserError(f"--link {text!r} is not one of {names} or a bandwidth in GB/s > 0")
+    return f"{bandwidth:g} GB/s", bandwidth
+
+
+def _fraction(text: str) -> float:
+    """--efficiency as a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise UserError(f"--efficiency must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def request_cpu_devices(count: int) -> None:
+    """Asks for `count` CPU devices (and no GPU) while XLA has not started its backend."""
+    if "jax" not in sys.modules:  # XLA reads its flags when the backend starts
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+        os.environ["JAX_PLATFORMS"] = "cpu"  # a CPU plan takes no GPU memory
+        return
+    import jax
+
+    try:  # before the backend starts this wins over XLA_FLAGS (and PAISOAR_CPU_DEVICES)
+        jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass  # started already: cpu_devices() tells the user if it has the wrong count
+
+
+def cpu_devices(count: int) -> list:
+    """The `count` simulated CPU devices, or one line saying why this process has others."""
+    import jax
+
+    request_cpu_devices(count)  # again: distributed.initialize may have set another count
+    devices = jax.devices("cpu")
+    if len(devices) != count:
+        raise UserError(
+            f"--devices {count}: jax already started in this process with {len(devices)} CPU "
+            "devices; run plan in a fresh process"
+        )
+    return devices
+
+
+def compile_step(
+    config: Config, devices: Sequence, workload: Any = None
+) -> tuple[Any, Any, Any, float]:
+    """(compiled step, layout, mesh, seconds to compile) for the config on `devices`.
+
+    `workload`: a model of one's own (workload.Workload, as `paisoar_jax.fit` builds it);
+    default: the config's zoo model.
+    """
+    import jax
+
+    from paisoar_jax import sharding
+    from paisoar_jax.step import jit_train_step
+    from paisoar_jax.workload import setup
+    from paisoar_jax.zoo import zoo_workload
+
+    train = config.train
+    workload = zoo_workload(config) if workload is None else workload
+    start = time.perf_counter()
+    run = setup(config, workload, devices)
+    mesh, layout, task = run.mesh, run.layout, run.task
+    with jax.set_mesh(mesh):
+        batch = jax.tree.map(
+            lambda shape: jax.ShapeDtypeStruct(
+                shape.shape, shape.dtype, sharding=sharding.batch_sharding(mesh)
+            ),
+            task.batch_shape(train.global_batch),
+        )
+        step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh)
+        compiled = step.lower(layout.abstract_state, batch).compile()
+    return compiled, layout, mesh, time.perf_counter() - start
+
+
+def peak_tflops(config: Config, simulated: bool) -> tuple[float, str]:
+    """The per-device peak and where it came from (config, device kind, or the default)."""
+    import jax
+
+    from paisoar_jax.metrics import device_peak_tflops
+
+    if config.train.peak_tflops > 0:
+        return config.train.peak_tflops, "train.peak_tflops"
+    known = None if simulated else device_peak_tflops()
+    if known:
+        return known, jax.devices()[0].device_kind
+    platform = "simulated cpu" if simulated else jax.devices()[0].device_kind
+    return DEFAULT_PEAK_TFLOPS, f"assumed H200 dense bf16 ({platform} has no known peak)"
+
+
+def plan(
+    config: Config,
+    devices: Sequence,
+    link: tuple[str, float] = ("nvlink", LINKS["nvlink"]),
+    efficiency: float = DEFAULT_EFFICIENCY,
+    simulated: bool = False,
+    workload: Any = None,
+) -> dict[str, Any]:
+    """Every number of the plan, as one JSON-ready dict (`simulated`: --devices was given).
+
+    `workload`: a model of one's own, as for compile_step; default: the config's zoo model.
+    """
+    from paisoar_jax import rules
+    from paisoar_jax.zoo import zoo_workload
+
+    workload = zoo_workload(config) if workload is None else workload
+    task = workload.task
+    compiled, layout, mesh, compile_s = compile_step(config, devices, workload)
+    found, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
+    link_name, gb_per_s = link
+    by_kind = hlo.totals_by_kind(found, gb_per_s)
+    model, train = config.model, config.train
+    units_per_step = train.global_batch * task.units_per_example()
+    # A model of one's own without flops_per_example: compute time unknown, counted as 0.
+    flops_per_unit = task.flops_per_unit(layout.param_count) or 0.0
+    flops = flops_per_unit * units_per_step / len(devices)
+    peak, peak_source = peak_tflops(config, simulated)
+    compute_s = flops / (peak * 1e12 * efficiency)
+    communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
+    no_overlap_s = compute_s + communication_s
+    overlap_s = max(compute_s, communication_s)
+    return {
+        "model": model.name,
+        "param_count": layout.param_count,
+        "precision": config.precision.policy,
+        "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+        "zero": config.mesh.zero,
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "simulated": simulated,
+        "global_batch": train.global_batch,
+        **task.signature(),  # seq_len, or image size and channels
+        "unit": task.unit,
+        "grad_accum": train.grad_accum,
+        "compile_s": round(compile_s, 2),
+        "memory_bytes": memory(layout, compiled),
+        "parameters": [
+            {"path": path, "shape": list(shape), "sharding": where}
+            for path, shape, where in rules.describe(
+                layout.abstract_state.params, layout.shardings.params
+            )
+        ],
+        "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
+        "collective_ops": [
+            {key: getattr(op, key) for key in ("kind", "bytes", "group_size", "count", "name")}
+            for op in found
+        ],
+        "unknown_trip_counts": unknown_loops,
+        "link": {"name": link_name, "gb_per_s": gb_per_s},
+        "peak_tflops": peak,
+        "peak_source": peak_source,
+        "efficiency": efficiency,
+        "flops_per_device": flops,
+        "time_s": {
+            "compute": compute_s,
+            "communication": communication_s,
+            "step_no_overlap": no_overlap_s,
+            "step_perfect_overlap": overlap_s,
+        },
+        "scaling_efficiency": {
+            "no_overlap": compute_s / no_overlap_s if no_overlap_s else 1.0,
+            "perfect_overlap": compute_s / overlap_s if overlap_s else 1.0,
+        },
+    }
+
+
+def format_count(number: float) -> str:
+    """A count as 842K, 124M or 1.31B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return f"{number:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    """Seconds in ms (us below 0.1 ms), three significant digits."""
+    if seconds < 1e-4:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _example_shape(result: dict) -> str:
+    """The shape of one example: " x 1024 tokens" or " x 224 px images"."""
+    if "seq_len" in result:
+        return f" x {result['seq_len']} tokens"
+    if "image_size" in result:
+        return f" x {result['image_size']} px images"
+    return f" ({result['unit']})"  # a model of one's own: its batch has no known shape
+
+
+def format_table(result: dict) -> str:
+    """The plan as a short aligned table."""
+    mesh = " ".join(f"{axis}={size}" for axis, size in result["mesh"].items())
+    where = "simulated cpu" if result["simulated"] else result["platform"]
+    memory_bytes, times = result["memory_bytes"], result["time_s"]
+    link = result["link"]
+    lines = [
+        f"{result['model']}: {format_count(result['param_count'])} params, {result['precision']}, "
+        f"batch {result['global_batch']}{_example_shape(result)}, "
+        f"grad_accum {result['grad_accum']}",
+        f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "
+        f"compiled in {result['compile_s']:.1f} s",
+        "",
+        "memory per device",
+    ]
+    notes = {
+        "gradients": "(inside the temporaries)",
+        "temporaries": "(XLA temp: activations, gradients, workspace)",
+        "total": "(inputs + outputs - donated + temporaries + code)",
+    }
+    for key, value in memory_bytes.items():
+        label = key.replace("_", " ")
+        lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
+    lines += ["", "parameters (mesh axes per dimension; - whole)"]
+    parameters = result["parameters"]
+    width = max((len(row["path"]) for row in parameters), default=0)
+    for row in parameters:
+        shape = "x".join(map(str, row["shape"])) or "scalar"
+        lines.append(f"  {row['path']:<{width}}  {shape:>14}  {row['sharding']}")
+    lines += ["", f"collectives per step  {'runs':>6}{'bytes/device':>14}{'time':>11}"]
+    for kind, totals in result["collectives"].items() or [("none", None)]:
+        if totals is None:
+            lines.append("  none")
+            continue
+        size, seconds = format_bytes(totals["bytes"]), _duration(totals["seconds"])
+        lines.append(f"  {kind:<19}{totals['count']:>6}{size:>14}{seconds:>11}")
+    lines += [
+        "",
+        f"step time on {link['name']} ({link['gb_per_s']:g} GB/s per direction), "
+        f"{result['peak_tflops']:g} TFLOP/s x {result['efficiency']:g} efficiency",
+        f"  peak: {result['peak_source']}",
+        f"  compute{_duration(times['compute']):>23}   "
+        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device)",
+        f"  communication{_duration(times['communication']):>17}   "
+        "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
+        f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
+        f"scaling efficiency {result['scaling_efficiency']['no_overlap']:.1%}",
+        f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
+        f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
+    ]
+    if result["unknown_trip_counts"]:
+        lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
+    if result["platform"] == "cpu" and (result["zero"] or result["mesh"]["fsdp"] > 1):
+        lines.append("note: XLA CPU emits all-reduce + slice where XLA GPU emits reduce-scatter")
+    return "\n".join(lines)
+
+
+def write_plan(path: pathlib.Path, result: dict) -> None:
+    """Writes the plan as JSON to `path` (whole or not at all), creating its directory."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        raise UserError(f"--output {path}: cannot write it ({error.strerror or error})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = cli.config_parser("paisoar_jax.plan", DESCRIPTION)
+    parser.add_argument(
+        "--devices",
+        default="0",
+        metavar="N",
+        help="simulate N devices on CPU (default: the devices jax sees)",
+    )
+    parser.add_argument(
+        "--link",
+        default="nvlink",
+        help="nvlink (450 GB/s per direction: H100/H200 NVLink 4, 900 GB/s both ways), "
+        "infiniband (50 GB/s: one 400 Gb/s NDR port) or a bandwidth in GB/s "
+        "(default: nvlink)",
+    )
+    parser.add_argument(
+        "--efficiency",
+        default=str(DEFAULT_EFFICIENCY),
+        help="assumed share of the peak FLOP/s the compute reaches (default: 0.5)",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=None,
+        metavar="PATH",
+        help="also write the JSON object to PATH; RUN_DIR/plan.json lets "
+        "`python -m paisoar_jax.doctor RUN_DIR` judge the run's communication",
+    )
+    args = parser.parse_intermixed_args(argv)
+    if not args.devices.isdigit():
+        message = f"--devices {args.devices!r} is not a whole number of devices"
+        output.error(message, program=parser.prog)
+        return 2
+    if int(args.devices):  # before jax starts: XLA reads XLA_FLAGS as its backend starts
+        request_cpu_devices(int(args.devices))
+
+    def run(config: Config) -> None:
+        import jax
+
+        efficiency = _fraction(args.efficiency)
+        link = parse_link(args.link)
+        count = int(args.devices)
+        devices = cpu_devices(count) if count else jax.devices()
+        result = plan(config, devices, link, efficiency, simulated=bool(count))
+        if args.output is not None:
+            write_plan(args.output, result)
+        output.result(json.dumps(result, indent=None) if args.json else format_table(result))
+
+    return cli.run(run, parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The one output path: text, quiet and JSON-lines modes, in a function and in a real run."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import PYTHON, TINY, subprocess_env
+
+from paisoar_jax import output
+
+
+def speak():
+    output.note("a note")
+    output.warning("a warning")
+    output.error("an error", program="paisoar_jax.plan")
+    output.result("a table")
+
+
+def test_text_mode_is_the_default(monkeypatch, capsys):
+    monkeypatch.delenv("PAISOAR_OUTPUT", raising=False)
+    speak()
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["paisoar_jax: a note", "a table"]
+    assert captured.err.splitlines() == [
+        "paisoar_jax: warning: a warning",
+        "paisoar_jax.plan: error: an error",
+    ]
+    assert output.shows_progress()
+
+
+def test_quiet_mode_keeps_warnings_errors_and_results(monkeypatch, capsys):
+    monkeypatch.setenv("PAISOAR_OUTPUT", "quiet")
+    speak()
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["a table"]
+    assert len(captured.err.splitlines()) == 2
+    assert not output.shows_progress()
+
+
+def test_json_mode_writes_one_object_a_line(monkeypatch, capsys):
+    monkeypatch.setenv("PAISOAR_OUTPUT", "json")
+    output.note("two\nlines", stderr=True)
+    output.error("bad", program="paisoar_jax.train")
+    lines = capsys.readouterr().err.splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"level": "note", "program": "paisoar_jax", "message": "two\nlines"},
+        {"level": "error", "program": "paisoar_jax.train", "message": "bad"},
+    ]
+
+
+@pytest.mark.parametrize("mode", ["json", "quiet"])
+def test_a_training_run_follows_the_switch(mode, tmp_path):
+    environment = {**subprocess_env(), "PAISOAR_OUTPUT": mode}
+    command = [PYTHON, "-m", "paisoar_jax.train", *TINY, "train.steps=2", "train.eval_every=2"]
+    command += ["run.progress=true", f"run.dir={tmp_path}/run"]  # the bar obeys the mode too
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if mode == "quiet":
+        assert result.stdout == ""
+        assert "train:" not in result.stderr  # no progress bar
+        return
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {record["level"] for record in records} == {"note"}
+    messages = [record["message"] for record in records]
+    assert "M params, mesh " in messages[0] and "compiled in " in messages[0]
+    assert any(message.startswith("step 2: eval_loss ") for message in messages)
+    assert messages[-1].startswith("done: 2 steps in ")
+
+
+def test_a_bad_input_is_one_json_error_line(tmp_path):
+    environment = {**subprocess_env(), "PAISOAR_OUTPUT": "json"}
+    command = [PYTHON, "-m", "paisoar_jax.train", "train.steps=0", f"run.dir={tmp_path}/run"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    errors = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert errors == [
+        {
+            "level": "error",
+            "program": "paisoar_jax.train",
+            "message": "train.steps must be >= 1, got 0",
+        }
+    ]
