@@ -100,9 +100,9 @@ def _keep_meta_backward(meta, cotangent):
 _keep_meta.defvjp(_keep_meta_forward, _keep_meta_backward)
 
 
-def block_dots(policy: Policy) -> nnx.Dict | None:
-    """One Fp8Dot per matmul of a transformer block under an fp8 policy; else None."""
-    return nnx.Dict({name: Fp8Dot() for name in BLOCK_MATMULS}) if policy.fp8 else None
+def block_dots(policy: Policy, names: tuple[str, ...] = BLOCK_MATMULS) -> nnx.Dict | None:
+    """One Fp8Dot per named matmul of a transformer block under an fp8 policy; else None."""
+    return nnx.Dict({name: Fp8Dot() for name in names}) if policy.fp8 else None
 
 
 def matmul(

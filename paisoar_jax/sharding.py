@@ -51,6 +51,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "embed": ("data", "fsdp") if split_over_data else ("fsdp",),
         "vocab": ("tensor",),
         "heads": ("tensor",),
+        "kv_heads": ("tensor",),  # grouped-query attention: each tensor shard its kv heads
         "mlp": ("tensor",),
         "qkv": (),
         "head_dim": (),

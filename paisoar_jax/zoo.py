@@ -18,6 +18,7 @@ from paisoar_jax.config import MODEL_CONFIGS, Config, LanguageModelConfig, Visio
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
 from paisoar_jax.models.gpt import GPT
+from paisoar_jax.models.llama import Llama
 from paisoar_jax.models.resnet import ResNet
 from paisoar_jax.models.vgg import VGG
 from paisoar_jax.models.vit import ViT
@@ -38,6 +39,7 @@ class ZooEntry:
 
 ZOO: dict[str, ZooEntry] = {
     "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling, fp8=True),
+    "llama": ZooEntry(MODEL_CONFIGS["llama"], Llama, LanguageModelling, fp8=True),
     "resnet": ZooEntry(MODEL_CONFIGS["resnet"], ResNet, ImageClassification, fp8=False),
     "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification, fp8=False),
     "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True),

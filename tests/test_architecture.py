@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
-TOOLS |= {"launch", "rank_output", "cli"}
+TOOLS |= {"launch", "rank_output", "cli", "hf"}
 COMMANDS = {"plan", "doctor", "bench", "convert", "export", "launch"}  # python -m paisoar_jax.X
 FRONT_DOORS = {"paisoar_jax", "paisoar_jax.api", "paisoar_jax.train"}
 FRONT_DOORS |= {f"paisoar_jax.{name}" for name in COMMANDS}  # entry points use either side
@@ -97,3 +97,16 @@ def test_every_line_for_the_user_goes_through_output():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
     ]
     assert not printing, f"print outside paisoar_jax/output.py: {sorted(set(printing))}"
+
+
+def test_the_library_never_imports_torch_or_transformers():
+    for name in module_names():
+        for node in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imported = [node.module or ""]
+            else:
+                continue
+            roots = {item.split(".")[0] for item in imported}
+            assert not roots & {"torch", "transformers"}, f"{name} imports {sorted(roots)}"

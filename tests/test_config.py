@@ -107,7 +107,7 @@ def test_sections_are_frozen():
         (["checkpoint.resume=latest"], "checkpoint.resume must be auto, never or a step"),
         (["model.variant=resnet50"], "model.variant: it belongs to model.name=resnet|vgg|vit"),
         (["model.name=vit", "model.seq_len=8"], "model.seq_len: it belongs to model.name=gpt"),
-        (["model.name=alexnet"], "model.name='alexnet' is not one of gpt, resnet, vgg, vit"),
+        (["model.name=alexnet"], "model.name='alexnet' is not one of gpt, llama, resnet, vgg, vit"),
         (["model.name=resnet", "model.num_classes=1"], "model.num_classes must be >= 2"),
         (["data.mixup_alpha=0.2"], "data.mixup_alpha is for image models"),
         (["train.steps=10", "train.profile_steps=[5,20]"], "ends after the last step"),

@@ -215,7 +215,7 @@ BAD_INPUTS = {
         lambda tmp: ["text", "--input", f"{tmp}/*.md", "--output", tmp / "out"],
         "--input {tmp}/*.md: no such file, or no files",
     ),
-    "empty files": (empty_files, "every input file is empty (2 files)"),
+    "empty files": (empty_files, "every input document is empty (2 documents)"),
     "non-empty output": (
         occupied_output,
         "--output {tmp}/out exists and is not empty (--overwrite replaces it)",
@@ -259,3 +259,46 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
     assert convert.main([str(arg) for arg in args]) == 2
     assert message.format(tmp=tmp_path) in one_error_line(capsys)
     assert capsys.readouterr().out == ""
+
+
+def test_json_lines_and_parquet_hold_one_document_per_record(tmp_path, capsys):
+    import pyarrow
+    import pyarrow.parquet as parquet
+
+    (tmp_path / "in").mkdir()
+    lines = [json.dumps({"text": text, "id": index}) for index, text in enumerate(TEXTS[:2])]
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines) + "\n\n")
+    table = pyarrow.table({"body": [TEXTS[2]], "id": [3]})
+    parquet.write_table(table, tmp_path / "in" / "b.parquet", row_group_size=1)
+    assert run_convert("text", "--input", tmp_path / "in", "--output", tmp_path / "mixed") == 2
+    assert "b.parquet has no column 'text' (columns: body, id): set --field" in one_error_line(
+        capsys
+    )
+    parquet.write_table(pyarrow.table({"text": [TEXTS[2]]}), tmp_path / "in" / "b.parquet")
+    assert run_convert("text", "--input", tmp_path / "in", "--output", tmp_path / "mixed") == 0
+    # The same texts as plain files give the same tokens, document for document.
+    assert (
+        run_convert(
+            "text", "--input", write_texts(tmp_path / "plain"), "--output", tmp_path / "files"
+        )
+        == 0
+    )
+    mixed, files = TokenRecords(tmp_path / "mixed"), TokenRecords(tmp_path / "files")
+    assert mixed.manifest["documents"] == files.manifest["documents"] == 3
+    np.testing.assert_array_equal(
+        mixed.read(0, mixed.token_count), files.read(0, files.token_count)
+    )
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "a"}\nnot json\n', "a.jsonl:2: not a JSON object"),
+        ('{"body": "a"}\n', "a.jsonl:1: no field 'text' (set --field to the text's name)"),
+        ('{"text": 3}\n', "a.jsonl:1: field 'text' is int, not text"),
+    ],
+)
+def test_bad_json_lines_get_one_line(tmp_path, capsys, content, message):
+    (tmp_path / "a.jsonl").write_text(content)
+    assert run_convert("text", "--input", tmp_path / "a.jsonl", "--output", tmp_path / "out") == 2
+    assert message in one_error_line(capsys)

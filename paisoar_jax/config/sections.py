@@ -63,18 +63,27 @@ class MeshConfig:
                 raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
 
 
+# The keys of the model section that only model.name=llama reads.
+LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
+LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length")
+
+
 @dataclass(frozen=True)
 class LanguageModelConfig:
-    """A decoder language model (model.name gpt, the default) and its shape."""
+    """A decoder language model and its shape: model.name gpt (the default) or llama.
 
-    name: str = "gpt"
+    gpt: GPT-2's pre-LayerNorm blocks with biases and a GELU MLP. llama: RMSNorm, a SwiGLU
+    MLP, rotary positions and grouped-query attention (kv_heads), no biases.
+    """
+
+    name: Literal["gpt", "llama"] = "gpt"
     vocab_size: int = 256  # the embedded corpus is read byte-level
     seq_len: int = 128
     layers: int = 4
     width: int = 128
     heads: int = 4
     mlp_width: int = 0  # MLP hidden width; 0 means 4 * width
-    position: Literal["learned", "rotary"] = "learned"
+    position: Literal["learned", "rotary"] = "learned"  # gpt's choice; llama's is rotary
     tie_embeddings: bool = True
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
@@ -82,8 +91,22 @@ class LanguageModelConfig:
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
     fp32_logits: bool = True
     init_std: float = 0.02
+    norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
+    rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
+    # llama only: key/value heads of grouped-query attention (0: as many as heads), and the
+    # Llama-3 rope scaling of long contexts with its four numbers (as in HF's config.json).
+    kv_heads: int = 0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_length: int = 8192
 
     def __post_init__(self):
+        if self.name == "llama":  # its positions are always rotary: config.yaml says so
+            object.__setattr__(self, "position", "rotary")
+        else:
+            self._refuse_llama_keys()
         positive = {key: 1 for key in ("vocab_size", "seq_len", "layers", "width", "heads")}
         _check_at_least("model", self, positive)
         if self.mlp_width < 0:
@@ -96,6 +119,32 @@ class LanguageModelConfig:
             )
         if self.position == "rotary" and (self.width // self.heads) % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
+        _check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
+        if self.heads % self.key_value_heads:
+            raise UserError(
+                f"model.heads={self.heads} is not divisible by model.kv_heads={self.kv_heads}"
+            )
+        for key in ("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"model.{key} must be a finite number > 0, got {value}")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise UserError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be above "
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor}"
+            )
+
+    @property
+    def key_value_heads(self) -> int:
+        """The key/value heads: kv_heads, or heads when it is 0 (no grouping)."""
+        return self.kv_heads or self.heads
+
+    def _refuse_llama_keys(self) -> None:
+        """Keys only llama reads, set on another model: they would silently do nothing."""
+        defaults = LanguageModelConfig(name="llama")
+        for key in LLAMA_KEYS:
+            if getattr(self, key) != getattr(defaults, key):
+                raise UserError(f"model.{key} is for model.name=llama, not {self.name}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +187,7 @@ class CustomModelConfig:
 # model.name -> the dataclass of the `model` section: each family has its own keys.
 MODEL_CONFIGS: dict[str, type] = {
     "gpt": LanguageModelConfig,
+    "llama": LanguageModelConfig,
     "resnet": VisionConfig,
     "vgg": VisionConfig,
     "vit": VisionConfig,

@@ -11,6 +11,7 @@ last `data.eval_fraction` of windows is held out for eval.
 from __future__ import annotations
 
 import glob
+import os
 import pathlib
 import sysconfig
 import zlib
@@ -29,10 +30,13 @@ def embedded_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, eval) byte tokens of the standard library's .py files, split by path hash."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     parts: dict[str, list[bytes]] = {"train": [], "eval": []}
-    for path in sorted(root.rglob("*.py")):
+    paths = []
+    for directory, subdirectories, files in os.walk(root):
+        # Pruned, not filtered: site-packages (torch and all) is never walked.
+        subdirectories[:] = [name for name in subdirectories if name not in SKIPPED_DIRECTORIES]
+        paths += [pathlib.Path(directory, name) for name in files if name.endswith(".py")]
+    for path in sorted(paths):
         relative = path.relative_to(root)
-        if SKIPPED_DIRECTORIES & set(relative.parts):
-            continue
         bucket = zlib.crc32(relative.as_posix().encode()) % 10_000
         parts["eval" if bucket < eval_fraction * 10_000 else "train"].append(path.read_bytes())
     return tuple(np.frombuffer(b"".join(parts[s]), dtype=np.uint8) for s in ("train", "eval"))

@@ -26,10 +26,11 @@ from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
 
 
-def _layer_norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def _layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
     """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis."""
     return nnx.LayerNorm(
         width,
+        epsilon=epsilon,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
@@ -43,9 +44,11 @@ def mlp_width(config: LanguageModelConfig) -> int:
     return config.mlp_width or 4 * config.width
 
 
-def rotary_tables(seq_len: int, head_width: int) -> tuple[jax.Array, jax.Array]:
+def rotary_tables(
+    seq_len: int, head_width: int, theta: float = 10000.0
+) -> tuple[jax.Array, jax.Array]:
     """Sine and cosine tables (T x E/2) for rotary position embeddings."""
-    inverse_frequency = 1.0 / (10000.0 ** (jnp.arange(0, head_width, 2) / head_width))
+    inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
     angles_TxE2 = jnp.arange(seq_len)[:, None] * inverse_frequency[None, :]
     return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
 
@@ -145,12 +148,12 @@ class Block(nnx.Module):
         zeros = nnx.initializers.zeros
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, D // H)
-        self.attention_norm = _layer_norm(D, rngs)
+        self.attention_norm = _layer_norm(D, config.norm_eps, rngs)
         self.qkv_kernel = param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
         self.qkv_bias = param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
         self.out_bias = param(rngs, zeros, (D,), ("embed",))
-        self.mlp_norm = _layer_norm(D, rngs)
+        self.mlp_norm = _layer_norm(D, config.norm_eps, rngs)
         self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
         self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
         self.mlp_out_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
@@ -203,11 +206,8 @@ class GPT(nnx.Module):
         self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
         if config.position == "learned":
             self.position_embedding = param(rngs, normal, (config.seq_len, D), ("length", "embed"))
-        if config.scan_layers:
-            self.blocks = _stacked_blocks(config, policy, rngs)
-        else:
-            self.blocks = nnx.List([Block(config, policy, rngs) for _ in range(config.layers)])
-        self.final_norm = _layer_norm(D, rngs)
+        self.blocks = build_blocks(lambda rngs: Block(config, policy, rngs), config, rngs)
+        self.final_norm = _layer_norm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
@@ -223,32 +223,11 @@ class GPT(nnx.Module):
         if self.config.position == "learned":
             x_BxTxD = x_BxTxD + cast(self.position_embedding[:T])
         else:
-            rotary = rotary_tables(T, self.config.width // self.config.heads)
+            head_width = self.config.width // self.config.heads
+            rotary = rotary_tables(T, head_width, self.config.rope_theta)
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
-
-        scanned = self.config.scan_layers
-        if scanned:
-            graphdef, stacked_state = nnx.split(self.blocks)
-            step = functools.partial(_block_step, graphdef, rotary)
-            x_BxTxD, _ = jax.lax.scan(
-                wrap_block_call(step, self.remat_policy, scanned), x_BxTxD, stacked_state
-            )
-        else:
-            for block in self.blocks:
-                graphdef, block_state = nnx.split(block)
-                step = functools.partial(_block_step, graphdef, rotary)
-                x_BxTxD, _ = wrap_block_call(step, self.remat_policy, scanned)(x_BxTxD, block_state)
-
-        h_BxTxD = cast(self.final_norm(x_BxTxD))
-        if self.config.tie_embeddings:
-            head_DxV = self.token_embedding[...].T
-        else:
-            head_DxV = self.head[...]
-        logits_dtype = jnp.float32 if self.config.fp32_logits else None
-        logits_BxTxV = jnp.einsum(
-            "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=logits_dtype
-        )
-        return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
+        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+        return output_logits(self, cast(self.final_norm(x_BxTxD)))
 
     @staticmethod
     def flops_per_token(config: LanguageModelConfig, param_count: int) -> float:
@@ -256,18 +235,48 @@ class GPT(nnx.Module):
         return 6 * param_count + 12 * config.layers * config.width * config.seq_len
 
 
+def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
+    """A decoder's logits from its normed stream: through the tied table or the head."""
+    cast = model.policy.cast_to_compute
+    head_DxV = model.token_embedding[...].T if model.config.tie_embeddings else model.head[...]
+    logits_dtype = jnp.float32 if model.config.fp32_logits else None
+    logits_BxTxV = jnp.einsum(
+        "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=logits_dtype
+    )
+    return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
+
+
+def build_blocks(create_block, config: LanguageModelConfig, rngs: nnx.Rngs):
+    """`config.layers` blocks: stacked on a leading `layers` axis for scan, or a list."""
+    if not config.scan_layers:
+        return nnx.List([create_block(rngs) for _ in range(config.layers)])
+
+    @nnx.split_rngs(splits=config.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(block_rngs: nnx.Rngs):
+        return create_block(block_rngs)
+
+    return create(rngs)
+
+
+def run_blocks(blocks, x_BxTxD: jax.Array, rotary, remat_policy: str, config) -> jax.Array:
+    """The stream through every block: one scanned block, or each of the list in turn."""
+    scanned = config.scan_layers
+    if scanned:
+        graphdef, stacked_state = nnx.split(blocks)
+        step = functools.partial(_block_step, graphdef, rotary)
+        x_BxTxD, _ = jax.lax.scan(
+            wrap_block_call(step, remat_policy, scanned), x_BxTxD, stacked_state
+        )
+        return x_BxTxD
+    for block in blocks:
+        graphdef, block_state = nnx.split(block)
+        step = functools.partial(_block_step, graphdef, rotary)
+        x_BxTxD, _ = wrap_block_call(step, remat_policy, scanned)(x_BxTxD, block_state)
+    return x_BxTxD
+
+
 def _block_step(graphdef, rotary, x_BxTxD, block_state):
     """One block as a pure function of its state, shaped for jax.lax.scan (carry, output)."""
     # Back to the stream's dtype: a block forced to another policy stays a drop-in.
     return nnx.merge(graphdef, block_state)(x_BxTxD, rotary).astype(x_BxTxD.dtype), None
-
-
-def _stacked_blocks(config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs) -> Block:
-    """`layers` blocks with their params stacked on a leading `layers` axis, for scan."""
-
-    @nnx.split_rngs(splits=config.layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(block_rngs: nnx.Rngs) -> Block:
-        return Block(config, policy, block_rngs)
-
-    return create(rngs)

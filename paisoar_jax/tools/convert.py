@@ -1,9 +1,11 @@
-"""`python -m paisoar_jax.convert text|images|verify ...`: build ArrayRecord datasets.
+"""`python -m paisoar_jax.convert text|images|verify|hf-import|hf-export ...`: datasets, models.
 
-`text` tokenizes files (one file = one document, each followed by the end-of-document id)
-into one stream cut into fixed-size records; `images` packs a class-per-folder image tree
+`text` tokenizes files (one file = one document, each followed by the end-of-document id;
+a .jsonl or .parquet file holds one document per record or row, its `--field`) into one
+stream cut into fixed-size records; `images` packs a class-per-folder image tree
 into labelled records; `verify` checks a dataset's shards against its manifest. The formats
-and their readers are in `paisoar_jax.data.records`.
+and their readers are in `paisoar_jax.data.records`. `hf-import` and `hf-export` carry
+GPT-2 and Llama weights between Hugging Face's format and ours (paisoar_jax/tools/hf.py).
 
 Inputs are files, directories (every non-hidden file below them) or recursive globs. The
 `byte` tokenizer stores each file's raw UTF-8 bytes (vocab 256) and uses 0 as the
@@ -33,6 +35,7 @@ import numpy as np
 from paisoar_jax import output
 from paisoar_jax.data import records
 from paisoar_jax.errors import UserError
+from paisoar_jax.tools import hf
 from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.convert"
@@ -82,21 +85,73 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model)
 
 
-def tokenize_file(tokenizer: Tokenizer, path: pathlib.Path) -> np.ndarray:
-    """The token ids of one document, without its end-of-document id."""
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise UserError(f"cannot read {path}: {error.strerror}") from None
+def tokenize(tokenizer: Tokenizer, data: bytes, where: str) -> np.ndarray:
+    """The token ids of one document's UTF-8 bytes, without its end-of-document id."""
     if tokenizer.model is None:
         if b"\0" in data:
-            raise UserError(f"{path} contains NUL bytes (the byte tokenizer's end-of-document)")
+            raise UserError(f"{where} contains NUL bytes (the byte tokenizer's end-of-document)")
         return np.frombuffer(data, np.uint8)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UserError(f"{path} is not UTF-8 text: {error}") from None
+        raise UserError(f"{where} is not UTF-8 text: {error}") from None
     return np.asarray(tokenizer.model.encode(text, add_special_tokens=False).ids, np.int64)
+
+
+def documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
+    """(UTF-8 bytes, where) of each document of a file.
+
+    A .jsonl or .parquet file holds one per record or row (its `field`); any other file is
+    one document.
+    """
+    if path.suffix == ".parquet":
+        yield from _parquet_documents(path, field)
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror}") from None
+    if path.suffix != ".jsonl":
+        yield data, str(path)
+        return
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{where}: not a JSON object ({error.msg})") from None
+        yield _field_text(record, field, where).encode("utf-8"), where
+
+
+def _parquet_documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
+    """The `field` of each row of a Parquet file, read one row group at a time."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise UserError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as error:
+        raise UserError(f"{path} is not a Parquet file ({error})") from None
+    if field not in table.schema_arrow.names:
+        names = ", ".join(table.schema_arrow.names)
+        raise UserError(f"{path} has no column {field!r} (columns: {names}): set --field")
+    row = 0
+    for group in range(table.num_row_groups):
+        for text in table.read_row_group(group, columns=[field]).column(0).to_pylist():
+            row += 1
+            yield _field_text({field: text}, field, f"{path} row {row}").encode("utf-8"), str(path)
+
+
+def _field_text(record, field: str, where: str) -> str:
+    """The text under `field` of one JSON Lines record or Parquet row."""
+    if not isinstance(record, dict) or field not in record:
+        raise UserError(f"{where}: no field {field!r} (set --field to the text's name)")
+    if not isinstance(record[field], str):
+        raise UserError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
+    return record[field]
 
 
 def files_under(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -201,14 +256,16 @@ def convert_text(args: argparse.Namespace) -> str:
     record_tokens = args.record_tokens
     with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
         # The stream goes to disk first: shard sizes depend on the total, known only at the end.
-        stream_path, token_count = staging / "stream.tmp", 0
+        stream_path, token_count, document_count = staging / "stream.tmp", 0, 0
         with open(stream_path, "wb") as stream:
             for path in progress(files, "tokenizing", args.progress):
-                tokens = np.append(tokenize_file(tokenizer, path), tokenizer.eos_id)
-                stream.write(tokens.astype(dtype).tobytes())
-                token_count += len(tokens)
-        if token_count == len(files):
-            raise UserError(f"every input file is empty ({len(files)} files)")
+                for data, where in documents(path, args.field):
+                    tokens = np.append(tokenize(tokenizer, data, where), tokenizer.eos_id)
+                    stream.write(tokens.astype(dtype).tobytes())
+                    token_count += len(tokens)
+                    document_count += 1
+        if token_count == document_count:
+            raise UserError(f"every input document is empty ({document_count} documents)")
         stream_tokens = np.memmap(stream_path, dtype, "r")
         contents = (
             stream_tokens[start : start + record_tokens].tobytes()
@@ -235,12 +292,12 @@ def convert_text(args: argparse.Namespace) -> str:
             "dtype": dtype.name,
             "record_tokens": record_tokens,
             "token_count": token_count,
-            "documents": len(files),
+            "documents": document_count,
             "shards": shards,
         }
         write_manifest(staging, manifest)
     return (
-        f"wrote {len(files)} documents, {token_count} tokens "
+        f"wrote {document_count} documents, {token_count} tokens "
         f"in {len(shards)} shards to {args.output}"
     )
 
@@ -296,13 +353,16 @@ def verify_dataset(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `text`, `images` and `verify` subcommands."""
+    """The `text`, `images`, `verify`, `hf-import` and `hf-export` subcommands."""
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Build ArrayRecord datasets.")
     commands = parser.add_subparsers(dest="command", required=True)
     text = commands.add_parser("text", help="tokenize text files into a tokens dataset")
     text.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB")
     text.add_argument("--tokenizer", default="byte", help="byte, or a tokenizers JSON file")
     text.add_argument("--record-tokens", type=int, default=DEFAULT_RECORD_TOKENS)
+    text.add_argument(
+        "--field", default="text", help=".jsonl and .parquet inputs: the text's field or column"
+    )
     text.set_defaults(handler=convert_text)
     images = commands.add_parser("images", help="pack a DIR/CLASS/*.jpg tree into a dataset")
     images.add_argument("--input", required=True, metavar="DIR")
@@ -312,6 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--shards", type=int, default=1)
         command.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
         command.add_argument("--no-progress", dest="progress", action="store_false")
+    hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
+    hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
+    hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
+    hf_in.set_defaults(handler=lambda args: hf.hf_import(args.input, args.output))
+    hf_out = commands.add_parser("hf-export", help="a run's params as a Hugging Face model")
+    hf_out.add_argument("source", metavar="RUN_DIR_OR_EXPORT", type=pathlib.Path)
+    hf_out.add_argument("--output", required=True, metavar="HF_DIR", type=pathlib.Path)
+    hf_out.set_defaults(handler=lambda args: hf.hf_export(args.source, args.output))
     verify = commands.add_parser("verify", help="check a dataset against its manifest")
     verify.add_argument("directory", metavar="DIR")
     verify.set_defaults(handler=verify_dataset)

@@ -27,19 +27,28 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
 
     import jax
 
-    from paisoar_jax.checkpoint import (
-        abstract_weights,
-        checkpoint_directory,
-        export_weights,
-        load_weights,
-    )
-    from paisoar_jax.config import dump_yaml, load_config
+    from paisoar_jax.checkpoint import export_weights
+    from paisoar_jax.config import dump_yaml
+
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not an empty directory")
+    config, path, step = checkpoint_step(run_dir, step)
+    params, model_state = _load(path)
+    export_weights(params, model_state or {}, output)
+    (output / "config.yaml").write_text(dump_yaml(config))
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    note(f"{count / 1e6:.2f}M params of step {step} -> {output}/params", program=PROGRAM)
+    return step
+
+
+def checkpoint_step(run_dir: pathlib.Path, step: int | None = None):
+    """(the run's config, the directory of `step` or the newest complete step, the step)."""
+    from paisoar_jax.checkpoint import checkpoint_directory
+    from paisoar_jax.config import load_config
 
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output {output} exists and is not an empty directory")
     config = load_config(str(config_path))
     checkpoints = checkpoint_directory(config.checkpoint, run_dir)
     # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
@@ -48,16 +57,31 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
         wanted = f"step {step}" if step is not None else "a checkpoint"
         raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
     step = steps[-1] if step is None else step
+    return config, checkpoints / str(step), step
+
+
+def read_weights(source: pathlib.Path):
+    """(config, params, what was read) of a params export or of a run's newest checkpoint."""
+    from paisoar_jax.config import load_config
+
+    if (source / "params").is_dir() and (source / "config.yaml").is_file():
+        config, path, where = load_config(str(source / "config.yaml")), source, f"export {source}"
+    else:
+        config, path, step = checkpoint_step(source)
+        where = f"step {step} of {source}"
+    return config, _load(path)[0], where
+
+
+def _load(path: pathlib.Path):
+    """(params, model state) of an export or checkpoint step, on one device."""
+    import jax
+
+    from paisoar_jax.checkpoint import abstract_weights, load_weights
+
     # The weights' shapes come from the checkpoint itself, so no model is rebuilt (a model
     # of one's own cannot be: only its factory knows it); one device holds them.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = abstract_weights(checkpoints / str(step), device)
-    params, model_state = load_weights(checkpoints / str(step), target)
-    export_weights(params, model_state or {}, output)
-    (output / "config.yaml").write_text(dump_yaml(config))
-    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-    note(f"{count / 1e6:.2f}M params of step {step} -> {output}/params", program=PROGRAM)
-    return step
+    return load_weights(path, abstract_weights(path, device))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,177 @@
+"""A Llama-family decoder in Flax NNX: RMSNorm, SwiGLU, rotary positions, grouped-query attention.
+
+The same math as Hugging Face's LlamaForCausalLM, so its checkpoints load as they are
+(paisoar_jax/tools/hf.py): rotary positions rotate the two halves of each head (HF's
+`rotate_half`), with HF's `rope_theta` and the Llama-3 scaling of long contexts; no biases;
+embeddings tied or not. Attention, scan over stacked blocks, remat and fp8 matmuls are
+GPT's (models/gpt.py). Every parameter carries logical axis names: tensor parallelism
+splits the query heads and the key/value heads. Shape suffixes: B batch, T time, D width,
+H query heads, K key/value heads, E head width, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from paisoar_jax import fp8
+from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.errors import UserError
+from paisoar_jax.models.gpt import (
+    GPT,
+    attention,
+    build_blocks,
+    mlp_width,
+    output_logits,
+    resolve_attention,
+    run_blocks,
+)
+from paisoar_jax.models.layers import param
+from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.sharding import constrain
+
+MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in fp32 (HF's LlamaRMSNorm)."""
+
+    def __init__(self, width: int, epsilon: float, rngs: nnx.Rngs):
+        self.epsilon = epsilon
+        self.scale = param(rngs, nnx.initializers.ones, (width,), ("embed",))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The normalised stream, fp32."""
+        x = float32_island(x_BxTxD)
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
+        return normed * self.scale[...]
+
+
+def inverse_frequencies(config: LanguageModelConfig) -> jax.Array:
+    """The E/2 rotary frequencies, with the Llama-3 scaling when model.rope_scaling says so.
+
+    Llama 3: wavelengths longer than original_length / low_freq_factor are slowed by
+    `factor`, those shorter than original_length / high_freq_factor are kept, and the band
+    between blends the two.
+    """
+    head_width = config.width // config.heads
+    inverse = 1.0 / (config.rope_theta ** (jnp.arange(0, head_width, 2) / head_width))
+    if config.rope_scaling == "none":
+        return inverse
+    factor, original = config.rope_factor, config.rope_original_length
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelength = 2 * math.pi / inverse
+    slowed = jnp.where(wavelength > original / low, inverse / factor, inverse)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(in_band, blended, slowed)
+
+
+def rotary_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
+    """(sin, cos), each T x E/2, at the given positions."""
+    angles_TxE2 = positions_T[:, None].astype(jnp.float32) * inverse_frequencies(config)[None]
+    return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+
+
+def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
+    """Rotary positions, HF's convention: the first and second half of a head form the pairs."""
+    x = float32_island(x_BxTxHxE)
+    first, second = jnp.split(x, 2, axis=-1)
+    sin, cos = sin_TxE2[None, :, None, :], cos_TxE2[None, :, None, :]
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x_BxTxHxE.dtype)
+
+
+class Block(nnx.Module):
+    """x + attention(rmsnorm(x)), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x)."""
+
+    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
+        D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)
+        E = D // H
+        normal = nnx.initializers.normal(config.init_std)
+        residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
+        self.policy = policy
+        self.attention_impl = resolve_attention(config.attention, policy, E)
+        self.attention_norm = RMSNorm(D, config.norm_eps, rngs)
+        self.q_kernel = param(rngs, normal, (D, H, E), ("embed", "heads", "head_dim"))
+        self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
+        self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
+        self.mlp_norm = RMSNorm(D, config.norm_eps, rngs)
+        self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+        self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+        self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
+        self.fp8 = fp8.block_dots(policy, MATMULS)
+
+    def __call__(self, x_BxTxD: jax.Array, rotary: tuple) -> jax.Array:
+        """Applies the block at the positions whose (sin, cos) tables `rotary` holds."""
+        cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
+        h_BxTxD = cast(self.attention_norm(x_BxTxD))
+        heads = ("batch", "length", "act_heads", "head_dim")
+        q_BxTxHxE = constrain(matmul("btd,dhe->bthe", h_BxTxD, self.q_kernel[...], "q"), heads)
+        k_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.k_kernel[...], "k"), heads)
+        v_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.v_kernel[...], "v"), heads)
+        q_BxTxHxE, k_BxTxKxE = rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary)
+        # jax.nn.dot_product_attention groups the H query heads over the K kv heads itself.
+        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
+        attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
+        out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
+        x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+
+        h_BxTxD = cast(self.mlp_norm(x_BxTxD))
+        gate_BxTxF = matmul("btd,df->btf", h_BxTxD, self.gate_kernel[...], "gate")
+        up_BxTxF = matmul("btd,df->btf", h_BxTxD, self.up_kernel[...], "up")
+        hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "act_mlp"))
+        hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
+        out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.down_kernel[...], "down")
+        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+
+
+class Llama(nnx.Module):
+    """Decoder-only Llama language model returning logits (B x T x V), fp32 by default."""
+
+    def __init__(
+        self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
+    ):
+        _check_tensor_split(config)
+        self.config, self.policy, self.remat_policy = config, policy, remat_policy
+        normal = nnx.initializers.normal(config.init_std)
+        D, V = config.width, config.vocab_size
+        self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
+        self.blocks = build_blocks(lambda rngs: Block(config, policy, rngs), config, rngs)
+        self.final_norm = RMSNorm(D, config.norm_eps, rngs)
+        if not config.tie_embeddings:
+            self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        """Next-token logits for each position of `tokens_BxT`."""
+        cast = self.policy.cast_to_compute
+        table_VxD = constrain(cast(self.token_embedding[...]), (None, None))  # as GPT's lookup
+        x_BxTxD = constrain(
+            jnp.take(table_VxD, tokens_BxT, axis=0), ("batch", "length", "act_embed")
+        )
+        rotary = rotary_tables(self.config, jnp.arange(tokens_BxT.shape[1]))
+        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+        return output_logits(self, cast(self.final_norm(x_BxTxD)))
+
+    # 6 N for the matmuls plus 12 L D T for attention, as GPT's: grouping the kv heads
+    # changes the parameter count, not the attention's FLOPs.
+    flops_per_token = staticmethod(GPT.flops_per_token)
+
+
+def _check_tensor_split(config: LanguageModelConfig) -> None:
+    """Tensor parallelism splits the kv heads: their count must divide by mesh.tensor."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    if config.key_value_heads % tensor:
+        raise UserError(
+            f"model.kv_heads={config.key_value_heads} is not divisible by mesh.tensor={tensor}: "
+            f"tensor parallelism splits the key/value heads (use a tensor size that divides it)"
+        )

@@ -1,0 +1,420 @@
+"""Hugging Face checkpoints in and out: GPT-2 and Llama, through safetensors.
+
+`hf_import` reads an HF model directory (config.json and model.safetensors, or the shards
+of a model.safetensors.index.json) into our parameter layout, written as a params export
+(what `checkpoint.init_from` and `generate` take) with a config.yaml beside it. `hf_export`
+writes a run's (or an export's) params back as a directory that
+`transformers.AutoModelForCausalLM.from_pretrained` loads. The library never imports
+transformers or torch: the formats are plain JSON and safetensors.
+
+Each tensor is read memory-mapped and on its own, checked against the shape our model
+has for it, and converted (HF's Linear stores out x in, GPT-2's Conv1D in x out; our
+kernels are in x out with heads as their own axis); a missing tensor or a shape that does
+not match gets one line that names it. Blocks are stacked on the `layers` axis (the
+scan layout, model.scan_layers=true). Both spellings of Llama-3's rope scaling are read:
+`rope_scaling` (transformers 4.x) and `rope_parameters` (5.x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+from collections.abc import Callable
+
+import numpy as np
+
+from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
+from paisoar_jax.errors import UserError
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+FAMILY = {"gpt2": "gpt", "llama": "llama"}  # HF model_type -> model.name
+Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter: our dotted path, HF's name ({i}: the layer), and the two conversions."""
+
+    ours: str
+    theirs: str
+    to_ours: Convert = lambda array, config: array  # noqa: E731
+    to_theirs: Convert = lambda array, config: array  # noqa: E731
+
+
+def _heads(config: LanguageModelConfig) -> tuple[int, int, int, int]:
+    """(D, H, K, E): width, query heads, key/value heads, head width."""
+    return config.width, config.heads, config.key_value_heads, config.width // config.heads
+
+
+def _linear_in_heads(kind: str) -> Tensor:
+    """An HF Linear (heads x E, D) as our D x heads x E kernel; `kind` q, k or v."""
+    count = (lambda config: _heads(config)[1]) if kind == "q" else (lambda c: _heads(c)[2])
+    return Tensor(
+        f"blocks.{kind}_kernel",
+        f"model.layers.{{i}}.self_attn.{kind}_proj.weight",
+        lambda array, config: array.T.reshape(config.width, count(config), -1),
+        lambda array, config: array.reshape(config.width, -1).T,
+    )
+
+
+def _transposed(ours: str, theirs: str) -> Tensor:
+    return Tensor(ours, theirs, lambda array, config: array.T, lambda array, config: array.T)
+
+
+LLAMA = (
+    Tensor("token_embedding", "model.embed_tokens.weight"),
+    Tensor("blocks.attention_norm.scale", "model.layers.{i}.input_layernorm.weight"),
+    _linear_in_heads("q"),
+    _linear_in_heads("k"),
+    _linear_in_heads("v"),
+    Tensor(
+        "blocks.out_kernel",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        lambda array, config: array.T.reshape(config.heads, -1, config.width),
+        lambda array, config: array.reshape(-1, config.width).T,
+    ),
+    Tensor("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight"),
+    _transposed("blocks.gate_kernel", "model.layers.{i}.mlp.gate_proj.weight"),
+    _transposed("blocks.up_kernel", "model.layers.{i}.mlp.up_proj.weight"),
+    _transposed("blocks.down_kernel", "model.layers.{i}.mlp.down_proj.weight"),
+    Tensor("final_norm.scale", "model.norm.weight"),
+    _transposed("head", "lm_head.weight"),
+)
+
+
+def _split_qkv(array, config):
+    return array.reshape(*array.shape[:-1], 3, config.heads, -1)
+
+
+def _norm(ours: str, theirs: str) -> tuple[Tensor, Tensor]:
+    return Tensor(f"{ours}.scale", f"{theirs}.weight"), Tensor(f"{ours}.bias", f"{theirs}.bias")
+
+
+GPT2 = (
+    Tensor("token_embedding", "transformer.wte.weight"),
+    Tensor("position_embedding", "transformer.wpe.weight"),
+    *_norm("blocks.attention_norm", "transformer.h.{i}.ln_1"),
+    Tensor(
+        "blocks.qkv_kernel",
+        "transformer.h.{i}.attn.c_attn.weight",
+        _split_qkv,
+        lambda array, config: array.reshape(config.width, -1),
+    ),
+    Tensor(
+        "blocks.qkv_bias",
+        "transformer.h.{i}.attn.c_attn.bias",
+        _split_qkv,
+        lambda array, config: array.reshape(-1),
+    ),
+    Tensor(
+        "blocks.out_kernel",
+        "transformer.h.{i}.attn.c_proj.weight",
+        lambda array, config: array.reshape(config.heads, -1, config.width),
+        lambda array, config: array.reshape(-1, config.width),
+    ),
+    Tensor("blocks.out_bias", "transformer.h.{i}.attn.c_proj.bias"),
+    *_norm("blocks.mlp_norm", "transformer.h.{i}.ln_2"),
+    Tensor("blocks.mlp_in_kernel", "transformer.h.{i}.mlp.c_fc.weight"),
+    Tensor("blocks.mlp_in_bias", "transformer.h.{i}.mlp.c_fc.bias"),
+    Tensor("blocks.mlp_out_kernel", "transformer.h.{i}.mlp.c_proj.weight"),
+    Tensor("blocks.mlp_out_bias", "transformer.h.{i}.mlp.c_proj.bias"),
+    *_norm("final_norm", "transformer.ln_f"),
+)
+TENSORS = {"gpt": GPT2, "llama": LLAMA}
+
+
+def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
+    """Our model section for an HF config.json of GPT-2 or Llama (one line if it is not one)."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILY:
+        found = hf.get("architectures") or [model_type]
+        raise UserError(
+            f"{where}: {', '.join(map(str, found))} is not an architecture this imports "
+            f"(GPT2LMHeadModel or LlamaForCausalLM)"
+        )
+    if model_type == "gpt2":
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UserError(
+                f"{where}: activation_function {hf['activation_function']} is not GPT-2's"
+            )
+        return LanguageModelConfig(
+            name="gpt",
+            vocab_size=hf["vocab_size"],
+            seq_len=hf["n_positions"],
+            layers=hf["n_layer"],
+            width=hf["n_embd"],
+            heads=hf["n_head"],
+            mlp_width=hf.get("n_inner") or 0,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            position="learned",
+            tie_embeddings=hf.get("tie_word_embeddings", True),
+        )
+    width, heads = hf["hidden_size"], hf["num_attention_heads"]
+    refused = {
+        "hidden_act": hf.get("hidden_act", "silu") != "silu",
+        "attention_bias": hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "head_dim": hf.get("head_dim", width // heads) != width // heads,
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise UserError(f"{where}: rope type {rope_type!r} is not default or llama3")
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(
+            rope_scaling="llama3",
+            rope_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_length=int(rope["original_max_position_embeddings"]),
+        )
+    return LanguageModelConfig(
+        name="llama",
+        vocab_size=hf["vocab_size"],
+        seq_len=min(hf.get("max_position_embeddings", 2048), 2048),  # a training length
+        layers=hf["num_hidden_layers"],
+        width=width,
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp_width=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        **scaling,
+    )
+
+
+def hf_config(model: LanguageModelConfig) -> dict:
+    """The config.json transformers reads for our model section."""
+    if model.name == "gpt":
+        if model.position != "learned" or not model.tie_embeddings:
+            raise UserError(
+                "an HF GPT-2 has learned positions and tied embeddings: this model has "
+                f"model.position={model.position}, model.tie_embeddings={model.tie_embeddings}"
+            )
+        return {
+            "architectures": [ARCHITECTURES["gpt2"]],
+            "model_type": "gpt2",
+            "vocab_size": model.vocab_size,
+            "n_positions": model.seq_len,
+            "n_embd": model.width,
+            "n_layer": model.layers,
+            "n_head": model.heads,
+            "n_inner": model.mlp_width or None,
+            "layer_norm_epsilon": model.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": True,
+        }
+    rope_scaling = None
+    if model.rope_scaling == "llama3":
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": model.rope_factor,
+            "low_freq_factor": model.rope_low_freq_factor,
+            "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_length,
+        }
+    return {
+        "architectures": [ARCHITECTURES["llama"]],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": max(model.seq_len, model.rope_original_length),
+        "hidden_size": model.width,
+        "intermediate_size": model.mlp_width or 4 * model.width,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.key_value_heads,
+        "head_dim": model.width // model.heads,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": model.tie_embeddings,
+    }
+
+
+class SafetensorsReader:
+    """The tensors of an HF directory, each read memory-mapped when asked for."""
+
+    def __init__(self, directory: pathlib.Path):
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            self.files = {}
+            for path in sorted(directory.glob("*.safetensors")):
+                with safe_open(path, framework="numpy") as handle:
+                    self.files |= {name: path for name in handle.keys()}  # noqa: SIM118
+        if not self.files:
+            raise UserError(f"{directory} holds no *.safetensors weights")
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor as float32 (bf16 and fp16 are widened)."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="flax") as handle:  # flax: bf16 too
+            return np.asarray(handle.get_tensor(name), dtype=np.float32)
+
+    def name_of(self, name: str) -> str | None:
+        """The stored name of `name`: GPT-2's without `transformer.` where saved that way."""
+        if name in self.files:
+            return name
+        bare = name.removeprefix("transformer.")
+        return bare if bare in self.files else None
+
+
+def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
+    """Writes the HF model in `source` as a params export with its config.yaml; a summary."""
+    from paisoar_jax.checkpoint import export_weights
+
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{source} has no config.json: not a Hugging Face model directory")
+    _check_empty(output)
+    model = model_config_from_hf(json.loads(config_path.read_text()), config_path)
+    reader = SafetensorsReader(source)
+    expected = _flat(abstract_params(model))
+    params = {}
+    for tensor in TENSORS[model.name]:
+        if tensor.ours not in expected:  # the head of tied embeddings
+            continue
+        shape = expected[tensor.ours].shape
+        if "{i}" not in tensor.theirs:
+            params[tensor.ours] = _read(reader, source, tensor.theirs, tensor, model, shape)
+            continue
+        names = [tensor.theirs.format(i=i) for i in range(model.layers)]
+        layers = [_read(reader, source, name, tensor, model, shape[1:]) for name in names]
+        params[tensor.ours] = np.stack(layers)
+    export_weights(_nested(params), {}, output)
+    config = Config(model=model)
+    config = dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, init_from=str(output.absolute()))
+    )
+    (output / "config.yaml").write_text(dump_yaml(config))
+    if (source / "tokenizer.json").is_file():
+        shutil.copyfile(source / "tokenizer.json", output / "tokenizer.json")
+    count = sum(array.size for array in params.values())
+    return f"imported {count / 1e6:.2f}M params of a {model.name} model -> {output}/params"
+
+
+def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
+    """Writes the params of a run or export in `source` as an HF directory; a summary."""
+    from safetensors.numpy import save_file
+
+    from paisoar_jax.tools.export import read_weights
+
+    config, params, where = read_weights(source)
+    model = config.model
+    if not isinstance(model, LanguageModelConfig):
+        raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
+    _check_empty(output)
+    flat = _flat(params)
+    tensors = {}
+    for tensor in TENSORS[model.name]:
+        stored = _stacked(flat, tensor.ours, model)
+        if stored is None:  # the head of tied embeddings
+            continue
+        if "{i}" not in tensor.theirs:
+            tensors[tensor.theirs] = np.ascontiguousarray(tensor.to_theirs(stored, model))
+            continue
+        for i in range(model.layers):
+            layer = np.ascontiguousarray(tensor.to_theirs(stored[i], model))
+            tensors[tensor.theirs.format(i=i)] = layer
+    (output / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = source / "tokenizer.json"
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, output / "tokenizer.json")
+    return f"exported {where} as a Hugging Face {ARCHITECTURES[_hf_type(model)]} -> {output}"
+
+
+def abstract_params(model: LanguageModelConfig) -> dict:
+    """Our model's params as shapes (nothing is allocated)."""
+    import jax
+    from flax import nnx
+
+    from paisoar_jax.precision import get_policy
+    from paisoar_jax.zoo import build_model
+
+    def create() -> dict:
+        built = build_model(model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+        return nnx.to_pure_dict(nnx.state(built, nnx.Param))
+
+    with nnx.use_eager_sharding(False):
+        return jax.eval_shape(create)
+
+
+def _read(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> np.ndarray:
+    """One HF tensor in our layout, checked against the shape our model has for it."""
+    stored = reader.name_of(name)
+    if stored is None:
+        raise UserError(f"{source}: tensor {name} is missing")
+    array = reader.read(stored)
+    wanted = _their_shape(tensor, model, shape)
+    if array.shape != wanted:
+        raise UserError(
+            f"{source}: tensor {name} has shape {list(array.shape)}, and config.json's model "
+            f"needs {list(wanted)}"
+        )
+    return tensor.to_ours(array, model)
+
+
+def _their_shape(tensor: Tensor, model: LanguageModelConfig, shape: tuple) -> tuple:
+    """The HF shape of our `shape`, traced (no array of that size is made)."""
+    import jax
+
+    ours = jax.ShapeDtypeStruct(shape, np.float32)
+    return jax.eval_shape(lambda array: tensor.to_theirs(array, model), ours).shape
+
+
+def _stacked(flat: dict, path: str, model: LanguageModelConfig) -> np.ndarray | None:
+    """Our param at `path` as an array, the blocks' stacked on a leading layers axis."""
+    if path in flat:
+        return np.asarray(flat[path], np.float32)
+    if not path.startswith("blocks."):
+        return None
+    rest = path.removeprefix("blocks.")
+    layers = [flat.get(f"blocks.{i}.{rest}") for i in range(model.layers)]  # unscanned
+    return None if layers[0] is None else np.stack([np.asarray(x, np.float32) for x in layers])
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested dict as {dotted path: leaf}."""
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        flat |= _flat(value, f"{path}.") if isinstance(value, dict) else {path: value}
+    return flat
+
+
+def _nested(flat: dict) -> dict:
+    """{dotted path: leaf} as a nested dict."""
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+def _hf_type(model: LanguageModelConfig) -> str:
+    return "gpt2" if model.name == "gpt" else "llama"
+
+
+def _check_empty(output: pathlib.Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output {output} exists and is not an empty directory")
+    output.mkdir(parents=True, exist_ok=True)

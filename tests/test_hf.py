@@ -1,0 +1,230 @@
+"""Hugging Face checkpoints in and out, checked against transformers itself (no hub).
+
+Tiny random models are built with transformers' own classes and saved with
+save_pretrained; our forward pass on the imported params must give transformers' logits.
+"""
+
+import json
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+import torch  # the [test] extra's reference implementation (never imported by the library)
+import transformers
+from conftest import PYTHON, subprocess_env
+from flax import nnx
+
+from paisoar_jax.checkpoint import load_weights
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.tools import hf
+from paisoar_jax.workload import setup
+from paisoar_jax.zoo import zoo_workload
+
+ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ROPE |= {"original_max_position_embeddings": 16, "rope_type": "llama3"}
+TOKENS = np.random.default_rng(0).integers(0, 96, (2, 24))
+
+
+def llama(tied=False):
+    """A 2-layer Llama with grouped-query attention (4 query heads over 2) and Llama-3 rope."""
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        rope_parameters={**ROPE, "rope_theta": 5000.0},
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, layer_norm_epsilon=1e-5
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def torch_logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def our_logits(export_dir, devices, mesh=("mesh.data=1",)):
+    """Our forward pass on an export, placed as the config and `mesh` say (as init_from)."""
+    config = load_config(str(export_dir / "config.yaml"), [*mesh, "train.global_batch=4"])
+    run = setup(config, zoo_workload(config), devices)
+    with jax.set_mesh(run.mesh):
+        params, model_state = load_weights(export_dir, run.layout.abstract_state)
+        forward = jax.jit(lambda p, t: nnx.merge(run.layout.graphdef, p, model_state or {})(t))
+        return np.asarray(forward(params, TOKENS)), params
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{name: (HF model, HF dir, our export dir)} for a GQA Llama and a GPT-2."""
+    root = tmp_path_factory.mktemp("hf")
+    models = {}
+    for name, model in (("llama", llama()), ("gpt2", gpt2())):
+        model.save_pretrained(root / name)
+        hf.hf_import(root / name, root / f"{name}_ours")
+        models[name] = (model, root / name, root / f"{name}_ours")
+    return models
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]])
+def test_imported_logits_match_transformers(imported, devices, name, mesh):
+    model, _, ours = imported[name]
+    count = 1 if len(mesh) == 1 else 4
+    logits, _ = our_logits(ours, devices[:count], mesh)
+    expected = torch_logits(model)
+    difference = np.abs(logits - expected).max()
+    assert difference < 1e-4, difference
+
+
+def test_the_import_writes_a_config_that_fine_tunes(imported):
+    config = load_config(str(imported["llama"][2] / "config.yaml"))
+    assert (config.model.name, config.model.kv_heads, config.model.rope_scaling) == (
+        "llama",
+        2,
+        "llama3",
+    )
+    assert config.model.rope_theta == 5000.0 and config.model.rope_original_length == 16
+    assert config.checkpoint.init_from == str(imported["llama"][2].absolute())
+
+
+def test_both_spellings_of_rope_scaling_are_read(imported):
+    written = json.loads((imported["llama"][1] / "config.json").read_text())
+    rope = dict(written.get("rope_parameters") or written["rope_scaling"])
+    theta = rope.pop("rope_theta", written.get("rope_theta"))
+    spelled_4x = {**written, "rope_theta": theta, "rope_scaling": rope}
+    spelled_4x.pop("rope_parameters", None)
+    spelled_5x = {**written, "rope_parameters": {**rope, "rope_theta": theta}}
+    spelled_5x.pop("rope_scaling", None)
+    where = imported["llama"][1]
+    assert hf.model_config_from_hf(spelled_4x, where) == hf.model_config_from_hf(spelled_5x, where)
+    assert hf.model_config_from_hf(spelled_4x, where).rope_factor == 8.0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, devices, tmp_path, name):
+    _, _, ours = imported[name]
+    logits, params = our_logits(ours, devices[:1])
+    hf.hf_export(ours, tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert np.abs(torch_logits(loaded) - logits).max() < 1e-4
+    hf.hf_import(tmp_path / "hf", tmp_path / "again")
+    _, again = our_logits(tmp_path / "again", devices[:1])
+    for before, after in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+
+
+def test_a_tied_llama_round_trips(devices, tmp_path):
+    model = llama(tied=True)
+    model.save_pretrained(tmp_path / "hf")
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    logits, _ = our_logits(tmp_path / "ours", devices[:1])
+    assert np.abs(logits - torch_logits(model)).max() < 1e-4
+    hf.hf_export(tmp_path / "ours", tmp_path / "back")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert np.abs(torch_logits(loaded) - logits).max() < 1e-4
+
+
+def fine_tune(export_dir, run_dir, steps, *extra):
+    """`python -m paisoar_jax.train` from the import's config.yaml; the losses it logged."""
+    command = [PYTHON, "-m", "paisoar_jax.train", "--config", str(export_dir / "config.yaml")]
+    command += [f"train.steps={steps}", "train.log_every=1", "train.eval_every=0"]
+    command += ["mesh.data=2", "mesh.fsdp=4"]
+    command += ["train.global_batch=8", "model.seq_len=32", "train.sample_bytes=0"]
+    command += ["run.progress=false", "run.tensorboard=false", "optim.warmup_steps=0"]
+    command += ["checkpoint.every=10", "data.source=synthetic", f"run.dir={run_dir}", *extra]
+    result = subprocess.run(
+        command, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(imported, devices, tmp_path):
+    _, _, ours = imported["llama"]
+    straight = fine_tune(ours, tmp_path / "straight", 20, "optim.schedule=constant")
+    fine_tune(ours, tmp_path / "resumed", 10, "optim.schedule=constant")
+    resumed = fine_tune(ours, tmp_path / "resumed", 20, "optim.schedule=constant")
+    assert len(straight) == 20 and resumed[10:] == straight[10:]
+    # Trained params -> HF: transformers gives our logits for them.
+    hf.hf_export(tmp_path / "straight", tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    config = load_config(str(tmp_path / "straight" / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
+    run = setup(config, zoo_workload(config), devices[:1])
+    from paisoar_jax.tools.export import checkpoint_step
+
+    _, step_dir, _ = checkpoint_step(tmp_path / "straight")
+    with jax.set_mesh(run.mesh):
+        params, _ = load_weights(step_dir, run.layout.abstract_state)
+        logits = nnx.merge(run.layout.graphdef, params, {})(TOKENS)
+    assert np.abs(torch_logits(loaded) - np.asarray(logits)).max() < 1e-4
+
+
+def rewrite_config(directory, **changes):
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_bad_checkpoints_get_one_line_naming_the_tensor(imported, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    source = imported["llama"][1]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
+    )
+    with pytest.raises(UserError, match="BertModel is not an architecture this imports"):
+        hf.hf_import(other, tmp_path / "a")
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors")
+    with pytest.raises(UserError, match="tensor model.layers.1.mlp.up_proj.weight is missing"):
+        hf.hf_import(missing, tmp_path / "b")
+
+    rewrite_config(missing, intermediate_size=80)
+    save_file(load_file(source / "model.safetensors"), missing / "model.safetensors")
+    with pytest.raises(
+        UserError, match=r"gate_proj.weight has shape \[96, 64\], .* needs \[80, 64\]"
+    ):
+        hf.hf_import(missing, tmp_path / "c")
+
+
+def convert(*args):
+    """`python -m paisoar_jax.convert args...` as a user runs it."""
+    command = [PYTHON, "-m", "paisoar_jax.convert", *map(str, args)]
+    return subprocess.run(
+        command, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_command_line_gives_one_line_and_exit_2(imported, tmp_path):
+    result = convert("hf-import", "--input", tmp_path, "--output", tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"paisoar_jax.convert: error: {tmp_path} has no config.json: not a Hugging Face model "
+        "directory"
+    )
+    result = convert("hf-export", imported["gpt2"][2], "--output", tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert "exported export" in result.stdout and "GPT2LMHeadModel" in result.stdout
