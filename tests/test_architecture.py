@@ -13,8 +13,16 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
-TOOLS |= {"launch", "rank_output", "cli", "hf"}
-COMMANDS = {"plan", "doctor", "bench", "convert", "export", "launch"}  # python -m paisoar_jax.X
+TOOLS |= {"launch", "rank_output", "cli", "hf", "generate"}
+COMMANDS = {
+    "plan",
+    "doctor",
+    "bench",
+    "convert",
+    "export",
+    "launch",
+    "generate",
+}  # python -m paisoar_jax.X
 FRONT_DOORS = {"paisoar_jax", "paisoar_jax.api", "paisoar_jax.train"}
 FRONT_DOORS |= {f"paisoar_jax.{name}" for name in COMMANDS}  # entry points use either side
 

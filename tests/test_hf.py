@@ -228,3 +228,17 @@ def test_the_command_line_gives_one_line_and_exit_2(imported, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert "exported export" in result.stdout and "GPT2LMHeadModel" in result.stdout
+
+
+def test_a_gpt_with_rotary_positions_has_no_gpt2_form(tmp_path):
+    from paisoar_jax.checkpoint import export_weights
+    from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
+
+    model = LanguageModelConfig(position="rotary", layers=1, width=32, heads=4, seq_len=16)
+    shapes = hf.abstract_params(model)
+    params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), shapes)
+    export_weights(params, {}, tmp_path / "ours")
+    (tmp_path / "ours" / "config.yaml").write_text(dump_yaml(Config(model=model)))
+    with pytest.raises(UserError, match="an HF GPT-2 has learned positions and tied embeddings"):
+        hf.hf_export(tmp_path / "ours", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

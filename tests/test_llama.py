@@ -44,7 +44,8 @@ def test_a_sharded_step_matches_one_device(devices):
     ],
 )
 def test_every_setting_trains(devices, overrides):
-    values, _ = losses(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *overrides], devices)
+    mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+    values, _ = losses([*mesh, *overrides], devices[:4], steps=2)
     assert all(np.isfinite(values)) and values[-1] < values[0] + 0.5
 
 

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8, output
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import param
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
@@ -45,11 +46,11 @@ def mlp_width(config: LanguageModelConfig) -> int:
 
 
 def rotary_tables(
-    seq_len: int, head_width: int, theta: float = 10000.0
+    positions_T: jax.Array, head_width: int, theta: float = 10000.0
 ) -> tuple[jax.Array, jax.Array]:
-    """Sine and cosine tables (T x E/2) for rotary position embeddings."""
+    """Sine and cosine tables (T x E/2) for rotary position embeddings at `positions_T`."""
     inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
-    angles_TxE2 = jnp.arange(seq_len)[:, None] * inverse_frequency[None, :]
+    angles_TxE2 = positions_T[:, None] * inverse_frequency[None, :]
     return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
 
 
@@ -163,6 +164,17 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
         """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = self._queries_keys_values(x_BxTxD, rotary)
+        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, self.attention_impl)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE)
+
+    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
+        """The block at positions index.., attending over the cache (models/decoding.py)."""
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = self._queries_keys_values(x_BxTxD, rotary)
+        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, cache, index)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
+
+    def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         cast = self.policy.cast_to_compute
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         h_BxTxD = cast(self.attention_norm(x_BxTxD))
@@ -175,7 +187,11 @@ class Block(nnx.Module):
         if rotary is not None:
             q_BxTxHxE = apply_rotary(q_BxTxHxE, *rotary)
             k_BxTxHxE = apply_rotary(k_BxTxHxE, *rotary)
-        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, self.attention_impl)
+        return q_BxTxHxE, k_BxTxHxE, v_BxTxHxE
+
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
+        cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
         x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
@@ -191,7 +207,39 @@ class Block(nnx.Module):
         return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
 
 
-class GPT(nnx.Module):
+class Decoder(nnx.Module):
+    """What GPT and Llama share: the forward pass, cached decoding and the FLOPs count.
+
+    A subclass builds `token_embedding`, `blocks`, `final_norm` (and `head` when untied) and
+    says in `_embed` how tokens at given positions enter the stream.
+    """
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        """Next-token logits for each position of `tokens_BxT`."""
+        x_BxTxD, rotary = self._embed(tokens_BxT, 0)
+        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+        return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
+
+    def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array) -> tuple:
+        """(logits, cache) for tokens at positions index.. with the cache of those before."""
+        x_BxTxD, rotary = self._embed(tokens_BxT, index)
+        scanned = self.config.scan_layers
+        x_BxTxD, cache = decode_blocks(self.blocks, x_BxTxD, rotary, cache, index, scanned)
+        return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD))), cache
+
+    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple | None]:
+        raise NotImplementedError
+
+    @staticmethod
+    def flops_per_token(config: LanguageModelConfig, param_count: int) -> float:
+        """Training FLOPs per token: 6 N for the matmuls plus 12 L D T for attention.
+
+        Grouped kv heads change the parameter count, not the attention's FLOPs.
+        """
+        return 6 * param_count + 12 * config.layers * config.width * config.seq_len
+
+
+class GPT(Decoder):
     """Decoder-only transformer language model returning logits (B x T x V).
 
     The logits are fp32, or in the compute dtype with model.fp32_logits=false.
@@ -211,8 +259,8 @@ class GPT(nnx.Module):
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        """Next-token logits for each position of `tokens_BxT`."""
+    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple | None]:
+        """The tokens' embeddings at positions start.., and the rotary tables (or None)."""
         cast = self.policy.cast_to_compute
         T = tokens_BxT.shape[1]
         # Gather the (cast) table whole before the lookup: a lookup into a table split over
@@ -221,18 +269,12 @@ class GPT(nnx.Module):
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
         rotary = None
         if self.config.position == "learned":
-            x_BxTxD = x_BxTxD + cast(self.position_embedding[:T])
+            positions_TxD = jax.lax.dynamic_slice_in_dim(self.position_embedding[...], start, T)
+            x_BxTxD = x_BxTxD + cast(positions_TxD)
         else:
             head_width = self.config.width // self.config.heads
-            rotary = rotary_tables(T, head_width, self.config.rope_theta)
-        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
-        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
-        return output_logits(self, cast(self.final_norm(x_BxTxD)))
-
-    @staticmethod
-    def flops_per_token(config: LanguageModelConfig, param_count: int) -> float:
-        """Training FLOPs per token: 6 N for the matmuls plus 12 L D T for attention."""
-        return 6 * param_count + 12 * config.layers * config.width * config.seq_len
+            rotary = rotary_tables(start + jnp.arange(T), head_width, self.config.rope_theta)
+        return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
 
 
 def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:

@@ -22,14 +22,13 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.decoding import cached_attention
 from paisoar_jax.models.gpt import (
-    GPT,
+    Decoder,
     attention,
     build_blocks,
     mlp_width,
-    output_logits,
     resolve_attention,
-    run_blocks,
 )
 from paisoar_jax.models.layers import param
 from paisoar_jax.precision import Policy, float32_island
@@ -111,16 +110,29 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, rotary: tuple) -> jax.Array:
         """Applies the block at the positions whose (sin, cos) tables `rotary` holds."""
-        cast = self.policy.cast_to_compute
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
+        # jax.nn.dot_product_attention groups the H query heads over the K kv heads itself.
+        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE)
+
+    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
+        """The block at positions index.., attending over the cache (models/decoding.py)."""
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
+        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
+
+    def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
-        h_BxTxD = cast(self.attention_norm(x_BxTxD))
+        h_BxTxD = self.policy.cast_to_compute(self.attention_norm(x_BxTxD))
         heads = ("batch", "length", "act_heads", "head_dim")
         q_BxTxHxE = constrain(matmul("btd,dhe->bthe", h_BxTxD, self.q_kernel[...], "q"), heads)
         k_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.k_kernel[...], "k"), heads)
         v_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.v_kernel[...], "v"), heads)
-        q_BxTxHxE, k_BxTxKxE = rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary)
-        # jax.nn.dot_product_attention groups the H query heads over the K kv heads itself.
-        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
+        return rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary), v_BxTxKxE
+
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
+        cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
         x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
@@ -134,7 +146,7 @@ class Block(nnx.Module):
         return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
 
 
-class Llama(nnx.Module):
+class Llama(Decoder):
     """Decoder-only Llama language model returning logits (B x T x V), fp32 by default."""
 
     def __init__(
@@ -150,20 +162,12 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        """Next-token logits for each position of `tokens_BxT`."""
-        cast = self.policy.cast_to_compute
-        table_VxD = constrain(cast(self.token_embedding[...]), (None, None))  # as GPT's lookup
-        x_BxTxD = constrain(
-            jnp.take(table_VxD, tokens_BxT, axis=0), ("batch", "length", "act_embed")
-        )
-        rotary = rotary_tables(self.config, jnp.arange(tokens_BxT.shape[1]))
-        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
-        return output_logits(self, cast(self.final_norm(x_BxTxD)))
-
-    # 6 N for the matmuls plus 12 L D T for attention, as GPT's: grouping the kv heads
-    # changes the parameter count, not the attention's FLOPs.
-    flops_per_token = staticmethod(GPT.flops_per_token)
+    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple]:
+        """The tokens' embeddings, and the rotary tables of positions start.."""
+        table_VxD = constrain(self.policy.cast_to_compute(self.token_embedding[...]), (None, None))
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)  # the whole table, as GPT's lookup
+        rotary = rotary_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
+        return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
 
 
 def _check_tensor_split(config: LanguageModelConfig) -> None:

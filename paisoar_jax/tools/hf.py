@@ -296,6 +296,7 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
         names = [tensor.theirs.format(i=i) for i in range(model.layers)]
         layers = [_read(reader, source, name, tensor, model, shape[1:]) for name in names]
         params[tensor.ours] = np.stack(layers)
+    output.mkdir(parents=True, exist_ok=True)
     export_weights(_nested(params), {}, output)
     config = Config(model=model)
     config = dataclasses.replace(
@@ -318,6 +319,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     model = config.model
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
+    hf_json = hf_config(model)  # refuses what HF's classes cannot hold, before any write
     _check_empty(output)
     flat = _flat(params)
     tensors = {}
@@ -331,7 +333,8 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
         for i in range(model.layers):
             layer = np.ascontiguousarray(tensor.to_theirs(stored[i], model))
             tensors[tensor.theirs.format(i=i)] = layer
-    (output / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = source / "tokenizer.json"
     if tokenizer.is_file():
@@ -415,6 +418,6 @@ def _hf_type(model: LanguageModelConfig) -> str:
 
 
 def _check_empty(output: pathlib.Path) -> None:
+    """--output must be new or an empty directory (made only once everything was read)."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory")
-    output.mkdir(parents=True, exist_ok=True)

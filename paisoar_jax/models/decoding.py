@@ -1,0 +1,72 @@
+"""Decoding with a key/value cache, for the zoo's decoders (gpt, llama).
+
+A block's `decode(x, rotary, cache, index)` attends from the new positions
+index .. index + T - 1 to everything the cache holds up to them, after writing its own keys
+and values there; the model's `decode(tokens, cache, index)` runs every block that way and
+returns the logits with the updated cache. The cache is one pair of arrays for all blocks,
+stacked on a leading layers axis (L x B x S x K x E), so a scanned model scans it with its
+blocks; it is sharded like the activations (batch over data and fsdp, heads over tensor).
+Prefill is one call with the prompt (T = its length), each new token one more with T = 1:
+two shapes, so two compiles for a whole generation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paisoar_jax.sharding import constrain
+
+
+def empty_cache(config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Zero keys and values (L x B x S x K x E) for `length` positions."""
+    shape = (config.layers, batch, length, config.key_value_heads, config.width // config.heads)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index: jax.Array):
+    """Causal attention of T new positions over the cache, after writing theirs into it.
+
+    Returns (out_BxTxHxE, (keys, values) with the new ones at index .. index + T - 1).
+    """
+    keys_BxSxKxE, values_BxSxKxE = cache
+    keys_BxSxKxE = jax.lax.dynamic_update_slice_in_dim(
+        keys_BxSxKxE, k_BxTxKxE.astype(keys_BxSxKxE.dtype), index, axis=1
+    )
+    values_BxSxKxE = jax.lax.dynamic_update_slice_in_dim(
+        values_BxSxKxE, v_BxTxKxE.astype(values_BxSxKxE.dtype), index, axis=1
+    )
+    heads = ("batch", "length", "act_heads", "head_dim")
+    keys_BxSxKxE, values_BxSxKxE = constrain(keys_BxSxKxE, heads), constrain(values_BxSxKxE, heads)
+    T, S = q_BxTxHxE.shape[1], keys_BxSxKxE.shape[1]
+    visible_TxS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
+    dtype = q_BxTxHxE.dtype
+    out_BxTxHxE = jax.nn.dot_product_attention(
+        q_BxTxHxE.astype(jnp.float32),
+        keys_BxSxKxE.astype(jnp.float32),
+        values_BxSxKxE.astype(jnp.float32),
+        mask=visible_TxS[None, None],
+        implementation="xla",
+    )
+    return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
+
+
+def decode_blocks(blocks, x_BxTxD, rotary, cache, index: jax.Array, scanned: bool):
+    """The stream through every block's `decode`; (stream, the cache of every block)."""
+    if scanned:
+        graphdef, stacked_state = nnx.split(blocks)
+
+        def step(x_BxTxD, layer):
+            block_state, keys, values = layer
+            block = nnx.merge(graphdef, block_state)
+            x_BxTxD, written = block.decode(x_BxTxD, rotary, (keys, values), index)
+            return x_BxTxD.astype(x_BxTxD.dtype), written
+
+        x_BxTxD, (keys, values) = jax.lax.scan(step, x_BxTxD, (stacked_state, *cache))
+        return x_BxTxD, (keys, values)
+    written = []
+    for layer, block in enumerate(blocks):
+        x_BxTxD, pair = block.decode(x_BxTxD, rotary, (cache[0][layer], cache[1][layer]), index)
+        written.append(pair)
+    return x_BxTxD, tuple(jnp.stack(arrays) for arrays in zip(*written, strict=True))

@@ -1,0 +1,230 @@
+"""`python -m paisoar_jax.generate SOURCE (--prompt TEXT | --tokens 1,2,3)`: continue a prompt.
+
+SOURCE is a run directory (its newest checkpoint), a checkpoint step directory
+(`runs/x/checkpoints/400`) or a params export (what `export` and `convert hf-import`
+write). The model is placed as its config says (fsdp and tensor kept, data filling the
+devices there are) and decodes with a key/value cache (models/decoding.py): one compile for
+the prompt, one for every next token. `--greedy` takes the likeliest token; otherwise
+tokens are sampled at `--temperature`, from the `--top-k` likeliest when given.
+
+`--prompt` needs a tokenizer: the tokenizer.json beside the weights (`hf-import` copies the
+model's own; a run fine-tuned from an import finds it through checkpoint.init_from), or
+bytes for a byte-level model (vocab 256, the embedded corpus). `--json` prints one line
+{"tokens": [...]} of the new ids; otherwise the prompt and its continuation as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paisoar_jax import output, sharding
+from paisoar_jax.checkpoint import load_weights
+from paisoar_jax.config import LanguageModelConfig, config_from_dict, load_config, to_dict
+from paisoar_jax.errors import UserError
+from paisoar_jax.models.decoding import empty_cache
+from paisoar_jax.precision import get_policy
+from paisoar_jax.tools.cli import exit_status
+from paisoar_jax.tools.export import checkpoint_step
+from paisoar_jax.workload import setup
+from paisoar_jax.zoo import zoo_workload
+
+PROGRAM = "paisoar_jax.generate"
+
+
+def weights_of(source: pathlib.Path):
+    """(config, the directory that holds the weights, where tokenizer.json may be)."""
+    if (source / "state").is_dir() and (source.parent.parent / "config.yaml").is_file():
+        config = load_config(str(source.parent.parent / "config.yaml"))
+        path = source
+    elif (source / "params").is_dir() and (source / "config.yaml").is_file():
+        config, path = load_config(str(source / "config.yaml")), source
+    elif source.is_dir():
+        config, path, _ = checkpoint_step(source)
+    else:
+        raise UserError(f"{source}: no such run, checkpoint step or export directory")
+    places = [path, source]
+    if config.checkpoint.init_from:
+        places.append(pathlib.Path(config.checkpoint.init_from))
+    return config, path, places
+
+
+class Model:
+    """A decoder's weights on the devices, with its jitted prefill and next-token steps."""
+
+    def __init__(self, source: pathlib.Path, devices=None):
+
+        config, path, self.places = weights_of(source)
+        if not isinstance(config.model, LanguageModelConfig):
+            raise UserError(f"{source}: model.name={config.model.name} does not generate text")
+        devices = devices or jax.devices()
+        count = len(devices)  # the config's fsdp and tensor; data takes the other devices
+        placement = ["mesh.data=-1", "mesh.dcn_data=1", "mesh.dcn_fsdp=1"]
+        placement += [f"train.global_batch={count}", "train.grad_accum=1"]
+        self.config = config_from_dict(to_dict(config), placement)
+        run = setup(self.config, zoo_workload(self.config), devices)
+        self.mesh, self.layout = run.mesh, run.layout
+        self.rows = sharding.batch_shards(self.mesh)  # one row per batch shard, as in training
+        with jax.set_mesh(self.mesh):
+            self.params, model_state = load_weights(path, self.layout.abstract_state)
+        self.model_state = model_state or {}
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        *,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> list[int]:
+        """The `max_new` token ids that follow `prompt`."""
+        model_config = self.config.model
+        self._check(prompt, max_new)
+        length = len(prompt) + max_new
+        dtype = get_policy(self.config.precision.policy).compute_dtype  # the keys' dtype
+        pick = functools.partial(_pick, greedy=greedy, temperature=temperature, top_k=top_k)
+        graphdef = self.layout.graphdef
+
+        @jax.jit
+        def prefill(params, model_state, tokens_RxP, key):
+            model = nnx.merge(graphdef, params, model_state)
+            cache = empty_cache(model_config, tokens_RxP.shape[0], length, dtype)
+            logits_RxPxV, cache = model.decode(tokens_RxP, cache, 0)
+            return pick(logits_RxPxV[:, -1], key), cache
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def next_token(params, model_state, cache, token_R, index, key):
+            model = nnx.merge(graphdef, params, model_state)
+            logits_Rx1xV, cache = model.decode(token_R[:, None], cache, index)
+            return pick(logits_Rx1xV[:, -1], key), cache
+
+        keys = jax.random.split(jax.random.key(seed), max_new)
+        tokens_RxP = np.tile(np.asarray(prompt, np.int32), (self.rows, 1))
+        with jax.set_mesh(self.mesh):
+            batch = jax.device_put(tokens_RxP, sharding.batch_sharding(self.mesh))
+            token_R, cache = prefill(self.params, self.model_state, batch, keys[0])
+            new = [token_R]
+            for step in range(1, max_new):
+                index = jnp.int32(len(prompt) + step - 1)
+                token_R, cache = next_token(
+                    self.params, self.model_state, cache, token_R, index, keys[step]
+                )
+                new.append(token_R)
+        return [int(np.asarray(token)[0]) for token in new]
+
+    def _check(self, prompt: list[int], max_new: int) -> None:
+        model = self.config.model
+        if not prompt:
+            raise UserError("the prompt is empty: give --prompt TEXT or --tokens 1,2,3")
+        if max_new < 1:
+            raise UserError(f"--max-new must be at least 1, got {max_new}")
+        bad = [token for token in prompt if not 0 <= token < model.vocab_size]
+        if bad:
+            vocabulary = f"0..{model.vocab_size - 1}"
+            raise UserError(f"token {bad[0]} is outside the vocabulary ({vocabulary})")
+        if model.position == "learned" and len(prompt) + max_new > model.seq_len:
+            raise UserError(
+                f"{len(prompt)} prompt + {max_new} new tokens exceed the model's "
+                f"{model.seq_len} learned positions (model.seq_len)"
+            )
+
+
+def _pick(logits_RxV, key, *, greedy: bool, temperature: float, top_k: int):
+    """The next token of each row: the likeliest, or a sample at `temperature` from the top k."""
+    logits_RxV = logits_RxV.astype(jnp.float32)
+    if greedy:
+        return jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+    if top_k:
+        threshold_Rx1 = jax.lax.top_k(logits_RxV, top_k)[0][:, -1:]
+        logits_RxV = jnp.where(logits_RxV < threshold_Rx1, -jnp.inf, logits_RxV)
+    return jax.random.categorical(key, logits_RxV / temperature, axis=-1).astype(jnp.int32)
+
+
+class Text:
+    """Text to token ids and back: a tokenizer.json, or bytes for a byte-level model."""
+
+    def __init__(self, places: list[pathlib.Path], vocab_size: int):
+        self.model = None
+        files = [place / "tokenizer.json" for place in places]
+        found = next((path for path in files if path.is_file()), None)
+        if found is not None:
+            try:
+                import tokenizers
+            except ImportError:
+                message = f"{found} needs the tokenizers package: pip install tokenizers"
+                raise UserError(message) from None
+            self.model = tokenizers.Tokenizer.from_file(str(found))
+        elif vocab_size != 256:
+            raise UserError(
+                "no tokenizer is known for this model (no tokenizer.json beside its weights, and "
+                f"its vocab of {vocab_size} is not bytes): give --tokens 1,2,3"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text`."""
+        if self.model is None:
+            return list(text.encode("utf-8"))
+        return self.model.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        """The text of `tokens`."""
+        if self.model is None:
+            return bytes(token for token in tokens if token < 256).decode(errors="replace")
+        return self.model.decode(tokens)
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        return [int(item) for item in text.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise UserError(f"--tokens {text!r} is not a comma-separated list of token ids") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=pathlib.Path, help="a run, checkpoint step or export")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="text to continue (needs a tokenizer)")
+    given.add_argument("--tokens", help="token ids to continue, comma-separated")
+    parser.add_argument("--max-new", type=int, default=64, help="new tokens (default 64)")
+    parser.add_argument("--greedy", action="store_true", help="always the likeliest token")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help='one line {"tokens": [...]}')
+    args = parser.parse_args(argv)
+
+    def work() -> None:
+        if not args.temperature > 0 or args.top_k < 0:
+            raise UserError("--temperature must be > 0 and --top-k >= 0")
+        model = Model(args.source)
+        text = None
+        if args.prompt is not None:
+            text = Text(model.places, model.config.model.vocab_size)
+            prompt = text.encode(args.prompt)
+        else:
+            prompt = _token_list(args.tokens)
+        sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k)
+        new = model.generate(prompt, args.max_new, seed=args.seed, **sampling)
+        if args.json or text is None:
+            output.result(json.dumps({"tokens": new}))
+        else:
+            output.result(text.decode(prompt + new))
+
+    return exit_status(PROGRAM, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

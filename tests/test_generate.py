@@ -1,0 +1,154 @@
+"""Generation with a key/value cache: the full forward's logits, transformers' greedy tokens."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, run_module
+from flax import nnx
+from test_hf import gpt2, llama
+
+from paisoar_jax.config import dump_yaml, load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.models.decoding import empty_cache
+from paisoar_jax.precision import get_policy
+from paisoar_jax.tools import hf
+from paisoar_jax.tools.generate import Model
+from paisoar_jax.zoo import build_model
+
+PROMPT = [5, 17, 3, 88, 41, 9]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.position=rotary", "model.scan_layers=false"],
+        ["model.name=llama", "model.kv_heads=2", "model.rope_scaling=llama3"],
+    ],
+)
+def test_the_cache_gives_the_full_forward_logits(overrides):
+    config = load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16", *overrides])
+    with nnx.use_eager_sharding(False):
+        model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 12)).astype(np.int32)
+    full = np.asarray(model(tokens))
+    cache = empty_cache(config.model, 2, 12, jnp.float32)
+    logits, cache = model.decode(tokens[:, :5], cache, 0)
+    stepped = [np.asarray(logits)]
+    for index in range(5, 12):
+        logits, cache = model.decode(tokens[:, index : index + 1], cache, jnp.int32(index))
+        stepped.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(stepped, axis=1), full, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{name: (HF model, our export)} for a GQA Llama with Llama-3 rope and a GPT-2."""
+    root = tmp_path_factory.mktemp("generate")
+    models = {}
+    for name, model in (("llama", llama()), ("gpt2", gpt2())):
+        model.save_pretrained(root / name)
+        hf.hf_import(root / name, root / f"{name}_ours")
+        models[name] = (model, root / f"{name}_ours")
+    return models
+
+
+def transformers_greedy(model, prompt, count):
+    model.generation_config.eos_token_id = None  # as many tokens as asked, as ours
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=count, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
+    model, ours = imported[name]
+    tokens = ",".join(map(str, PROMPT))
+    result = run_module(
+        "generate", ours, "--tokens", tokens, "--max-new", "10", "--greedy", "--json", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "tokens": transformers_greedy(model, PROMPT, 10)
+    }
+
+
+def test_a_sharded_model_generates_what_one_device_does(imported, devices, tmp_path):
+    _, ours = imported["llama"]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "params").symlink_to(ours / "params")
+    config = load_config(str(ours / "config.yaml"), ["mesh.fsdp=2", "mesh.tensor=2"])
+    (sharded / "config.yaml").write_text(dump_yaml(config))
+    many = Model(sharded, devices)
+    assert dict(many.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    one = Model(ours, devices[:1])
+    assert many.generate(PROMPT, 8) == one.generate(PROMPT, 8)
+    sampled = dict(greedy=False, temperature=0.8, top_k=5, seed=3)
+    assert many.generate(PROMPT, 8, **sampled) == one.generate(PROMPT, 8, **sampled)
+
+
+def test_prompts_are_text_through_the_tokenizer_or_bytes(tmp_path):
+    import tokenizers
+
+    words = ["<eos>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    vocabulary = {word: index for index, word in enumerate(words)}
+    vocabulary |= {f"w{index}": index for index in range(len(words), 96)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.decoder = tokenizers.decoders.WordPiece()
+    model = gpt2()
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    result = run_module(
+        "generate",
+        tmp_path / "ours",
+        "--prompt",
+        "the cat sat",
+        "--max-new",
+        "4",
+        "--greedy",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = tokenizer.decode([1, 2, 3, *transformers_greedy(model, [1, 2, 3], 4)])
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+    # A byte-level model trained on the embedded corpus: its checkpoint step continues text.
+    run = tmp_path / "run"
+    trained = run_module(
+        "train", *TINY, "train.steps=2", "train.eval_every=0", f"run.dir={run}", cwd=tmp_path
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = run_module(
+        "generate", run / "checkpoints" / "2", "--prompt", "def ", "--max-new", "6", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("def ")
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--prompt", "hello"], "no tokenizer is known for this model"),
+        (["--tokens", "1,2,500"], "token 500 is outside the vocabulary (0..95)"),
+        (["--tokens", "1,x"], "--tokens '1,x' is not a comma-separated list of token ids"),
+        (["--tokens", "1,2", "--max-new", "40"], "exceed the model's 32 learned positions"),
+    ],
+)
+def test_bad_requests_get_one_line_and_exit_2(imported, arguments, message, tmp_path):
+    result = run_module("generate", imported["gpt2"][1], *arguments, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("paisoar_jax.generate: error: ")
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_missing_source_is_refused(tmp_path):
+    with pytest.raises(UserError, match="no such run, checkpoint step or export directory"):
+        Model(tmp_path / "nowhere")
