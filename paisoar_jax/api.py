@@ -44,13 +44,18 @@ def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> 
         raise UserError(
             f"overrides must be a list of section.key=value, got the string {overrides!r}"
         )
+    from paisoar_jax.zoo import check_model
+
     if isinstance(config, Config):
-        return config_from_dict(to_dict(config), overrides) if overrides else config
-    if config is not None and not isinstance(config, str | pathlib.Path):
+        resolved = config_from_dict(to_dict(config), overrides) if overrides else config
+    elif config is not None and not isinstance(config, str | pathlib.Path):
         raise UserError(
             f"config must be a Config, a YAML path or a name, got {type(config).__name__}"
         )
-    return load_config(None if config is None else str(config), list(overrides))
+    else:
+        resolved = load_config(None if config is None else str(config), list(overrides))
+    check_model(resolved)  # an image variant's shape, fp8 blocks: before any device
+    return resolved
 
 
 def initialize(config: ConfigLike = None) -> None:

@@ -330,7 +330,8 @@ def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
     )
     shown = {f"eval_{name}": value for name, value in history.eval_results.items()}
     if jax.process_index() == 0:
-        output.note(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+        line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
+        output.note(line, prefixed=False)
     return shown
 
 
@@ -383,7 +384,7 @@ def _summary(parts, history, timer, step: int, start_step: int, train_s: float) 
 def _print_summary(summary: dict[str, Any], task: Task) -> None:
     """The sample, if any, then the one-line summary that closes every run."""
     if "sample" in summary:
-        output.note(f"sample:\n{summary['sample']}\n")
+        output.note(f"sample:\n{summary['sample']}\n", prefixed=False)
     eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
     for key, value in summary.items():

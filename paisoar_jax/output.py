@@ -37,14 +37,20 @@ def shows_progress() -> bool:
     return mode() == "text"
 
 
-def note(message: str, *, program: str = PROGRAM, stderr: bool = False) -> None:
-    """Something the user should know; on stderr where stdout carries a tool's result."""
-    _write("note", message, program, sys.stderr if stderr else sys.stdout)
+def note(
+    message: str, *, program: str = PROGRAM, stderr: bool = False, prefixed: bool = True
+) -> None:
+    """Something the user should know; on stderr where stdout carries a tool's result.
+
+    `prefixed=False`: the text-mode line is the message alone (an eval line, the sample).
+    """
+    stream = sys.stderr if stderr else sys.stdout
+    _write("note", message, program if prefixed else "", stream)
 
 
-def warning(message: str, *, program: str = PROGRAM) -> None:
-    """Something that may be wrong, on stderr; the run goes on."""
-    _write("warning", message, program, sys.stderr)
+def warning(message: str, *, program: str = PROGRAM, labelled: bool = True) -> None:
+    """Something that may be wrong, on stderr; `labelled=False` leaves out `warning: `."""
+    _write("warning" if labelled else "report", message, program, sys.stderr)
 
 
 def error(message: str, *, program: str = PROGRAM) -> None:
@@ -62,8 +68,10 @@ def _write(level: str, message: str, program: str, stream) -> None:
     if current == "quiet" and level == "note":
         return
     if current == "json":
-        line = json.dumps({"level": level, "program": program, "message": message})
+        level = "warning" if level == "report" else level
+        line = json.dumps({"level": level, "program": program or PROGRAM, "message": message})
     else:
-        line = f"{program}: {'' if level == 'note' else level + ': '}{message}"
+        label = f"{level}: " if level in ("warning", "error") else ""
+        line = f"{program}: {label}{message}" if program else message
     tqdm.write(line, file=stream)  # above a progress bar, when one is drawn
     stream.flush()

@@ -14,7 +14,13 @@ import dataclasses
 
 from flax import nnx
 
-from paisoar_jax.config import MODEL_CONFIGS, Config, LanguageModelConfig, VisionConfig
+from paisoar_jax.config import (
+    MODEL_CONFIGS,
+    Config,
+    CustomModelConfig,
+    LanguageModelConfig,
+    VisionConfig,
+)
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
 from paisoar_jax.models.gpt import GPT
@@ -74,20 +80,28 @@ def build_model(
     return model_class(resolved.name)(resolved, policy, remat_policy, rngs)
 
 
-def task_for(config: Config) -> Task:
-    """The task of the configured zoo model; refuses a model the config cannot build.
+def check_model(config: Config) -> None:
+    """Refuses a zoo model the config cannot build, before any device is touched.
 
     The config checked itself as it was built; here come the checks that need the model's
-    own tables: an image variant's shape, and whether its blocks have fp8 matmuls.
+    own tables: an image variant's shape, and whether its blocks have fp8 matmuls. The
+    command line and `fit` call it right after loading the config; `task_for` again.
     """
+    if isinstance(config.model, CustomModelConfig):
+        return
     resolved = resolve_model_config(config.model)
-    zoo_entry = entry(resolved.name)
-    if config.precision.policy == "fp8" and not zoo_entry.fp8:
+    if config.precision.policy == "fp8" and not entry(resolved.name).fp8:
         fp8_names = " or ".join(name for name, known in ZOO.items() if known.fp8)
         raise UserError(
             f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name "
             f"{fp8_names}); {resolved.name} is convolutional: use bf16"
         )
+
+
+def task_for(config: Config) -> Task:
+    """The task of the configured zoo model (checked by `check_model` first)."""
+    check_model(config)
+    zoo_entry = entry(resolve_model_config(config.model).name)
     return zoo_entry.task_class(config, zoo_entry.model_class)
 
 

@@ -492,3 +492,12 @@ def test_a_dict_of_jax_arrays_is_examples():
 
     data = jax.tree.map(jax.numpy.asarray, examples(32))
     assert isinstance(open_user_data(data, "data"), ExampleData)
+
+
+def test_a_config_the_zoo_cannot_build_is_refused_before_any_device():
+    from paisoar_jax.api import resolve_config
+
+    with pytest.raises(UserError, match="model.variant='resnet99' is not one of"):
+        resolve_config(None, ["model.name=resnet", "model.variant=resnet99"])
+    with pytest.raises(UserError, match="resnet is convolutional: use bf16"):
+        resolve_config(None, ["model.name=resnet", "precision.policy=fp8"])

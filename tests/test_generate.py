@@ -139,7 +139,8 @@ def test_prompts_are_text_through_the_tokenizer_or_bytes(tmp_path):
         (["--prompt", "hello"], "no tokenizer is known for this model"),
         (["--tokens", "1,2,500"], "token 500 is outside the vocabulary (0..95)"),
         (["--tokens", "1,x"], "--tokens '1,x' is not a comma-separated list of token ids"),
-        (["--tokens", "1,2", "--max-new", "40"], "exceed the model's 32 learned positions"),
+        (["--tokens", "1,2", "--max-new", "40"], "need 41 positions, more than the model's 32"),
+        (["--tokens", "1,2", "--max-new", "4", "--top-k", "97"], "--top-k 97 is more than"),
     ],
 )
 def test_bad_requests_get_one_line_and_exit_2(imported, arguments, message, tmp_path):
@@ -147,6 +148,16 @@ def test_bad_requests_get_one_line_and_exit_2(imported, arguments, message, tmp_
     assert result.returncode == 2
     assert result.stderr.strip().startswith("paisoar_jax.generate: error: ")
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_over_more_devices_is_placed_whole_here():
+    from paisoar_jax.tools.generate import placement
+
+    assert "mesh.fsdp=2" in placement(load_config(None, ["mesh.fsdp=2", "mesh.data=1"]), 8)
+    for mesh in (["mesh.fsdp=-1", "mesh.data=1"], ["mesh.fsdp=8", "mesh.data=1"]):
+        overrides = placement(load_config(None, mesh), 2)
+        assert {"mesh.fsdp=1", "mesh.tensor=1", "model.attention=auto"} <= set(overrides)
+        load_config(None, [*mesh, *overrides])  # a valid config
 
 
 def test_a_missing_source_is_refused(tmp_path):

@@ -23,7 +23,8 @@ from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
 
 ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-ROPE |= {"original_max_position_embeddings": 16, "rope_type": "llama3"}
+# Wavelengths below 64 / 4 are kept, above 64 / 1 slowed, between blended: all three occur.
+ROPE |= {"original_max_position_embeddings": 64, "rope_type": "llama3"}
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 24))
 
 
@@ -45,9 +46,15 @@ def llama(tied=False):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def gpt2():
+def gpt2(tied=True):
     config = transformers.GPT2Config(
-        vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, layer_norm_epsilon=1e-5
+        vocab_size=96,
+        n_positions=32,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
@@ -98,7 +105,7 @@ def test_the_import_writes_a_config_that_fine_tunes(imported):
         2,
         "llama3",
     )
-    assert config.model.rope_theta == 5000.0 and config.model.rope_original_length == 16
+    assert config.model.rope_theta == 5000.0 and config.model.rope_original_length == 64
     assert config.checkpoint.init_from == str(imported["llama"][2].absolute())
 
 
@@ -128,8 +135,9 @@ def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, device
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
 
 
-def test_a_tied_llama_round_trips(devices, tmp_path):
-    model = llama(tied=True)
+@pytest.mark.parametrize("build", [lambda: llama(tied=True), lambda: gpt2(tied=False)])
+def test_tied_llama_and_untied_gpt2_round_trip_with_their_token_ids(build, devices, tmp_path):
+    model = build()
     model.save_pretrained(tmp_path / "hf")
     hf.hf_import(tmp_path / "hf", tmp_path / "ours")
     logits, _ = our_logits(tmp_path / "ours", devices[:1])
@@ -137,6 +145,8 @@ def test_a_tied_llama_round_trips(devices, tmp_path):
     hf.hf_export(tmp_path / "ours", tmp_path / "back")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert np.abs(torch_logits(loaded) - logits).max() < 1e-4
+    for key in ("bos_token_id", "eos_token_id"):  # kept, so HF's generate stops where it did
+        assert getattr(loaded.config, key) == getattr(model.config, key)
 
 
 def fine_tune(export_dir, run_dir, steps, *extra):
@@ -239,6 +249,19 @@ def test_a_gpt_with_rotary_positions_has_no_gpt2_form(tmp_path):
     params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), shapes)
     export_weights(params, {}, tmp_path / "ours")
     (tmp_path / "ours" / "config.yaml").write_text(dump_yaml(Config(model=model)))
-    with pytest.raises(UserError, match="an HF GPT-2 has learned positions and tied embeddings"):
+    with pytest.raises(
+        UserError, match="an HF GPT-2 has learned positions: this model has model.position=rotary"
+    ):
         hf.hf_export(tmp_path / "ours", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_import_builds_each_device_shard_on_its_own(imported, devices):
+    """No host holds the whole model: each param is split over the devices as FSDP splits it."""
+    from paisoar_jax.config import load_config as load
+
+    model = load(str(imported["llama"][2] / "config.yaml")).model
+    _, shardings = hf.placed_params(model, devices)
+    embedding = shardings["token_embedding"]
+    assert embedding.shard_shape((96, 64)) == (96, 8)  # embed split 8 ways
+    assert shardings["blocks"]["q_kernel"].shard_shape((2, 64, 4, 16)) == (2, 8, 4, 16)

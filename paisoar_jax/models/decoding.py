@@ -60,8 +60,9 @@ def decode_blocks(blocks, x_BxTxD, rotary, cache, index: jax.Array, scanned: boo
         def step(x_BxTxD, layer):
             block_state, keys, values = layer
             block = nnx.merge(graphdef, block_state)
-            x_BxTxD, written = block.decode(x_BxTxD, rotary, (keys, values), index)
-            return x_BxTxD.astype(x_BxTxD.dtype), written
+            out_BxTxD, written = block.decode(x_BxTxD, rotary, (keys, values), index)
+            # Back to the stream's dtype: a block forced to another policy stays a drop-in.
+            return out_BxTxD.astype(x_BxTxD.dtype), written
 
         x_BxTxD, (keys, values) = jax.lax.scan(step, x_BxTxD, (stacked_state, *cache))
         return x_BxTxD, (keys, values)

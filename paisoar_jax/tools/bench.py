@@ -10,7 +10,7 @@ the line reports tokens/s (images: examples/s), step time, MFU and compile time 
 run's own metrics. MFU counts 6 N + attention FLOPs per token for language models and, for
 image models, 3 x 2 x the forward multiply-adds per image (ResNet-50 at 224 px: 4.09 GMACs,
 24.5 GFLOP per training image). `--overhead` compares the loop with a bare jitted loop at a
-negligible model size (paisoar_jax/overhead.py).
+negligible model size (paisoar_jax/tools/overhead.py).
 """
 
 from __future__ import annotations

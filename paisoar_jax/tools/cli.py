@@ -38,7 +38,10 @@ def run(
     absl.flags.FLAGS.mark_as_parsed()
 
     def work() -> object:
+        from paisoar_jax.zoo import check_model  # after argparse: `--help` needs no model
+
         config = load_config(args.config, args.overrides)
+        check_model(config)  # what needs the model's tables, before every rank joins
         # Before main touches a device: a multi-process run must join its peers first.
         distributed.initialize(config.distributed, program=parser.prog)
         return main(config)

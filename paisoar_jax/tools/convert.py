@@ -242,7 +242,11 @@ def progress(items: Sequence, description: str, enabled: bool) -> Iterator:
     from tqdm import tqdm
 
     return tqdm(
-        items, desc=description, unit="file", file=sys.stderr, disable=None if enabled else True
+        items,
+        desc=description,
+        unit="file",
+        file=sys.stderr,
+        disable=None if enabled and output.shows_progress() else True,
     )
 
 
@@ -393,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def work() -> None:
         if getattr(args, "shards", 1) < 1:
             raise UserError(f"--shards must be at least 1, got {args.shards}")
-        output.note(args.handler(args), program=PROGRAM)
+        output.result(f"{PROGRAM}: {args.handler(args)}")  # the tool's product, in every mode
 
     return exit_status(PROGRAM, work)
 

@@ -20,7 +20,7 @@ metrics cannot be read.
     recompiles             the train step compiled again after its first compilation
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in paisoar_jax/findings.py.
+The checks and their thresholds are in paisoar_jax/tools/findings.py.
 """
 
 from __future__ import annotations

@@ -58,6 +58,21 @@ def weights_of(source: pathlib.Path):
     return config, path, places
 
 
+def placement(config, count: int) -> list[str]:
+    """Overrides that place the model on `count` devices as its config says, where it can.
+
+    fsdp and tensor are kept when they divide the devices (data takes the rest); a run
+    trained over more devices than there are here (or with -1) is placed whole on each.
+    Decoding runs XLA's attention, so model.attention=cudnn becomes auto.
+    """
+    fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
+    if fsdp < 1 or tensor < 1 or count % (fsdp * tensor):
+        fsdp, tensor = 1, 1
+    overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
+    overrides += ["mesh.dcn_data=1", "mesh.dcn_fsdp=1", "model.attention=auto"]
+    return [*overrides, f"train.global_batch={count}", "train.grad_accum=1"]
+
+
 class Model:
     """A decoder's weights on the devices, with its jitted prefill and next-token steps."""
 
@@ -67,10 +82,7 @@ class Model:
         if not isinstance(config.model, LanguageModelConfig):
             raise UserError(f"{source}: model.name={config.model.name} does not generate text")
         devices = devices or jax.devices()
-        count = len(devices)  # the config's fsdp and tensor; data takes the other devices
-        placement = ["mesh.data=-1", "mesh.dcn_data=1", "mesh.dcn_fsdp=1"]
-        placement += [f"train.global_batch={count}", "train.grad_accum=1"]
-        self.config = config_from_dict(to_dict(config), placement)
+        self.config = config_from_dict(to_dict(config), placement(config, len(devices)))
         run = setup(self.config, zoo_workload(self.config), devices)
         self.mesh, self.layout = run.mesh, run.layout
         self.rows = sharding.batch_shards(self.mesh)  # one row per batch shard, as in training
@@ -90,7 +102,7 @@ class Model:
     ) -> list[int]:
         """The `max_new` token ids that follow `prompt`."""
         model_config = self.config.model
-        self._check(prompt, max_new)
+        self._check(prompt, max_new, top_k)
         length = len(prompt) + max_new
         dtype = get_policy(self.config.precision.policy).compute_dtype  # the keys' dtype
         pick = functools.partial(_pick, greedy=greedy, temperature=temperature, top_k=top_k)
@@ -123,7 +135,7 @@ class Model:
                 new.append(token_R)
         return [int(np.asarray(token)[0]) for token in new]
 
-    def _check(self, prompt: list[int], max_new: int) -> None:
+    def _check(self, prompt: list[int], max_new: int, top_k: int) -> None:
         model = self.config.model
         if not prompt:
             raise UserError("the prompt is empty: give --prompt TEXT or --tokens 1,2,3")
@@ -133,11 +145,14 @@ class Model:
         if bad:
             vocabulary = f"0..{model.vocab_size - 1}"
             raise UserError(f"token {bad[0]} is outside the vocabulary ({vocabulary})")
-        if model.position == "learned" and len(prompt) + max_new > model.seq_len:
+        # The last new token is never fed back: the positions used are prompt + new - 1.
+        if model.position == "learned" and len(prompt) + max_new - 1 > model.seq_len:
             raise UserError(
-                f"{len(prompt)} prompt + {max_new} new tokens exceed the model's "
-                f"{model.seq_len} learned positions (model.seq_len)"
+                f"{len(prompt)} prompt + {max_new} new tokens need {len(prompt) + max_new - 1} "
+                f"positions, more than the model's {model.seq_len} learned ones (model.seq_len)"
             )
+        if top_k > model.vocab_size:
+            raise UserError(f"--top-k {top_k} is more than the vocabulary's {model.vocab_size}")
 
 
 def _pick(logits_RxV, key, *, greedy: bool, temperature: float, top_k: int):
@@ -172,10 +187,10 @@ class Text:
             )
 
     def encode(self, text: str) -> list[int]:
-        """The token ids of `text`."""
+        """The token ids of `text`, with the tokenizer's own markers (Llama's BOS)."""
         if self.model is None:
             return list(text.encode("utf-8"))
-        return self.model.encode(text, add_special_tokens=False).ids
+        return self.model.encode(text, add_special_tokens=True).ids
 
     def decode(self, tokens: list[int]) -> str:
         """The text of `tokens`."""

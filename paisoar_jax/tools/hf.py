@@ -8,7 +8,9 @@ writes a run's (or an export's) params back as a directory that
 transformers or torch: the formats are plain JSON and safetensors.
 
 Each tensor is read memory-mapped and on its own, checked against the shape our model
-has for it, and converted (HF's Linear stores out x in, GPT-2's Conv1D in x out; our
+has for it (from the file's header), and each device's shard of our parameter is built on
+its own (`placed_params`: FSDP over every device), so no host holds the whole model. It is
+converted (HF's Linear stores out x in, GPT-2's Conv1D in x out; our
 kernels are in x out with heads as their own axis); a missing tensor or a shape that does
 not match gets one line that names it. Blocks are stacked on the `layers` axis (the
 scan layout, model.scan_layers=true). Both spellings of Llama-3's rope scaling are read:
@@ -121,7 +123,11 @@ GPT2 = (
     Tensor("blocks.mlp_out_kernel", "transformer.h.{i}.mlp.c_proj.weight"),
     Tensor("blocks.mlp_out_bias", "transformer.h.{i}.mlp.c_proj.bias"),
     *_norm("final_norm", "transformer.ln_f"),
+    _transposed("head", "lm_head.weight"),  # untied embeddings only
 )
+# The special token ids HF keeps in config.json: carried through an import to the export.
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+TOKEN_IDS_FILE = "hf_token_ids.json"
 TENSORS = {"gpt": GPT2, "llama": LLAMA}
 
 
@@ -138,6 +144,11 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise UserError(
                 f"{where}: activation_function {hf['activation_function']} is not GPT-2's"
+            )
+        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+            raise UserError(
+                f"{where}: scale_attn_by_inverse_layer_idx / scale_attn_weights change GPT-2's "
+                f"attention scale, which this model does not"
             )
         return LanguageModelConfig(
             name="gpt",
@@ -193,10 +204,9 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
 def hf_config(model: LanguageModelConfig) -> dict:
     """The config.json transformers reads for our model section."""
     if model.name == "gpt":
-        if model.position != "learned" or not model.tie_embeddings:
+        if model.position != "learned":
             raise UserError(
-                "an HF GPT-2 has learned positions and tied embeddings: this model has "
-                f"model.position={model.position}, model.tie_embeddings={model.tie_embeddings}"
+                f"an HF GPT-2 has learned positions: this model has model.position={model.position}"
             )
         return {
             "architectures": [ARCHITECTURES["gpt2"]],
@@ -209,7 +219,7 @@ def hf_config(model: LanguageModelConfig) -> dict:
             "n_inner": model.mlp_width or None,
             "layer_norm_epsilon": model.norm_eps,
             "activation_function": "gelu_new",
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": model.tie_embeddings,
         }
     rope_scaling = None
     if model.rope_scaling == "llama3":
@@ -224,7 +234,11 @@ def hf_config(model: LanguageModelConfig) -> dict:
         "architectures": [ARCHITECTURES["llama"]],
         "model_type": "llama",
         "vocab_size": model.vocab_size,
-        "max_position_embeddings": max(model.seq_len, model.rope_original_length),
+        "max_position_embeddings": (
+            model.seq_len
+            if model.rope_scaling == "none"
+            else max(model.seq_len, model.rope_original_length)
+        ),
         "hidden_size": model.width,
         "intermediate_size": model.mlp_width or 4 * model.width,
         "num_hidden_layers": model.layers,
@@ -260,11 +274,21 @@ class SafetensorsReader:
             raise UserError(f"{directory} holds no *.safetensors weights")
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor as float32 (bf16 and fp16 are widened)."""
+        """One tensor as float32 (bf16 and fp16 are widened), in host memory."""
+        import jax
         from safetensors import safe_open
 
-        with safe_open(self.files[name], framework="flax") as handle:  # flax: bf16 too
-            return np.asarray(handle.get_tensor(name), dtype=np.float32)
+        # flax, for bf16 (numpy has none); on the host CPU, not an accelerator.
+        with jax.default_device(jax.devices("cpu")[0]):
+            with safe_open(self.files[name], framework="flax") as handle:
+                return np.asarray(handle.get_tensor(name), dtype=np.float32)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header (nothing is read)."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="numpy") as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     def name_of(self, name: str) -> str | None:
         """The stored name of `name`: GPT-2's without `transformer.` where saved that way."""
@@ -284,27 +308,31 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     _check_empty(output)
     model = model_config_from_hf(json.loads(config_path.read_text()), config_path)
     reader = SafetensorsReader(source)
-    expected = _flat(abstract_params(model))
+    shapes, shardings = placed_params(model)
+    expected = _flat(shapes)
     params = {}
     for tensor in TENSORS[model.name]:
         if tensor.ours not in expected:  # the head of tied embeddings
             continue
         shape = expected[tensor.ours].shape
-        if "{i}" not in tensor.theirs:
-            params[tensor.ours] = _read(reader, source, tensor.theirs, tensor, model, shape)
-            continue
-        names = [tensor.theirs.format(i=i) for i in range(model.layers)]
-        layers = [_read(reader, source, name, tensor, model, shape[1:]) for name in names]
-        params[tensor.ours] = np.stack(layers)
+        place = _flat(shardings)[tensor.ours]
+        params[tensor.ours] = _placed(reader, source, tensor, model, shape, place)
+    unmapped = sorted(set(expected) - set(params))
+    if unmapped:  # a mapping gap of ours, never silently an untrained parameter
+        raise UserError(f"{source}: no Hugging Face tensor maps to our {', '.join(unmapped)}")
     output.mkdir(parents=True, exist_ok=True)
     export_weights(_nested(params), {}, output)
+    hf_json = json.loads(config_path.read_text())
+    token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
+    (output / TOKEN_IDS_FILE).write_text(json.dumps(token_ids) + "\n")
     config = Config(model=model)
     config = dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint, init_from=str(output.absolute()))
     )
     (output / "config.yaml").write_text(dump_yaml(config))
-    if (source / "tokenizer.json").is_file():
-        shutil.copyfile(source / "tokenizer.json", output / "tokenizer.json")
+    for name in ("tokenizer.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, output / name)
     count = sum(array.size for array in params.values())
     return f"imported {count / 1e6:.2f}M params of a {model.name} model -> {output}/params"
 
@@ -317,9 +345,16 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
 
     config, params, where = read_weights(source)
     model = config.model
+    # What an import kept beside the weights: here, or where the run was fine-tuned from.
+    places = [source] + [pathlib.Path(config.checkpoint.init_from)] * bool(
+        config.checkpoint.init_from
+    )
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
     hf_json = hf_config(model)  # refuses what HF's classes cannot hold, before any write
+    kept = [place / TOKEN_IDS_FILE for place in places if (place / TOKEN_IDS_FILE).is_file()]
+    token_ids = json.loads(kept[0].read_text()) if kept else {}
+    hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     _check_empty(output)
     flat = _flat(params)
     tensors = {}
@@ -336,41 +371,105 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = source / "tokenizer.json"
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, output / "tokenizer.json")
+    for name in ("tokenizer.json", "generation_config.json"):
+        found = [place / name for place in places if (place / name).is_file()]
+        if found:
+            shutil.copyfile(found[0], output / name)
     return f"exported {where} as a Hugging Face {ARCHITECTURES[_hf_type(model)]} -> {output}"
 
 
 def abstract_params(model: LanguageModelConfig) -> dict:
     """Our model's params as shapes (nothing is allocated)."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(_abstract_state(model))
+
+
+def placed_params(model: LanguageModelConfig, devices=None) -> tuple[dict, dict]:
+    """(shapes, shardings) of our params, split over every device as FSDP splits them.
+
+    An import builds each device's shard on its own, so no host holds the whole model; a
+    parameter whose shape does not split over the devices is kept whole on each.
+    """
+    import jax
+    from flax import nnx
+
+    from paisoar_jax import rules, sharding
+    from paisoar_jax.config import MeshConfig, ShardingConfig
+
+    mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=-1), devices or jax.devices())
+    state = _abstract_state(model)
+    shapes = nnx.to_pure_dict(state)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    placed = {}
+    for path, shape in _flat(shapes).items():
+        one = _nested({path: shape})
+        spec = _nested({path: _flat(specs)[path]})
+        try:
+            found = rules.parameter_shardings(one, spec, mesh, ShardingConfig(), 0)[0]
+            placed[path] = _flat(found)[path]
+        except UserError:
+            placed[path] = sharding.replicated(mesh)
+    return shapes, _nested(placed)
+
+
+def _abstract_state(model: LanguageModelConfig):
     import jax
     from flax import nnx
 
     from paisoar_jax.precision import get_policy
     from paisoar_jax.zoo import build_model
 
-    def create() -> dict:
+    def create():
         built = build_model(model, get_policy("fp32"), "none", nnx.Rngs(params=0))
-        return nnx.to_pure_dict(nnx.state(built, nnx.Param))
+        return nnx.state(built, nnx.Param)
 
     with nnx.use_eager_sharding(False):
         return jax.eval_shape(create)
 
 
+def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
+    """Our param as a global array: each device's shard read and converted on its own.
+
+    A stacked param's shard is built a layer at a time (one HF tensor in host memory).
+    """
+    import jax
+
+    names = [tensor.theirs.format(i=i) for i in range(model.layers)]
+    if "{i}" not in tensor.theirs:
+        whole = _read(reader, source, tensor.theirs, tensor, model, shape)
+        return jax.make_array_from_callback(shape, place, lambda index: whole[index])
+    for name in names:  # every layer's shape is checked before any device is written
+        _check_shape(reader, source, name, tensor, model, shape[1:])
+
+    def shard(index):
+        layers = range(model.layers)[index[0]]
+        parts = [
+            _read(reader, source, names[i], tensor, model, shape[1:])[index[1:]] for i in layers
+        ]
+        return np.stack(parts)
+
+    return jax.make_array_from_callback(shape, place, shard)
+
+
 def _read(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> np.ndarray:
     """One HF tensor in our layout, checked against the shape our model has for it."""
+    stored = _check_shape(reader, source, name, tensor, model, shape)
+    return tensor.to_ours(reader.read(stored), model)
+
+
+def _check_shape(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> str:
+    """The stored name of HF tensor `name`, once its shape is the one our model needs."""
     stored = reader.name_of(name)
     if stored is None:
         raise UserError(f"{source}: tensor {name} is missing")
-    array = reader.read(stored)
-    wanted = _their_shape(tensor, model, shape)
-    if array.shape != wanted:
+    found, wanted = reader.shape(stored), _their_shape(tensor, model, shape)
+    if found != wanted:
         raise UserError(
-            f"{source}: tensor {name} has shape {list(array.shape)}, and config.json's model "
+            f"{source}: tensor {name} has shape {list(found)}, and config.json's model "
             f"needs {list(wanted)}"
         )
-    return tensor.to_ours(array, model)
+    return stored
 
 
 def _their_shape(tensor: Tensor, model: LanguageModelConfig, shape: tuple) -> tuple:

@@ -231,8 +231,14 @@ class SignalLog:
         self.received.append(number)
 
 
-def _say(message: str) -> None:
-    output.note(message, program=PROGRAM, stderr=True)
+def _say(message: str, level: str = "note") -> None:
+    """A line of the launcher's own on stderr: a note, a failure report or an error."""
+    if level == "note":
+        output.note(message, program=PROGRAM, stderr=True)
+    elif level == "failure":  # a warning to a log collector; the text reads as before
+        output.warning(message, program=PROGRAM, labelled=False)
+    else:
+        output.error(message, program=PROGRAM)
 
 
 def _stop(children: list[Child], grace: float) -> None:
@@ -260,12 +266,16 @@ def _fail(failed: Child, children: list[Child], grace: float) -> int:
         while time.monotonic() < deadline and any(c.process.poll() is None for c in children):
             time.sleep(0.05)
     others = [child for child in children if child.process.poll() is None]
-    _say(f"rank {failed.rank} {failed.describe_exit()}; stopping {len(others)} other process(es)")
+    _say(
+        f"rank {failed.rank} {failed.describe_exit()}; stopping {len(others)} other process(es)",
+        "failure",
+    )
     _stop(others, grace)
     failed.signal_group(signal.SIGKILL)  # its workers, if it left any behind
     for thread in failed.threads:
         thread.join(timeout=5)
-    _say(f"last lines of rank {failed.rank}:\n" + "\n".join(f"  {line}" for line in failed.tail))
+    lines = "\n".join(f"  {line}" for line in failed.tail)
+    _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
     return failed.exit_status()
 
 
@@ -320,7 +330,8 @@ def _report_stall(stalled: Child, children: list[Child], args, screen: Output) -
     _say(
         f"rank {stalled.rank} (pid {stalled.process.pid}) stopped making progress: no heartbeat "
         f"for {time.time() - beat['time']:.0f} s, last step {beat['step']}; {saved}; stopping "
-        f"every process{logs}"
+        f"every process{logs}",
+        "failure",
     )
     _stop([child for child in children if child.process.poll() is None], args.grace)
     return 1
@@ -442,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return launch(parse_arguments(sys.argv[1:] if argv is None else argv))
     except UserError as error:
-        _say(f"error: {error}")
+        _say(str(error), "error")
         return USER_ERROR_EXIT_CODE
 
 

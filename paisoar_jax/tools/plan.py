@@ -7,7 +7,7 @@ built; `--devices N` simulates N devices on CPU) and reports, per device:
   account of the compiled step (compiled.memory_analysis()): temporaries, inputs, outputs
   not donated, generated code and their total;
 - the collectives one step runs, by kind, with their bytes, read from the compiled HLO
-  (paisoar_jax/hlo.py says how they are counted);
+  (paisoar_jax/tools/hlo.py says how they are counted);
 - a projected step time on a given link: compute from the model's FLOPs at an assumed share
   of the peak, communication from NCCL's ring-algorithm costs, with no overlap and with
   perfect overlap, and the scaling efficiency compute / (compute + exposed communication).

@@ -13,6 +13,8 @@ import pathlib
 import re
 import threading
 
+from paisoar_jax import output as user_output
+
 LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
 
@@ -90,12 +92,21 @@ class Output:
 def copy_lines(
     stream, sink, prefix: bytes, log: RankLog, tail: collections.deque, output: Output
 ) -> None:
-    """Copies a child's stream line by line with its rank prefix; keeps the last lines."""
+    """Copies a child's stream line by line with its rank prefix; keeps the last lines.
+
+    Under PAISOAR_OUTPUT=json a JSON line of the child gets its rank as a key instead, so
+    the launcher's output stays one JSON object a line.
+    """
     pending = b""
+    json_mode = user_output.mode() == "json"
     while chunk := stream.read1(1 << 16):
         pieces = LINE_END.split(pending + chunk)
         pending = pieces.pop()
         for text, end in zip(pieces[0::2], pieces[1::2], strict=True):
+            if json_mode and text.startswith(b"{") and text.rstrip().endswith(b"}"):
+                rank = prefix.decode().strip().removeprefix("[rank ").removesuffix("]")
+                output.write(sink, log, b'{"rank": %s, ' % rank.encode() + text[1:] + end)
+                continue
             output.write(sink, log, prefix + text + end)
             if end != b"\r" and text.strip():  # a progress bar's redraws are not lines
                 tail.append(text.decode(errors="replace"))
