@@ -302,3 +302,15 @@ def test_bad_json_lines_get_one_line(tmp_path, capsys, content, message):
     (tmp_path / "a.jsonl").write_text(content)
     assert run_convert("text", "--input", tmp_path / "a.jsonl", "--output", tmp_path / "out") == 2
     assert message in one_error_line(capsys)
+
+
+def test_a_hugging_face_model_directory_names_its_tokenizer(tmp_path):
+    model_dir = tmp_path / "hf_model"
+    model_dir.mkdir()
+    train_tokenizer(model_dir / "tokenizer.json", ["<pad>", "</s>"])
+    inputs = write_texts(tmp_path / "in")
+    args = ["--input", inputs, "--output", tmp_path / "out", "--tokenizer", model_dir]
+    assert run_convert("text", *args) == 0
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["tokenizer"] == "tokenizer.json"
+    assert manifest["tokenizer_sha256"] == convert.records.file_sha256(model_dir / "tokenizer.json")

@@ -265,3 +265,30 @@ def test_an_import_builds_each_device_shard_on_its_own(imported, devices):
     embedding = shardings["token_embedding"]
     assert embedding.shard_shape((96, 64)) == (96, 8)  # embed split 8 ways
     assert shardings["blocks"]["q_kernel"].shard_shape((2, 64, 4, 16)) == (2, 8, 4, 16)
+
+
+def test_two_processes_import_what_one_does(imported, devices, tmp_path):
+    """Under the launcher each process builds and writes only its devices' shards."""
+    command = [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
+    command += ["--module", "paisoar_jax.convert", "--", "hf-import"]
+    command += ["--input", str(imported["llama"][1]), "--output", str(tmp_path / "two")]
+    result = subprocess.run(
+        command, env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("imported ") == 1  # process 0 speaks for both
+    _, one = our_logits(imported["llama"][2], devices[:1])
+    _, two = our_logits(tmp_path / "two", devices[:1])
+    for before, after in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+
+
+def test_a_sharded_checkpoint_imports_as_one_file_does(imported, devices, tmp_path):
+    model, _, ours = imported["llama"]
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    hf.hf_import(tmp_path / "sharded", tmp_path / "ours")
+    _, one = our_logits(ours, devices[:1])
+    _, sharded = our_logits(tmp_path / "ours", devices[:1])
+    for before, after in zip(jax.tree.leaves(one), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(after))

@@ -60,13 +60,18 @@ class Tokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """`byte`, or the tokenizer in a HuggingFace `tokenizers` JSON file."""
+    """`byte`, a HuggingFace `tokenizers` JSON file, or an HF model directory (its own)."""
     if spec == "byte":
         # UTF-8 text never contains NUL, so byte 0 is free to mark the end of a document.
         return Tokenizer("byte", None, 256, 0)
     path = pathlib.Path(spec)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"  # a Hugging Face model directory, or an import of one
     if not path.is_file():
-        raise UserError(f"--tokenizer {spec}: no such file (use byte or a tokenizers JSON file)")
+        raise UserError(
+            f"--tokenizer {spec}: no such file (use byte, a tokenizers JSON file or a Hugging "
+            f"Face model directory)"
+        )
     try:
         import tokenizers
     except ImportError:
@@ -356,13 +361,24 @@ def verify_dataset(args: argparse.Namespace) -> str:
     return f"OK: {directory}: {len(reader)} records in {shards} shards match the manifest"
 
 
+def _import_hf(args: argparse.Namespace) -> str:
+    """hf-import, in every process of a launched run (each builds only its devices' shards)."""
+    from paisoar_jax import distributed
+    from paisoar_jax.config import DistributedConfig
+
+    distributed.initialize(DistributedConfig(), program=PROGRAM)  # the launcher's, if any
+    return hf.hf_import(args.input, args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `text`, `images`, `verify`, `hf-import` and `hf-export` subcommands."""
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Build ArrayRecord datasets.")
     commands = parser.add_subparsers(dest="command", required=True)
     text = commands.add_parser("text", help="tokenize text files into a tokens dataset")
     text.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB")
-    text.add_argument("--tokenizer", default="byte", help="byte, or a tokenizers JSON file")
+    text.add_argument(
+        "--tokenizer", default="byte", help="byte, a tokenizers JSON file or an HF model directory"
+    )
     text.add_argument("--record-tokens", type=int, default=DEFAULT_RECORD_TOKENS)
     text.add_argument(
         "--field", default="text", help=".jsonl and .parquet inputs: the text's field or column"
@@ -379,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
     hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
     hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
-    hf_in.set_defaults(handler=lambda args: hf.hf_import(args.input, args.output))
+    hf_in.set_defaults(handler=_import_hf)
     hf_out = commands.add_parser("hf-export", help="a run's params as a Hugging Face model")
     hf_out.add_argument("source", metavar="RUN_DIR_OR_EXPORT", type=pathlib.Path)
     hf_out.add_argument("--output", required=True, metavar="HF_DIR", type=pathlib.Path)
@@ -397,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def work() -> None:
         if getattr(args, "shards", 1) < 1:
             raise UserError(f"--shards must be at least 1, got {args.shards}")
-        output.result(f"{PROGRAM}: {args.handler(args)}")  # the tool's product, in every mode
+        summary = args.handler(args)
+        if summary:  # empty on the other processes of a multi-process import
+            output.result(f"{PROGRAM}: {summary}")  # the tool's product, in every mode
 
     return exit_status(PROGRAM, work)
 

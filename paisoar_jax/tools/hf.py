@@ -279,7 +279,7 @@ class SafetensorsReader:
         from safetensors import safe_open
 
         # flax, for bf16 (numpy has none); on the host CPU, not an accelerator.
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             with safe_open(self.files[name], framework="flax") as handle:
                 return np.asarray(handle.get_tensor(name), dtype=np.float32)
 
@@ -299,7 +299,15 @@ class SafetensorsReader:
 
 
 def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
-    """Writes the HF model in `source` as a params export with its config.yaml; a summary."""
+    """Writes the HF model in `source` as a params export with its config.yaml; a summary.
+
+    In a multi-process run every process calls it: each builds and writes only the shards
+    of its own devices, and process 0 writes the files beside them (its summary is the
+    only one; the others return "").
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
     from paisoar_jax.checkpoint import export_weights
 
     config_path = source / "config.json"
@@ -320,8 +328,11 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     unmapped = sorted(set(expected) - set(params))
     if unmapped:  # a mapping gap of ours, never silently an untrained parameter
         raise UserError(f"{source}: no Hugging Face tensor maps to our {', '.join(unmapped)}")
+    multihost_utils.sync_global_devices("hf-import: every process checked --output")
     output.mkdir(parents=True, exist_ok=True)
     export_weights(_nested(params), {}, output)
+    if jax.process_index() != 0:
+        return ""
     hf_json = json.loads(config_path.read_text())
     token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
     (output / TOKEN_IDS_FILE).write_text(json.dumps(token_ids) + "\n")
