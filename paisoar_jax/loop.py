@@ -108,7 +108,8 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
             return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
-        parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source)
+        limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
+        parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source, limit_bytes)
         summary = _run_loop(parts, checkpointer, stop, state, start_step, batches)
     if is_main:
         _print_summary(summary, task)
@@ -144,6 +145,7 @@ class RunParts:
     layout: StateLayout
     schedule: Any  # None: a user's optimizer whose learning rate is its own
     eval_source: Any  # None: no eval data
+    limit_bytes: int | None  # what one device may hold, for the out-of-memory report
 
     @property
     def eval_every(self) -> int:
@@ -220,7 +222,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
 def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
     """The train step compiled for the first batch (out of memory: a readable error)."""
     config, layout, mesh = parts.config, parts.layout, parts.mesh
-    limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
+    limit_bytes = parts.limit_bytes
     with oom.readable_out_of_memory(config, layout, limit_bytes):
         jitted = jit_train_step(layout, parts.task, parts.schedule, config.train.grad_accum, mesh)
         train_step = CompiledStep(jitted, state, first_batch)
@@ -279,8 +281,7 @@ def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instru
     dispatch_start = time.perf_counter()
     instruments.profiler.before(step)
     if is_first:  # XLA reports running out of memory once the step runs
-        limit_bytes = oom.device_limit_bytes(parts.config.train.memory_limit_gb)
-        compiled = train_step.compiled
+        compiled, limit_bytes = train_step.compiled, parts.limit_bytes
         with oom.readable_out_of_memory(parts.config, parts.layout, limit_bytes, compiled):
             state, metrics = jax.block_until_ready(train_step(state, batch))
     else:  # (the first step waited for the device: its time is not host time)

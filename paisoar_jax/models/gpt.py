@@ -137,7 +137,34 @@ def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
     return True
 
 
-class Block(nnx.Module):
+class DecoderBlock(nnx.Module):
+    """What a GPT and a Llama block share: attention, plain or over a key/value cache.
+
+    Each block supplies its own projections (`_queries_keys_values`) and what follows the
+    attention (`_after_attention`).
+    """
+
+    def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
+        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
+        # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
+        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE)
+
+    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
+        """The block at positions index.., attending over the cache (models/decoding.py)."""
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
+        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index)
+        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
+
+    def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
+        raise NotImplementedError
+
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+class Block(DecoderBlock):
     """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
@@ -161,18 +188,6 @@ class Block(nnx.Module):
         self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
         # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
         self.fp8 = fp8.block_dots(policy)
-
-    def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
-        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
-        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = self._queries_keys_values(x_BxTxD, rotary)
-        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, self.attention_impl)
-        return self._after_attention(x_BxTxD, attention_BxTxHxE)
-
-    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
-        """The block at positions index.., attending over the cache (models/decoding.py)."""
-        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = self._queries_keys_values(x_BxTxD, rotary)
-        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, cache, index)
-        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         cast = self.policy.cast_to_compute

@@ -22,10 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.models.decoding import cached_attention
 from paisoar_jax.models.gpt import (
     Decoder,
-    attention,
+    DecoderBlock,
     build_blocks,
     mlp_width,
     resolve_attention,
@@ -87,7 +86,7 @@ def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> ja
     return rotated.astype(x_BxTxHxE.dtype)
 
 
-class Block(nnx.Module):
+class Block(DecoderBlock):
     """x + attention(rmsnorm(x)), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x)."""
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
@@ -107,19 +106,6 @@ class Block(nnx.Module):
         self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
         self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
         self.fp8 = fp8.block_dots(policy, MATMULS)
-
-    def __call__(self, x_BxTxD: jax.Array, rotary: tuple) -> jax.Array:
-        """Applies the block at the positions whose (sin, cos) tables `rotary` holds."""
-        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
-        # jax.nn.dot_product_attention groups the H query heads over the K kv heads itself.
-        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
-        return self._after_attention(x_BxTxD, attention_BxTxHxE)
-
-    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
-        """The block at positions index.., attending over the cache (models/decoding.py)."""
-        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
-        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index)
-        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)

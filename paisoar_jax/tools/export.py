@@ -60,15 +60,28 @@ def checkpoint_step(run_dir: pathlib.Path, step: int | None = None):
     return config, checkpoints / str(step), step
 
 
-def read_weights(source: pathlib.Path):
-    """(config, params, what was read) of a params export or of a run's newest checkpoint."""
+def weights_source(source: pathlib.Path):
+    """(config, the directory of the weights, what it is) for `source`.
+
+    `source` is a params export, a checkpoint step directory (`runs/x/checkpoints/400`) or
+    a run directory (its newest step).
+    """
     from paisoar_jax.config import load_config
 
+    run_config = source.parent.parent / "config.yaml"
+    if (source / "state").is_dir() and run_config.is_file():
+        return load_config(str(run_config)), source, f"checkpoint {source}"
     if (source / "params").is_dir() and (source / "config.yaml").is_file():
-        config, path, where = load_config(str(source / "config.yaml")), source, f"export {source}"
-    else:
-        config, path, step = checkpoint_step(source)
-        where = f"step {step} of {source}"
+        return load_config(str(source / "config.yaml")), source, f"export {source}"
+    if not source.is_dir():
+        raise UserError(f"{source}: no such run, checkpoint step or export directory")
+    config, path, step = checkpoint_step(source)
+    return config, path, f"step {step} of {source}"
+
+
+def read_weights(source: pathlib.Path):
+    """(config, params, what was read) of an export, a checkpoint step or a run's newest."""
+    config, path, where = weights_source(source)
     return config, _load(path)[0], where
 
 

@@ -29,12 +29,13 @@ from flax import nnx
 
 from paisoar_jax import output, sharding
 from paisoar_jax.checkpoint import load_weights
-from paisoar_jax.config import LanguageModelConfig, config_from_dict, load_config, to_dict
+from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.export import checkpoint_step
+from paisoar_jax.tools.export import weights_source
+from paisoar_jax.tools.hf import kept_file
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
 
@@ -42,20 +43,9 @@ PROGRAM = "paisoar_jax.generate"
 
 
 def weights_of(source: pathlib.Path):
-    """(config, the directory that holds the weights, where tokenizer.json may be)."""
-    if (source / "state").is_dir() and (source.parent.parent / "config.yaml").is_file():
-        config = load_config(str(source.parent.parent / "config.yaml"))
-        path = source
-    elif (source / "params").is_dir() and (source / "config.yaml").is_file():
-        config, path = load_config(str(source / "config.yaml")), source
-    elif source.is_dir():
-        config, path, _ = checkpoint_step(source)
-    else:
-        raise UserError(f"{source}: no such run, checkpoint step or export directory")
-    places = [path, source]
-    if config.checkpoint.init_from:
-        places.append(pathlib.Path(config.checkpoint.init_from))
-    return config, path, places
+    """(config, the directory that holds the weights, its tokenizer.json or None)."""
+    config, path, _ = weights_source(source)
+    return config, path, kept_file("tokenizer.json", config, path, source)
 
 
 def placement(config, count: int) -> list[str]:
@@ -78,7 +68,7 @@ class Model:
 
     def __init__(self, source: pathlib.Path, devices=None):
 
-        config, path, self.places = weights_of(source)
+        config, path, self.tokenizer_file = weights_of(source)
         if not isinstance(config.model, LanguageModelConfig):
             raise UserError(f"{source}: model.name={config.model.name} does not generate text")
         devices = devices or jax.devices()
@@ -169,10 +159,8 @@ def _pick(logits_RxV, key, *, greedy: bool, temperature: float, top_k: int):
 class Text:
     """Text to token ids and back: a tokenizer.json, or bytes for a byte-level model."""
 
-    def __init__(self, places: list[pathlib.Path], vocab_size: int):
+    def __init__(self, found: pathlib.Path | None, vocab_size: int):
         self.model = None
-        files = [place / "tokenizer.json" for place in places]
-        found = next((path for path in files if path.is_file()), None)
         if found is not None:
             try:
                 import tokenizers
@@ -227,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = Model(args.source)
         text = None
         if args.prompt is not None:
-            text = Text(model.places, model.config.model.vocab_size)
+            text = Text(model.tokenizer_file, model.config.model.vocab_size)
             prompt = text.encode(args.prompt)
         else:
             prompt = _token_list(args.tokens)

@@ -314,17 +314,17 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     if not config_path.is_file():
         raise UserError(f"{source} has no config.json: not a Hugging Face model directory")
     _check_empty(output)
-    model = model_config_from_hf(json.loads(config_path.read_text()), config_path)
+    hf_json = json.loads(config_path.read_text())
+    model = model_config_from_hf(hf_json, config_path)
     reader = SafetensorsReader(source)
     shapes, shardings = placed_params(model)
-    expected = _flat(shapes)
+    expected, places = _flat(shapes), _flat(shardings)
     params = {}
     for tensor in TENSORS[model.name]:
         if tensor.ours not in expected:  # the head of tied embeddings
             continue
         shape = expected[tensor.ours].shape
-        place = _flat(shardings)[tensor.ours]
-        params[tensor.ours] = _placed(reader, source, tensor, model, shape, place)
+        params[tensor.ours] = _placed(reader, source, tensor, model, shape, places[tensor.ours])
     unmapped = sorted(set(expected) - set(params))
     if unmapped:  # a mapping gap of ours, never silently an untrained parameter
         raise UserError(f"{source}: no Hugging Face tensor maps to our {', '.join(unmapped)}")
@@ -333,7 +333,6 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     export_weights(_nested(params), {}, output)
     if jax.process_index() != 0:
         return ""
-    hf_json = json.loads(config_path.read_text())
     token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
     (output / TOKEN_IDS_FILE).write_text(json.dumps(token_ids) + "\n")
     config = Config(model=model)
@@ -356,15 +355,11 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
 
     config, params, where = read_weights(source)
     model = config.model
-    # What an import kept beside the weights: here, or where the run was fine-tuned from.
-    places = [source] + [pathlib.Path(config.checkpoint.init_from)] * bool(
-        config.checkpoint.init_from
-    )
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
     hf_json = hf_config(model)  # refuses what HF's classes cannot hold, before any write
-    kept = [place / TOKEN_IDS_FILE for place in places if (place / TOKEN_IDS_FILE).is_file()]
-    token_ids = json.loads(kept[0].read_text()) if kept else {}
+    kept = kept_file(TOKEN_IDS_FILE, config, source)
+    token_ids = json.loads(kept.read_text()) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     _check_empty(output)
     flat = _flat(params)
@@ -383,10 +378,22 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "generation_config.json"):
-        found = [place / name for place in places if (place / name).is_file()]
-        if found:
-            shutil.copyfile(found[0], output / name)
+        found = kept_file(name, config, source)
+        if found is not None:
+            shutil.copyfile(found, output / name)
     return f"exported {where} as a Hugging Face {ARCHITECTURES[_hf_type(model)]} -> {output}"
+
+
+def kept_file(name: str, config: Config, *directories: pathlib.Path) -> pathlib.Path | None:
+    """A file an import keeps beside the weights (tokenizer.json, ...), or None.
+
+    Looked for in `directories`, then beside the import the run was fine-tuned from (its
+    checkpoint.init_from).
+    """
+    places = list(directories)
+    if config.checkpoint.init_from:
+        places.append(pathlib.Path(config.checkpoint.init_from))
+    return next((place / name for place in places if (place / name).is_file()), None)
 
 
 def abstract_params(model: LanguageModelConfig) -> dict:
@@ -412,10 +419,10 @@ def placed_params(model: LanguageModelConfig, devices=None) -> tuple[dict, dict]
     state = _abstract_state(model)
     shapes = nnx.to_pure_dict(state)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
-    placed = {}
+    placed, flat_specs = {}, _flat(specs)
     for path, shape in _flat(shapes).items():
-        one = _nested({path: shape})
-        spec = _nested({path: _flat(specs)[path]})
+        # One at a time, so a parameter that does not split falls back alone.
+        one, spec = _nested({path: shape}), _nested({path: flat_specs[path]})
         try:
             found = rules.parameter_shardings(one, spec, mesh, ShardingConfig(), 0)[0]
             placed[path] = _flat(found)[path]
@@ -446,18 +453,16 @@ def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
     """
     import jax
 
-    names = [tensor.theirs.format(i=i) for i in range(model.layers)]
     if "{i}" not in tensor.theirs:
         whole = _read(reader, source, tensor.theirs, tensor, model, shape)
         return jax.make_array_from_callback(shape, place, lambda index: whole[index])
-    for name in names:  # every layer's shape is checked before any device is written
-        _check_shape(reader, source, name, tensor, model, shape[1:])
+    names = [tensor.theirs.format(i=i) for i in range(model.layers)]
+    # Every layer's shape is checked before any device is written, and only once.
+    stored = [_check_shape(reader, source, name, tensor, model, shape[1:]) for name in names]
 
     def shard(index):
         layers = range(model.layers)[index[0]]
-        parts = [
-            _read(reader, source, names[i], tensor, model, shape[1:])[index[1:]] for i in layers
-        ]
+        parts = [tensor.to_ours(reader.read(stored[i]), model)[index[1:]] for i in layers]
         return np.stack(parts)
 
     return jax.make_array_from_callback(shape, place, shard)
