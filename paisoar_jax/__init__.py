@@ -9,6 +9,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     initialize()                           join a multi-process run (fit does it itself)
     load_config(path, overrides), Config   the run's configuration
     remat_block(block)                     checkpoint a block with the run's remat.policy
+    scan_layers(step, x, stacked)          run a stack of identical blocks (pipelined when
+                                           mesh.stage > 1, else jax.lax.scan)
     force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
     UserError                              bad input (one line, exit status 2 from the CLI)
 
@@ -28,6 +30,7 @@ _EXPORTS = {
     "load_config": "paisoar_jax.config",
     "Config": "paisoar_jax.config",
     "remat_block": "paisoar_jax.remat",
+    "scan_layers": "paisoar_jax.pipeline",
     "force_policy": "paisoar_jax.precision",
     "fp32_function": "paisoar_jax.precision",
     "UserError": "paisoar_jax.errors",

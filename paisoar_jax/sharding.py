@@ -1,8 +1,8 @@
 """The device mesh, the logical-axis rules and the shardings they give.
 
 Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...). One short
-table maps them to the mesh axes (data, fsdp, tensor); the ZeRO stage only changes where
-`embed` goes:
+table maps them to the mesh axes (data, stage, fsdp, tensor); the ZeRO stage only changes
+where `embed` goes:
 
     stage   parameters embed ->   optimizer state embed ->
     0       fsdp                  fsdp                      (replicated over data)
@@ -10,15 +10,18 @@ table maps them to the mesh axes (data, fsdp, tensor); the ZeRO stage only chang
     3       data+fsdp             data+fsdp                 (ZeRO-3 / FSDP over all of them)
 
 Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output channels go
-where `embed` goes. The batch is split over
+where `embed` goes; a stacked model's `layers` axis goes over `stage` (pipeline.py: each
+pipeline stage holds its contiguous group of blocks). The batch is split over
 (data, fsdp). ZeRO-2 is the same program as ZeRO-1 here: XLA reduce-scatters the gradients
 straight into the optimizer-state layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -28,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # Logical activation axes -> mesh axes. Used by `constrain` inside the model so XLA keeps
@@ -56,7 +59,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "qkv": (),
         "head_dim": (),
         "length": (),
-        "layers": (),
+        "layers": ("stage",),  # pipeline stages: stage s holds its group of stacked blocks
         # Image models: a conv's output channels go where `embed` goes (FSDP splits them),
         # its input channels, BatchNorm's vectors and the classes stay whole.
         "conv_in": (),
@@ -68,12 +71,12 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
 
 def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], list[int]]:
     """Resolves -1 in the ici sizes and checks that ici x dcn covers every device."""
-    ici = [mesh_config.data, mesh_config.fsdp, mesh_config.tensor]
-    dcn = [mesh_config.dcn_data, mesh_config.dcn_fsdp, 1]
+    ici = [mesh_config.data, mesh_config.stage, mesh_config.fsdp, mesh_config.tensor]
+    dcn = [mesh_config.dcn_data, mesh_config.dcn_stage, mesh_config.dcn_fsdp, 1]
     if ici.count(-1) > 1:
         raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
     if -1 in dcn:
-        raise UserError("mesh.dcn_data and mesh.dcn_fsdp must be explicit sizes, not -1")
+        raise UserError("mesh.dcn_data, dcn_stage and dcn_fsdp must be explicit sizes, not -1")
     fixed = math.prod(size for size in ici if size != -1) * math.prod(dcn)
     if -1 in ici:
         if device_count % fixed:
@@ -89,31 +92,35 @@ def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], 
 
 
 def _describe(mesh_config: MeshConfig) -> str:
-    """The mesh sizes as `data=2,fsdp=2,tensor=2` (dcn sizes only when set)."""
-    parts = [f"{axis}={getattr(mesh_config, axis)}" for axis in MESH_AXES]
+    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage and dcn sizes only when set)."""
+    parts = [
+        f"{axis}={getattr(mesh_config, axis)}"
+        for axis in MESH_AXES
+        if axis != "stage" or mesh_config.stage != 1
+    ]
     parts += [
         f"{key}={getattr(mesh_config, key)}"
-        for key in ("dcn_data", "dcn_fsdp")
+        for key in ("dcn_data", "dcn_stage", "dcn_fsdp")
         if getattr(mesh_config, key) != 1
     ]
     return ",".join(parts)
 
 
 def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, tensor); a hybrid ici x dcn mesh across processes."""
+    """A mesh with axes (data, stage, fsdp, tensor); a hybrid ici x dcn mesh across processes."""
     devices = list(devices if devices is not None else jax.devices())
     ici, dcn = _mesh_sizes(mesh_config, len(devices))
     if math.prod(dcn) > 1 and math.prod(dcn) != jax.process_count():
         raise UserError(
-            f"mesh.dcn_data x mesh.dcn_fsdp = {math.prod(dcn)} must equal the number of "
-            f"processes ({jax.process_count()}): the dcn axes span processes"
+            f"mesh.dcn_data x dcn_stage x dcn_fsdp = {math.prod(dcn)} must equal the number "
+            f"of processes ({jax.process_count()}): the dcn axes span processes"
         )
     if math.prod(dcn) > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True
         )
     elif len(devices) == 1:
-        device_array = np.array(devices).reshape(1, 1, 1)
+        device_array = np.array(devices).reshape(1, 1, 1, 1)
     else:
         device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
     # Auto axes: XLA propagates shardings, and stock flax layers work under FSDP.
@@ -125,8 +132,11 @@ def batch_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
-    """Raises UserError unless every micro-batch splits evenly over the batch axes."""
+def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, pipelined: int = 1) -> None:
+    """Raises UserError unless every micro-batch splits evenly over the batch axes.
+
+    `pipelined`: the pipeline's micro-batches per pass (pipeline.py), each split too.
+    """
     shards = batch_shards(mesh)
     micro_batch = global_batch // grad_accum
     if micro_batch % shards:
@@ -134,6 +144,12 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
         raise UserError(
             f"train.global_batch={global_batch}{detail} is not divisible by the {shards} "
             f"batch shards (mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})"
+        )
+    if (micro_batch // pipelined) % shards:
+        raise UserError(
+            f"train.pipeline_microbatches={pipelined} cuts the batch of {micro_batch} per pass "
+            f"into micro-batches of {micro_batch // pipelined}, which do not split over the "
+            f"{shards} batch shards (mesh data x fsdp)"
         )
     if micro_batch % jax.process_count():
         raise UserError(
@@ -190,6 +206,23 @@ def tree_shardings(logical_specs, abstract_values, mesh: Mesh, rules) -> object:
     )
 
 
+# True while the batch axes are taken by an enclosing vmap over the batch shards (the
+# pipeline's, pipeline.py): the activations inside are one shard's rows, "batch" is whole.
+_BATCH_VMAPPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "paisoar_jax_batch_vmapped", default=False
+)
+
+
+@contextlib.contextmanager
+def batch_vmapped() -> Iterator[None]:
+    """While tracing a function vmapped over the batch shards: `batch` maps to no axis."""
+    token = _BATCH_VMAPPED.set(True)
+    try:
+        yield
+    finally:
+        _BATCH_VMAPPED.reset(token)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Pins an activation's layout by logical axis names; a no-op outside a mesh context.
 
@@ -197,5 +230,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    spec = PartitionSpec(*(ACTIVATION_RULES[axis] if axis else None for axis in logical_axes))
+    vmapped = _BATCH_VMAPPED.get()
+    spec = PartitionSpec(
+        *(
+            None if not axis or (vmapped and axis == "batch") else ACTIVATION_RULES[axis]
+            for axis in logical_axes
+        )
+    )
     return jax.lax.with_sharding_constraint(x, spec)

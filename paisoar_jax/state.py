@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from paisoar_jax import rules, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
+from paisoar_jax.pipeline import Pipeline, from_config
 from paisoar_jax.precision import Policy, get_policy
 
 
@@ -56,6 +57,8 @@ class StateLayout:
     # an FSDP gather moves that dtype), or None to pass it as stored; None for the whole
     # tree when nothing is cast here (each zoo layer then casts as it uses its weights).
     compute_dtypes: Any = None
+    # mesh.stage > 1: the schedule `pipeline.scan_layers` runs the model's stack with.
+    pipeline: Pipeline | None = None
 
 
 def state_layout(
@@ -129,6 +132,7 @@ def state_layout(
         abstract_state=abstract_state,
         create_model=create_model,
         compute_dtypes=compute_dtypes,
+        pipeline=from_config(config),
     )
 
 

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import fp8, loss_scale, sharding
+from paisoar_jax import fp8, loss_scale, pipeline, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
 
@@ -66,10 +66,17 @@ def params_for_compute(params, layout: StateLayout):
     return treedef.unflatten(cast)
 
 
-def loss_fn(params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array):
-    """(loss, (metrics, new model_state)) of the model on one batch, the loss in fp32."""
+def loss_fn(
+    params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array, schedule=None
+):
+    """(loss, (metrics, new model_state)) of the model on one batch, the loss in fp32.
+
+    With a pipeline `schedule` the model's stack runs through it (pipeline.py).
+    """
     model = nnx.merge(graphdef, params, model_state)
-    loss, metrics = task.loss(model, batch, key)
+    with pipeline.active(schedule) as pipelined:
+        loss, metrics = task.loss(model, batch, key)
+    pipeline.check_used(pipelined, type(model).__name__)
     return loss, (metrics, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2]))
 
 
@@ -113,7 +120,10 @@ def loss_and_grads(
 
     def scaled_loss(params, model_state, micro_batch, micro_key):
         compute_params = params if layout is None else params_for_compute(params, layout)
-        loss, aux = loss_fn(compute_params, model_state, graphdef, micro_batch, task, micro_key)
+        schedule = None if layout is None else layout.pipeline
+        loss, aux = loss_fn(
+            compute_params, model_state, graphdef, micro_batch, task, micro_key, schedule
+        )
         return loss * scale, (loss, aux)
 
     # fp8 scaling state (fp8.Fp8Meta) is differentiated too: its "gradient" is its next value.
@@ -223,7 +233,11 @@ def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[s
 def eval_step(params, model_state, batch, *, layout: StateLayout, task) -> dict[str, jax.Array]:
     """The task's eval metrics (mean loss, accuracy, ...) on one held-out batch."""
     compute_params = params_for_compute(params, layout)
-    return task.eval_metrics(nnx.merge(layout.graphdef, compute_params, model_state), batch)
+    model = nnx.merge(layout.graphdef, compute_params, model_state)
+    with pipeline.active(layout.pipeline) as pipelined:
+        metrics = task.eval_metrics(model, batch)
+    pipeline.check_used(pipelined, type(model).__name__)
+    return metrics
 
 
 def jit_train_step(

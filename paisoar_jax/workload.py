@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax import remat, sharding
+from paisoar_jax import pipeline, remat, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
@@ -145,7 +145,9 @@ def optimizer_for(config: Config, given: Optimizer | None):
 def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Mesh, optimizer and state layout for `config` and `workload`; no arrays are built."""
     mesh = sharding.build_mesh(config.mesh, devices)
-    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
+    schedule = pipeline.from_config(config)
+    pipelined = schedule.microbatches if schedule else 1
+    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh, pipelined)
     optimizer, schedule = optimizer_for(config, workload.optimizer)
     create_model = model_builder(config, workload)
     with jax.set_mesh(mesh):

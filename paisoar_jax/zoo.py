@@ -41,14 +41,17 @@ class ZooEntry:
     model_class: type[nnx.Module]
     task_class: type
     fp8: bool  # its blocks' matmuls run in fp8 under precision.policy=fp8
+    stack: bool  # its blocks are one stacked, scanned stack: mesh.stage can pipeline it
 
 
 ZOO: dict[str, ZooEntry] = {
-    "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling, fp8=True),
-    "llama": ZooEntry(MODEL_CONFIGS["llama"], Llama, LanguageModelling, fp8=True),
-    "resnet": ZooEntry(MODEL_CONFIGS["resnet"], ResNet, ImageClassification, fp8=False),
-    "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification, fp8=False),
-    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True),
+    "gpt": ZooEntry(MODEL_CONFIGS["gpt"], GPT, LanguageModelling, fp8=True, stack=True),
+    "llama": ZooEntry(MODEL_CONFIGS["llama"], Llama, LanguageModelling, fp8=True, stack=True),
+    "resnet": ZooEntry(
+        MODEL_CONFIGS["resnet"], ResNet, ImageClassification, fp8=False, stack=False
+    ),
+    "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification, fp8=False, stack=False),
+    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True, stack=False),
 }
 
 
@@ -95,6 +98,12 @@ def check_model(config: Config) -> None:
         raise UserError(
             f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name "
             f"{fp8_names}); {resolved.name} is convolutional: use bf16"
+        )
+    if config.mesh.stages > 1 and not entry(resolved.name).stack:
+        stacked = ", ".join(name for name, known in ZOO.items() if known.stack)
+        raise UserError(
+            f"mesh.stage={config.mesh.stages} pipelines a stack of identical blocks "
+            f"({stacked}); model.name={resolved.name} has none: set mesh.stage=1"
         )
 
 

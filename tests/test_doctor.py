@@ -323,8 +323,10 @@ def every_check_firing(config_overrides):
 @pytest.mark.parametrize(
     "config_overrides",
     [
-        ["precision.loss_scale=dynamic"],
+        ["precision.loss_scale=dynamic", "mesh.stage=2", "train.pipeline_microbatches=2"],
         [
+            "mesh.stage=2",
+            "train.pipeline_microbatches=2",
             "precision.policy=fp16",
             "remat.policy=dots",
             "mesh.zero=3",
@@ -337,6 +339,8 @@ def every_check_firing(config_overrides):
             "mesh.data=2",
             "mesh.fsdp=2",
             "mesh.tensor=2",
+            "mesh.stage=2",
+            "train.pipeline_microbatches=2",
             "precision.policy=bf16",
             "precision.loss_scale=dynamic",
             "remat.policy=full",

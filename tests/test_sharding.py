@@ -11,16 +11,17 @@ from paisoar_jax.errors import UserError
 @pytest.mark.parametrize(
     "mesh_config, shape",
     [
-        (MeshConfig(), {"data": 8, "fsdp": 1, "tensor": 1}),
-        (MeshConfig(data=2, fsdp=-1, tensor=2), {"data": 2, "fsdp": 2, "tensor": 2}),
-        (MeshConfig(data=1, fsdp=8), {"data": 1, "fsdp": 8, "tensor": 1}),
-        (MeshConfig(data=-1, tensor=4), {"data": 2, "fsdp": 1, "tensor": 4}),
+        (MeshConfig(), {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}),
+        (MeshConfig(data=2, fsdp=-1, tensor=2), {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}),
+        (MeshConfig(data=1, fsdp=8), {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}),
+        (MeshConfig(data=-1, tensor=4), {"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}),
+        (MeshConfig(stage=2, fsdp=2), {"data": 2, "stage": 2, "fsdp": 2, "tensor": 1}),
     ],
 )
 def test_mesh_shapes(mesh_config, shape, devices):
     mesh = sharding.build_mesh(mesh_config, devices)
     assert dict(mesh.shape) == shape
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 

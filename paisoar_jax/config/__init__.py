@@ -31,6 +31,7 @@ from paisoar_jax.config.sections import (
     ShardingConfig,
     TrainConfig,
     VisionConfig,
+    check_stage_groups,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "ShardingConfig",
     "TrainConfig",
     "VisionConfig",
+    "check_stage_groups",
     "config_from_dict",
     "dump_yaml",
     "load_config",

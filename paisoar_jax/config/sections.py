@@ -45,12 +45,14 @@ def _check_regex(pattern: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes (data, fsdp, tensor); -1 fills the remaining devices."""
+    """Device mesh with axes (data, stage, fsdp, tensor); -1 fills the remaining devices."""
 
     data: int = -1  # pure data parallelism within a host (ici)
+    stage: int = 1  # pipeline stages: the layer stack split into this many groups
     fsdp: int = 1  # params sharded over this axis, gathered per layer (FSDP)
     tensor: int = 1  # Megatron tensor parallelism: heads and MLP hidden split
     dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
+    dcn_stage: int = 1  # pipeline stages across hosts/slices (dcn)
     dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
     zero: int = 0  # 0 replicate over data; 1 (=2) shard optimizer state; 3 params too
 
@@ -61,6 +63,14 @@ class MeshConfig:
             size = getattr(self, key)
             if size == 0 or size < -1:
                 raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
+        for key in ("stage", "dcn_stage"):
+            if getattr(self, key) < 1:
+                raise UserError(f"mesh.{key} must be a positive size, got {getattr(self, key)}")
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages over all hosts: stage x dcn_stage."""
+        return self.stage * self.dcn_stage
 
 
 # The keys of the model section that only model.name=llama reads.
@@ -365,6 +375,16 @@ class CheckpointConfig:
             )
 
 
+def check_stage_groups(name: str, layers: int, stages: int, repeats: int) -> None:
+    """Raises UserError unless `layers` blocks split into stages x repeats equal groups."""
+    groups = stages * repeats
+    if layers % groups:
+        raise UserError(
+            f"{name}={layers} does not split into mesh.stage x train.pipeline_repeats = "
+            f"{stages} x {repeats} = {groups} equal groups"
+        )
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Length, batch and cadence of the training loop."""
@@ -382,10 +402,15 @@ class TrainConfig:
     # profile plugin or Perfetto); empty: no trace.
     profile_steps: tuple[int, ...] = ()
     memory_limit_gb: float = 0.0  # per-device GiB the compiled step must fit; 0: no check
+    # mesh.stage > 1: micro-batches per pipeline pass (0: 2 x stages), and laps round the
+    # stages (1: gpipe; more: the circular schedule, a smaller bubble)
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         positive = {key: 1 for key in ("steps", "global_batch", "grad_accum", "log_every")}
         _check_at_least("train", self, positive)
+        _check_at_least("train", self, {"pipeline_microbatches": 0, "pipeline_repeats": 1})
         if self.global_batch % self.grad_accum:
             raise UserError(
                 f"train.global_batch={self.global_batch} is not divisible by "
@@ -460,6 +485,44 @@ class Config:
             )
         if self.data.eval_fraction == 0 and self.train.eval_every > 0:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """mesh.stage against the batch, the model's stack and the precision."""
+        stages, train = self.mesh.stages, self.train
+        if stages == 1:
+            for key, unset in (("pipeline_microbatches", 0), ("pipeline_repeats", 1)):
+                if getattr(train, key) != unset:
+                    raise UserError(f"train.{key} is for a pipelined mesh: set mesh.stage > 1")
+            return
+        microbatches = train.pipeline_microbatches or 2 * stages
+        per_pass = train.global_batch // train.grad_accum
+        if per_pass % microbatches:
+            raise UserError(
+                f"train.pipeline_microbatches={microbatches} does not divide the batch of "
+                f"{per_pass} sequences per pass (train.global_batch / train.grad_accum)"
+            )
+        if train.pipeline_repeats > 1 and microbatches < stages:
+            raise UserError(
+                f"the circular schedule (train.pipeline_repeats > 1) needs "
+                f"train.pipeline_microbatches >= {stages} stages, got {microbatches}"
+            )
+        if self.precision.policy == "fp8":
+            raise UserError(
+                "precision.policy=fp8 does not pipeline yet (mesh.stage > 1): each fp8 "
+                "matmul's scaling state is updated once per forward pass, and a pipeline "
+                "calls each block once per micro-batch"
+            )
+        model = self.model
+        if isinstance(model, LanguageModelConfig):
+            if not model.scan_layers:
+                raise UserError(
+                    "mesh.stage > 1 pipelines the stacked blocks: set model.scan_layers=true"
+                )
+            layers = model.layers
+        else:  # an image model's variant (zoo.check_model) or one's own (when traced)
+            return
+        check_stage_groups("model.layers", layers, stages, train.pipeline_repeats)
 
     @property
     def run_dir(self) -> pathlib.Path:

@@ -22,6 +22,7 @@ from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import param
+from paisoar_jax.pipeline import scan_layers
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
@@ -322,10 +323,8 @@ def run_blocks(blocks, x_BxTxD: jax.Array, rotary, remat_policy: str, config) ->
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
         step = functools.partial(_block_step, graphdef, rotary)
-        x_BxTxD, _ = jax.lax.scan(
-            wrap_block_call(step, remat_policy, scanned), x_BxTxD, stacked_state
-        )
-        return x_BxTxD
+        # A plain scan, or the pipeline of a run with mesh.stage > 1 (pipeline.py).
+        return scan_layers(wrap_block_call(step, remat_policy, scanned), x_BxTxD, stacked_state)
     for block in blocks:
         graphdef, block_state = nnx.split(block)
         step = functools.partial(_block_step, graphdef, rotary)

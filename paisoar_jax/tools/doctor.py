@@ -10,6 +10,7 @@ metrics cannot be read.
     check                  fires when
     input-bound            the input wait is over 5% of the step time (after the first log)
     communication-bound    plan.json: collectives over 30% of the projected step
+    pipeline-bubble        mesh.stage > 1: the schedule's bubble is over 20% of the step
     low-mfu                the median MFU is below the floor for the model's size
     loss-scale-collapse    the dynamic loss scale fell at each of the last 3 log steps
     skipped-steps          over 5% of the steps were skipped for non-finite gradients

@@ -17,11 +17,13 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.memory import format_bytes  # the units plan prints
+from paisoar_jax.pipeline import from_config as pipeline_of
 from paisoar_jax.tools.plan import format_count
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores
 COMMUNICATION_LIMIT = 0.30
+BUBBLE_LIMIT = 0.20
 SKIPPED_LIMIT = 0.05
 TREND_LOGS = 3  # log steps in a row that make a trend (loss rising, loss scale falling)
 DIVERGED_MARGIN = 0.25  # a rising loss this far over its minimum is diverging, not noise
@@ -209,6 +211,45 @@ def communication_bound(run: Run) -> Finding | None:
     )
 
 
+def pipeline_bubble(run: Run) -> Finding | None:
+    """A pipelined run (mesh.stage > 1) whose stages idle over 20% of the step."""
+    schedule = pipeline_of(run.config)
+    if schedule is None or schedule.bubble <= BUBBLE_LIMIT:
+        return None
+    stages, micro, laps = schedule.stages, schedule.microbatches, schedule.repeats
+    evidence = (
+        f"the {schedule.schedule} schedule of {stages} stages, {micro} micro-batches and "
+        f"{laps} lap(s) leaves every stage idle {_percent(schedule.bubble)} of the step: "
+        f"(stages - 1) / (micro-batches x laps + stages - 1) = {stages - 1} / "
+        f"{schedule.iterations} (over {BUBBLE_LIMIT:.0%})"
+    )
+    train, stage = run.config.train, f"`mesh.stage={run.config.mesh.stage}`"
+
+    def bubble(count: int, repeats: int) -> float:
+        return (stages - 1) / (count * repeats + stages - 1)
+
+    fixes = []
+    per_pass = train.global_batch // train.grad_accum
+    enough = [count for count in range(micro + 1, per_pass + 1) if per_pass % count == 0]
+    enough = [count for count in enough if bubble(count, laps) <= BUBBLE_LIMIT]
+    if enough:
+        fixes.append(
+            f"{stage} `train.pipeline_microbatches={enough[0]}`: bubble "
+            f"{bubble(enough[0], laps):.0%} (smaller micro-batches, the same batch)"
+        )
+    layers = getattr(run.config.model, "layers", 0)  # a language model's; else unknown
+    if micro >= stages and layers and layers % (stages * 2 * laps) == 0:
+        fixes.append(
+            f"{stage} `train.pipeline_repeats={2 * laps}`: the circular schedule, each "
+            f"micro-batch laps the stages {2 * laps} times, bubble {bubble(micro, 2 * laps):.0%}"
+        )
+    fixes.append(
+        f"`train.global_batch={2 * train.global_batch}` with more micro-batches, or fewer "
+        "stages (`mesh.stage`) with the devices going to `mesh.data` or `mesh.fsdp`"
+    )
+    return Finding("pipeline-bubble", "the pipeline bubble is large", evidence, tuple(fixes))
+
+
 def parameter_count(run: Run) -> int | None:
     """The model's parameters, from plan.json or the first metrics record (None: unknown)."""
     if run.plan and run.plan.get("param_count"):
@@ -385,7 +426,7 @@ def _mesh_shape(run: Run) -> dict[str, int] | None:
     if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
         return None  # the rest of the devices: how many, only the run knew
     data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
-    return {"data": data, "fsdp": fsdp, "tensor": mesh.tensor}
+    return {"data": data, "stage": mesh.stages, "fsdp": fsdp, "tensor": mesh.tensor}
 
 
 def memory_headroom(run: Run) -> Finding | None:
@@ -456,6 +497,7 @@ def recompiles(run: Run) -> Finding | None:
 CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     input_bound,
     communication_bound,
+    pipeline_bubble,
     low_mfu,
     loss_scale_collapse,
     skipped_steps,

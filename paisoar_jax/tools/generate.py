@@ -51,8 +51,9 @@ def weights_of(source: pathlib.Path):
 def placement(config, count: int) -> list[str]:
     """Overrides that place the model on `count` devices as its config says, where it can.
 
-    fsdp and tensor are kept when they divide the devices (data takes the rest); a run
-    trained over more devices than there are here (or with -1) is placed whole on each.
+    fsdp and tensor are kept when they divide the devices (data takes the rest; pipeline
+    stages are not kept: decoding runs the stack whole); a run trained over more devices
+    than there are here (or with -1) is placed whole on each.
     Decoding runs XLA's attention, so model.attention=cudnn becomes auto.
     """
     fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
@@ -60,6 +61,9 @@ def placement(config, count: int) -> list[str]:
         fsdp, tensor = 1, 1
     overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
     overrides += ["mesh.dcn_data=1", "mesh.dcn_fsdp=1", "model.attention=auto"]
+    # Decoding does not pipeline: a pipelined run's stages are placed as FSDP is.
+    overrides += ["mesh.stage=1", "mesh.dcn_stage=1", "train.pipeline_microbatches=0"]
+    overrides += ["train.pipeline_repeats=1"]
     return [*overrides, f"train.global_batch={count}", "train.grad_accum=1"]
 
 

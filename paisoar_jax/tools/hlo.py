@@ -66,7 +66,11 @@ _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _INTEGER_CONSTANT = re.compile(r"=\s*[su]\d+\[\]\s+constant\((-?\d+)\)")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[^}]*\})")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# A mesh spelling may name its device order between the mesh and the axes:
+# mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\([^)]*\)(?:\([^)]*\))?\)?)?\s*\{([^}]*)\}"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +109,8 @@ def group_size(line: str, device_count: int) -> int:
     """Devices per replica group of a collective, from any of XLA's three spellings.
 
     `{{0,1},{2,3}}` lists them; `[2,4]<=[8]` is (groups, size) over an iota; `mesh['a'=4,
-    'b'=2] {'b'}` names the mesh axes the group spans (`'a':(2)2` is a size-2 sub-axis).
+    'b'=2] {'b'}` names the mesh axes the group spans (`'a':(2)2` is a size-2 sub-axis),
+    with or without a `device_ids=(...)` order between.
     An empty list means every device.
     """
     if match := _MESH_GROUPS.search(line):

@@ -185,7 +185,11 @@ def plan(
     flops_per_unit = task.flops_per_unit(layout.param_count) or 0.0
     flops = flops_per_unit * units_per_step / len(devices)
     peak, peak_source = peak_tflops(config, simulated)
-    compute_s = flops / (peak * 1e12 * efficiency)
+    # A pipeline's stages idle for its bubble: the step takes 1 / (1 - bubble) its compute.
+    schedule = layout.pipeline
+    bubble = schedule.bubble if schedule else 0.0
+    busy_s = flops / (peak * 1e12 * efficiency)
+    compute_s = busy_s / (1 - bubble)
     communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
     no_overlap_s = compute_s + communication_s
     overlap_s = max(compute_s, communication_s)
@@ -216,6 +220,7 @@ def plan(
             for op in found
         ],
         "unknown_trip_counts": unknown_loops,
+        "pipeline": _pipeline_report(schedule, by_kind),
         "link": {"name": link_name, "gb_per_s": gb_per_s},
         "peak_tflops": peak,
         "peak_source": peak_source,
@@ -228,10 +233,45 @@ def plan(
             "step_perfect_overlap": overlap_s,
         },
         "scaling_efficiency": {
-            "no_overlap": compute_s / no_overlap_s if no_overlap_s else 1.0,
-            "perfect_overlap": compute_s / overlap_s if overlap_s else 1.0,
+            # The bubble is lost time too: the share of the step the devices compute.
+            "no_overlap": busy_s / no_overlap_s if no_overlap_s else 1.0,
+            "perfect_overlap": busy_s / overlap_s if overlap_s else 1.0,
         },
     }
+
+
+def _pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:
+    """The schedule, its bubble and the stage-to-stage (collective-permute) bytes; or None."""
+    if schedule is None:
+        return None
+    permutes = by_kind.get("collective-permute", {})
+    return {
+        "schedule": schedule.schedule,
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "repeats": schedule.repeats,
+        "iterations": schedule.iterations,
+        "bubble": schedule.bubble,
+        # Each iteration sends one micro-batch's activations forward and their gradient
+        # back: 2 x iterations permutes of a micro-batch's activations per device.
+        "p2p_bytes": permutes.get("bytes", 0),
+        "p2p_seconds": permutes.get("seconds", 0.0),
+    }
+
+
+def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
+    """The pipeline section of the table (nothing without stages)."""
+    if report is None:
+        return []
+    return [
+        "",
+        f"pipeline {report['schedule']}: {report['stages']} stages, {report['microbatches']} "
+        f"micro-batches, {report['repeats']} lap(s), {report['iterations']} iterations",
+        f"  bubble {report['bubble']:.1%} of the step (stages - 1) / (micro-batches x laps + "
+        "stages - 1); memory above is one stage's",
+        f"  stage to stage {format_bytes(report['p2p_bytes']):>10} per device per step "
+        f"(collective-permute), {_duration(report['p2p_seconds'])}",
+    ]
 
 
 def format_count(number: float) -> str:
@@ -260,7 +300,10 @@ def _example_shape(result: dict) -> str:
 
 def format_table(result: dict) -> str:
     """The plan as a short aligned table."""
-    mesh = " ".join(f"{axis}={size}" for axis, size in result["mesh"].items())
+    # A mesh without pipeline stages reads as before: data, fsdp, tensor.
+    mesh = " ".join(
+        f"{axis}={size}" for axis, size in result["mesh"].items() if axis != "stage" or size > 1
+    )
     where = "simulated cpu" if result["simulated"] else result["platform"]
     memory_bytes, times = result["memory_bytes"], result["time_s"]
     link = result["link"]
@@ -300,7 +343,8 @@ def format_table(result: dict) -> str:
         f"{result['peak_tflops']:g} TFLOP/s x {result['efficiency']:g} efficiency",
         f"  peak: {result['peak_source']}",
         f"  compute{_duration(times['compute']):>23}   "
-        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device)",
+        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device"
+        f"{', with the pipeline bubble' if result.get('pipeline') else ''})",
         f"  communication{_duration(times['communication']):>17}   "
         "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
         f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
@@ -308,6 +352,7 @@ def format_table(result: dict) -> str:
         f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
         f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
     ]
+    lines += _pipeline_lines(result.get("pipeline"))
     if result["unknown_trip_counts"]:
         lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
     if result["platform"] == "cpu" and (result["zero"] or result["mesh"]["fsdp"] > 1):

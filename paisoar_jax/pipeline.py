@@ -1,0 +1,288 @@
+"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules, in SPMD.
+
+A model runs its stack of identical blocks through `scan_layers(step, x, stacked)`. Outside a
+pipelined run that is `jax.lax.scan`; with `mesh.stage = S > 1` the same call runs the stack
+as a pipeline inside the one jitted train step. The formulation is SPMD rather than
+shard_map, so the stage axis composes with data, FSDP and tensor sharding by the same jit
+shardings as everything else, and the backward pass is plain autodiff of the forward:
+
+- The stack's leading `layers` axis is split over `stage` (the sharding rule `layers ->
+  stage`), so stage s holds layers s L/S .. (s+1) L/S - 1 and its optimizer state.
+- The batch is cut into M micro-batches (`train.pipeline_microbatches`). A buffer with one
+  row per stage, split over `stage`, carries the stream: at each of the M R + S - 1
+  iterations every stage applies its layers to its row (one `vmap` over the stage axis with
+  `spmd_axis_name="stage"`, so each device computes only its own row), then the rows move
+  one stage on (`jnp.roll` over the split axis, which XLA lowers to one collective-permute
+  of a micro-batch's activations per device). Stage 0 takes a fresh micro-batch each time.
+- gpipe (`train.pipeline_repeats = 1`): bubble (S - 1) / (M + S - 1). circular (R > 1):
+  the stack is cut into S R groups and group g runs on stage g mod S, so each micro-batch
+  goes round the stages R times and the bubble is (S - 1) / (M R + S - 1). The last stage's
+  output wraps round to stage 0 and waits there in a buffer of M slots until its next lap,
+  which needs M >= S. The parameters stay stored in layer order, split contiguously, so a
+  checkpoint is the same with or without stages; circular therefore moves each device's
+  layer groups into place once per step (an all-to-all of the stack's weights forward and
+  of their gradients backward). gpipe moves no weights.
+- Embedding, head and loss are outside the stack: they are replicated over `stage` (each
+  stage computes them on the same batch, split over data and fsdp as ever). The finished
+  micro-batches are collected on stage 0 and broadcast to the others once per step.
+
+1F1B and zero-bubble schedules reorder the backward pass per micro-batch; in this
+formulation the backward is the autodiff transpose of the forward scan, so their order
+cannot be expressed without a hand-written backward. Their bubble is GPipe's; what they
+save is activation memory, which `remat.policy` serves here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from paisoar_jax import sharding
+from paisoar_jax.config import Config, check_stage_groups
+from paisoar_jax.errors import UserError
+
+STAGE_AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """A pipeline schedule: S stages, M micro-batches, R laps round the stages."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name: "gpipe" (one lap) or "circular" (several)."""
+        return "gpipe" if self.repeats == 1 else "circular"
+
+    @property
+    def iterations(self) -> int:
+        """Steps of the pipeline loop: every micro-batch's laps plus the fill."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The share of the stages' time spent idle: (S - 1) / (M R + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+def from_config(config: Config) -> Pipeline | None:
+    """The run's pipeline (mesh.stage x mesh.dcn_stage > 1), or None."""
+    stages = config.mesh.stages
+    if stages == 1:
+        return None
+    microbatches = config.train.pipeline_microbatches or 2 * stages
+    return Pipeline(stages, microbatches, config.train.pipeline_repeats)
+
+
+@dataclasses.dataclass
+class _Active:
+    """The pipeline of the step being traced, and how many stacks ran through it."""
+
+    pipeline: Pipeline
+    stacks: int = 0
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
+    "paisoar_jax_pipeline", default=None
+)
+
+
+@contextlib.contextmanager
+def active(pipeline: Pipeline | None) -> Iterator[_Active | None]:
+    """While a step is traced: `scan_layers` pipelines over `pipeline` (None: plain scan)."""
+    if pipeline is None:
+        yield None
+        return
+    token = _ACTIVE.set(_Active(pipeline))
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)
+
+
+def check_used(context: _Active | None, model_name: str) -> None:
+    """Raises UserError when a pipelined run's model ran no stack through `scan_layers`."""
+    if context is not None and context.stacks == 0:
+        raise UserError(
+            f"mesh.stage={context.pipeline.stages} needs a stack of identical blocks, and "
+            f"{model_name} runs none through paisoar_jax.scan_layers (set mesh.stage=1)"
+        )
+
+
+def scan_layers(step: Callable, x, stacked):
+    """`step(x, layer) -> (x, _)` over the leading axis of `stacked`; returns the final x.
+
+    In a pipelined run (mesh.stage > 1) the layers run as a pipeline over the stage axis
+    and x's leading axis is the batch; elsewhere this is `jax.lax.scan`.
+    """
+    context = _ACTIVE.get()
+    if context is None:
+        return jax.lax.scan(step, x, stacked)[0]
+    context.stacks += 1
+    return _pipelined(step, x, stacked, context.pipeline)
+
+
+def _batch_shards() -> int:
+    """How many ways the mesh splits the batch (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(mesh.shape[axis] for axis in sharding.BATCH_AXES)
+
+
+def _pin(tree, *leading):
+    """Pins the leading axes of every array to `leading` mesh axes, the rest left to XLA."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+
+    def pin(array):
+        rest = (PartitionSpec.UNCONSTRAINED,) * (array.ndim - len(leading))
+        return jax.lax.with_sharding_constraint(array, PartitionSpec(*leading, *rest))
+
+    return jax.tree.map(pin, tree)
+
+
+def _stage_weights(stacked, pipeline: Pipeline, shards: int):
+    """[L, ...] -> [S, P, R, L / (S R), ...]: stage s's groups s, s + S, ..., per batch shard.
+
+    The copy per batch shard (P of them, over the data and fsdp axes) is what keeps each
+    device's weight gradient its own through the pipeline loop: the gradients are summed
+    over the shards once, after the loop, instead of at every iteration. Under FSDP it also
+    gathers the stage's weights once per step, not once per iteration.
+    """
+    stages, repeats = pipeline.stages, pipeline.repeats
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    check_stage_groups("a stack of layers", layers, stages, repeats)
+    per_group = layers // (stages * repeats)
+
+    def regroup(weight):
+        grouped = weight.reshape(repeats, stages, per_group, *weight.shape[1:])
+        grouped = grouped.swapaxes(0, 1)  # circular: the only weight movement of the schedule
+        return jnp.broadcast_to(grouped[:, None], (stages, shards, *grouped.shape[1:]))
+
+    return _pin(jax.tree.map(regroup, stacked), STAGE_AXIS, sharding.BATCH_AXES)
+
+
+def _split_batch(x, count: int, shards: int):
+    """[B, ...] -> [count, P, B / (count P), ...]: micro-batch j = rows j, j + count, ...
+
+    Interleaved, so every batch shard keeps its own rows (no data moves); P is the shard.
+    """
+
+    def split(array):
+        rows = array.shape[0]
+        if rows % (count * shards):
+            raise UserError(
+                f"a batch of {rows} does not split into train.pipeline_microbatches={count} "
+                f"micro-batches over {shards} batch shards (mesh data x fsdp)"
+            )
+        micro = array.reshape(rows // count, count, *array.shape[1:]).swapaxes(0, 1)
+        micro = micro.reshape(count, shards, rows // (count * shards), *array.shape[1:])
+        return _pin(micro, None, sharding.BATCH_AXES)
+
+    return jax.tree.map(split, x)
+
+
+def _join_batch(micro):
+    """The inverse of `_split_batch`: [count, P, b, ...] -> [B, ...]."""
+
+    def join(array):
+        count, shards, rows = array.shape[:3]
+        whole = array.reshape(count, shards * rows, *array.shape[3:]).swapaxes(0, 1)
+        return sharding.constrain(whole.reshape(-1, *array.shape[3:]), ("batch",))
+
+    return jax.tree.map(join, micro)
+
+
+@jax.custom_vjp
+def _next_stage(rows: jax.Array) -> jax.Array:
+    """Each stage's row to the next stage, the last one's to stage 0: one collective-permute.
+
+    Its own backward pass sends the summed cotangent back in one permute too (autodiff of
+    `jnp.roll` would permute each use's cotangent separately).
+    """
+    return jnp.roll(rows, 1, axis=0)
+
+
+def _next_stage_forward(rows):
+    return _next_stage(rows), None
+
+
+def _next_stage_backward(_, cotangent):
+    return (jnp.roll(cotangent, -1, axis=0),)
+
+
+_next_stage.defvjp(_next_stage_forward, _next_stage_backward)
+
+
+def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
+    """The stack as a pipeline; see the module docstring for the schedule."""
+    stages, micro, repeats = pipeline.stages, pipeline.microbatches, pipeline.repeats
+    if repeats > 1 and micro < stages:
+        raise UserError(
+            f"the circular schedule needs train.pipeline_microbatches >= mesh.stage, "
+            f"got {micro} < {stages}"
+        )
+    shards = _batch_shards()
+    weights = _stage_weights(stacked, pipeline, shards)  # [S, P, R, L / (S R), ...]
+    inputs = _split_batch(x, micro, shards)  # [M, P, b, ...], replicated over stage
+
+    def zeros(like, *leading):
+        rows = jax.tree.map(lambda a: jnp.zeros((*leading, *a.shape), a.dtype), like)
+        return _pin(rows, STAGE_AXIS, sharding.BATCH_AXES)
+
+    one_row = jax.tree.map(lambda a: a[0, 0], inputs)
+    stream = zeros(one_row, stages, shards)  # [S, P, b, ...]: each stage's row
+    parked = zeros(jax.tree.map(lambda a: a[:, 0], inputs), stages, shards)  # [S, P, M, b, ...]
+
+    def run_stage(stage, row, parked_row, stage_weights, shard_inputs, t):
+        """One stage's work at iteration t: its layers of lap (t - stage) // M on its row."""
+        lap, slot = t // micro, t % micro
+        fresh = jax.tree.map(lambda a: a[slot], shard_inputs)
+        returning = jax.tree.map(lambda a: a[slot], parked_row)
+        first = jax.tree.map(lambda f, r: jnp.where(lap == 0, f, r), fresh, returning)
+        row = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first, row)
+        own_lap = jnp.clip((t - stage) // micro, 0, repeats - 1)
+        layers = jax.tree.map(lambda w: w[own_lap], stage_weights)
+        return jax.lax.scan(step, row, layers)[0]
+
+    def park(parked_row, received, t):
+        """Stage 0 keeps what the last stage finished at t (lap k // M of micro-batch k % M)."""
+        finished = t - (stages - 1)
+        slot = jnp.maximum(finished, 0) % micro
+        kept = jax.tree.map(lambda p, r: p.at[slot].set(r), parked_row, received)
+        return jax.tree.map(lambda new, old: jnp.where(finished >= 0, new, old), kept, parked_row)
+
+    # Over the batch shards (inner) and the stages (outer): each device runs its own cell.
+    per_shard = jax.vmap(
+        run_stage, in_axes=(None, 0, 0, 0, 1, None), spmd_axis_name=sharding.BATCH_AXES
+    )
+    per_cell = jax.vmap(per_shard, in_axes=(0, 0, 0, 0, None, None), spmd_axis_name=STAGE_AXIS)
+    park_cells = jax.vmap(
+        jax.vmap(park, in_axes=(0, 0, None), spmd_axis_name=sharding.BATCH_AXES),
+        in_axes=(0, 0, None),
+        spmd_axis_name=STAGE_AXIS,
+    )
+    stage_ids = jnp.arange(stages)
+
+    def iteration(carry, t):
+        stream, parked = carry
+        with sharding.batch_vmapped():
+            done = per_cell(stage_ids, stream, parked, weights, inputs, t)
+        # Each row moves one stage on; the last stage's wraps round to stage 0.
+        stream = _pin(jax.tree.map(_next_stage, done), STAGE_AXIS, sharding.BATCH_AXES)
+        return (stream, park_cells(parked, stream, t)), None
+
+    (_, parked), _ = jax.lax.scan(iteration, (stream, parked), jnp.arange(pipeline.iterations))
+    finished = jax.tree.map(lambda a: a[0].swapaxes(0, 1), parked)  # [M, P, b, ...]
+    return _join_batch(finished)

@@ -1,0 +1,224 @@
+"""Pipeline parallelism: pipelined steps equal one device's, bytes and bubble as the formulas."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, build_run, plan_run, run_records, token_batches
+
+from paisoar_jax import pipeline
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.loop import train
+from paisoar_jax.memory import per_device_bytes
+from paisoar_jax.step import loss_and_grads
+from paisoar_jax.zoo import check_model, task_for
+
+
+def three_steps(overrides, devices):
+    """(losses, gradients per step, params) of three train steps on fixed batches."""
+    config, mesh, layout, state, train_step = build_run(overrides, devices)
+    task = task_for(config)
+    gradients = jax.jit(
+        lambda state, batch: loss_and_grads(
+            state.params, state.model_state, layout.graphdef, batch, task, layout=layout
+        )[1]
+    )
+    losses, grads = [], []
+    with jax.set_mesh(mesh):
+        for batch in token_batches(3, batch=config.train.global_batch):
+            grads.append(jax.device_get(gradients(state, batch)))
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses, grads, jax.device_get(state.params)
+
+
+@functools.cache
+def one_device(model: tuple[str, ...]):
+    return three_steps([*model, "mesh.data=1"], jax.devices()[:1])
+
+
+GPT4 = ("model.layers=4",)
+GPT8 = ("model.layers=8",)
+LLAMA4 = ("model.name=llama", "model.kv_heads=2", "model.layers=4")
+
+
+@pytest.mark.parametrize(
+    "model, mesh",
+    [
+        (GPT4, ["mesh.data=4", "mesh.stage=2"]),  # gpipe, 4 micro-batches
+        (GPT4, ["mesh.data=2", "mesh.stage=4"]),  # gpipe, 8 micro-batches
+        (GPT4, ["mesh.data=4", "mesh.stage=2", "train.pipeline_repeats=2"]),  # circular
+        (GPT8, ["mesh.data=2", "mesh.stage=4", "train.pipeline_repeats=2"]),  # circular
+        (GPT4, ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+        (LLAMA4, ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ],
+)
+def test_pipelined_steps_equal_one_device(model, mesh, devices):
+    """Losses and gradients of 3 steps, and the params they lead to, to float tolerance."""
+    losses, grads, params = three_steps([*model, *mesh], devices)
+    reference_losses, reference_grads, reference_params = one_device(model)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    for many, one in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads), strict=True):
+        np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-6)
+    # Adam's update divides by the gradient's size: tiny gradients' rounding shows most.
+    for many, one in zip(jax.tree.leaves(params), jax.tree.leaves(reference_params), strict=True):
+        np.testing.assert_allclose(many, one, rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["mesh.zero=1", "precision.policy=bf16", "train.grad_accum=2", "remat.policy=full"],
+        ["mesh.zero=3", "mesh.fsdp=2", "train.pipeline_microbatches=2", "remat.policy=dots"],
+        ["precision.policy=fp16", "train.pipeline_microbatches=8"],
+    ],
+)
+def test_it_composes_with_zero_accumulation_remat_and_half_precision(overrides, devices):
+    """Each setting trains pipelined and gives the unpipelined run's losses."""
+    model = ["model.layers=4", "train.global_batch=32"]
+    pipelined, _, _ = three_steps([*model, "mesh.stage=2", *overrides], devices)
+    unpipelined = [override for override in overrides if "pipeline" not in override]
+    flat, _, _ = three_steps([*model, *unpipelined], devices)
+    np.testing.assert_allclose(
+        pipelined, flat, rtol=2e-3 if "precision" in str(overrides) else 1e-5
+    )
+
+
+def test_an_overflow_skips_the_step_on_every_stage(devices):
+    """fp16 with a scale that overflows: one global decision, and the state stays as it was."""
+    overrides = ["mesh.stage=2", "precision.policy=fp16", "precision.loss_scale=static:1e30"]
+    _, mesh, _, state, train_step = build_run(["model.layers=4", *overrides], devices)
+    before = jax.device_get(state.params)
+    with jax.set_mesh(mesh):
+        state, metrics = train_step(state, token_batches(1)[0])
+    assert float(metrics["skipped_steps"]) == 1
+    after = jax.tree.leaves(jax.device_get(state.params))
+    for new, old in zip(after, jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(new, old)
+
+
+def block_bytes(overrides, devices):
+    """(per-device bytes of the stacked blocks' params, of all params)."""
+    _, _, layout, _ = plan_run(["model.layers=8", *overrides], devices)
+    params = layout.abstract_state.params  # shapes with their shardings
+    return per_device_bytes(params["blocks"]), per_device_bytes(params)
+
+
+def test_each_stage_holds_its_share_of_the_blocks(devices):
+    flat_blocks, flat_total = block_bytes(["mesh.data=8"], devices)
+    staged_blocks, staged_total = block_bytes(["mesh.data=2", "mesh.stage=4"], devices)
+    assert staged_blocks * 4 == flat_blocks
+    assert flat_total / staged_total > 3  # the embeddings stay whole on every stage
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_plan_reports_the_stage_to_stage_bytes_and_the_bubble(repeats, devices):
+    """Per device: one micro-batch's activations forward and their gradient back at each of
+    the M R + S - 1 iterations, as plan reads them from the compiled HLO."""
+    from paisoar_jax.tools.plan import format_table, plan
+
+    config = load_config(
+        None,
+        [
+            *TINY,
+            "model.layers=4",
+            "mesh.data=4",
+            "mesh.stage=2",
+            f"train.pipeline_repeats={repeats}",
+        ],
+    )
+    result = plan(config, devices, simulated=True)
+    stages, micro, batch_shards = 2, 4, 4
+    iterations = micro * repeats + stages - 1
+    rows = config.train.global_batch // micro // batch_shards
+    activation_bytes = rows * config.model.seq_len * config.model.width * 4  # fp32
+    report = result["pipeline"]
+    assert report["p2p_bytes"] == 2 * iterations * activation_bytes
+    assert report["bubble"] == pytest.approx((stages - 1) / iterations)
+    assert report["schedule"] == ("gpipe" if repeats == 1 else "circular")
+    assert result["collectives"]["collective-permute"]["count"] == 2 * iterations
+    # The gradients are summed over the 4 batch shards once per step, not per iteration.
+    over_the_batch = [op for op in result["collective_ops"] if op["group_size"] == batch_shards]
+    assert over_the_batch and all(op["count"] == 1 for op in over_the_batch)
+    assert f"bubble {report['bubble']:.1%}" in format_table(result)
+
+
+def run_steps(run_dir, mesh, steps):
+    overrides = [*TINY, "model.layers=4", *mesh, f"train.steps={steps}", "train.log_every=1"]
+    overrides += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
+    # The same learning rates however long the run: no warmup (it is min(warmup, steps)).
+    overrides += ["optim.schedule=constant", "optim.warmup_steps=0"]
+    train(load_config(None, overrides))
+    return {record["step"]: record["loss"] for record in run_records(run_dir)}
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [(["mesh.stage=2", "mesh.data=4"], ["mesh.data=8"]), (["mesh.data=8"], ["mesh.stage=4"])],
+)
+def test_a_checkpoint_resumes_with_or_without_stages(first, second, tmp_path):
+    """Steps 4-6 after a resume onto the other mesh equal the run that kept its mesh."""
+    uninterrupted = run_steps(tmp_path / "whole", first, 6)
+    run_steps(tmp_path / "split", first, 3)
+    resumed = run_steps(tmp_path / "split", second, 6)
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.stage=3", "train.pipeline_microbatches=4"], "model.layers=4 does not split"),
+        (["mesh.stage=2", "train.pipeline_repeats=4"], "= 2 x 4 = 8 equal groups"),
+        (["mesh.stage=2", "train.pipeline_microbatches=3"], "does not divide the batch of 16"),
+        (
+            [
+                "mesh.stage=4",
+                "train.pipeline_microbatches=2",
+                "train.pipeline_repeats=2",
+                "model.layers=8",
+            ],
+            "needs train.pipeline_microbatches >= 4",
+        ),
+        (["mesh.stage=2", "model.scan_layers=false"], "set model.scan_layers=true"),
+        (["mesh.stage=2", "precision.policy=fp8"], "fp8 does not pipeline yet"),
+        (["train.pipeline_repeats=2"], "is for a pipelined mesh"),
+        (["mesh.stage=0"], "mesh.stage must be a positive size"),
+    ],
+)
+def test_bad_pipelines_are_refused_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        check_model(load_config(None, ["model.layers=4", *overrides]))
+
+
+def test_a_model_without_a_stack_is_refused_by_name():
+    config = load_config(None, ["model.name=resnet", "model.variant=resnet18", "mesh.stage=2"])
+    with pytest.raises(UserError, match="model.name=resnet has none: set mesh.stage=1"):
+        check_model(config)
+
+
+def test_micro_batches_must_split_over_the_batch_shards(devices):
+    with pytest.raises(UserError, match="which do not split over the 4 batch shards"):
+        plan_run(["mesh.data=4", "mesh.stage=2", "train.pipeline_microbatches=8"], devices)
+
+
+def test_a_model_without_a_stack_is_named(devices):
+    """A model of one's own that runs no stack through scan_layers is refused when traced."""
+    context_pipeline = pipeline.Pipeline(stages=2, microbatches=2)
+    with pipeline.active(context_pipeline) as context:
+        pass
+    with pytest.raises(UserError, match="MyModel runs none through paisoar_jax.scan_layers"):
+        pipeline.check_used(context, "MyModel")
+
+
+def test_scan_layers_is_a_scan_outside_a_pipeline():
+    weights = np.arange(12.0).reshape(3, 2, 2)
+
+    def step(x, weight):
+        return x @ weight, None
+
+    x = np.ones((2, 2))
+    expected = x @ weights[0] @ weights[1] @ weights[2]
+    np.testing.assert_allclose(pipeline.scan_layers(step, x, weights), expected)
