@@ -10,10 +10,15 @@ shardings as everything else, and the backward pass is plain autodiff of the for
   stage`), so stage s holds layers s L/S .. (s+1) L/S - 1 and its optimizer state.
 - The batch is cut into M micro-batches (`train.pipeline_microbatches`). A buffer with one
   row per stage, split over `stage`, carries the stream: at each of the M R + S - 1
-  iterations every stage applies its layers to its row (one `vmap` over the stage axis with
-  `spmd_axis_name="stage"`, so each device computes only its own row), then the rows move
-  one stage on (`jnp.roll` over the split axis, which XLA lowers to one collective-permute
-  of a micro-batch's activations per device). Stage 0 takes a fresh micro-batch each time.
+  iterations every stage applies its layers to its row, then the rows move one stage on
+  (`jnp.roll` over the split axis: one collective-permute of a micro-batch's activations
+  per device, and one back in the backward pass). Stage 0 takes a fresh micro-batch each
+  time. The stage function is vmapped twice, over the stages (`spmd_axis_name="stage"`) and
+  over the batch shards (the data and fsdp axes), so each device computes its own cell, and
+  each cell works with its own copy of its stage's weights: their gradients add up inside
+  the cell through the loop and are summed over the batch shards once, after it (a
+  per-iteration all-reduce otherwise). Under FSDP that copy is also one gather of the
+  stage's weights per step, not one per iteration.
 - gpipe (`train.pipeline_repeats = 1`): bubble (S - 1) / (M + S - 1). circular (R > 1):
   the stack is cut into S R groups and group g runs on stage g mod S, so each micro-batch
   goes round the stages R times and the bubble is (S - 1) / (M R + S - 1). The last stage's
@@ -24,7 +29,14 @@ shardings as everything else, and the backward pass is plain autodiff of the for
   of their gradients backward). gpipe moves no weights.
 - Embedding, head and loss are outside the stack: they are replicated over `stage` (each
   stage computes them on the same batch, split over data and fsdp as ever). The finished
-  micro-batches are collected on stage 0 and broadcast to the others once per step.
+  micro-batches are collected on stage 0 and broadcast to the others once per step (an
+  all-reduce over `stage` of the batch's activations); in the backward pass the input's
+  gradient comes back from stage 0 the same way, a micro-batch per iteration.
+
+What crosses between stages per device and step, then: 2 (M R + S - 1) micro-batch
+activations point to point (plan's collective-permute bytes), plus about two batch
+activations over the stage axis for the replicated embedding and head. The weights and
+their gradients stay on their stage (gpipe).
 
 1F1B and zero-bubble schedules reorder the backward pass per micro-batch; in this
 formulation the backward is the autodiff transpose of the forward scan, so their order
@@ -158,7 +170,10 @@ def _stage_weights(stacked, pipeline: Pipeline, shards: int):
     The copy per batch shard (P of them, over the data and fsdp axes) is what keeps each
     device's weight gradient its own through the pipeline loop: the gradients are summed
     over the shards once, after the loop, instead of at every iteration. Under FSDP it also
-    gathers the stage's weights once per step, not once per iteration.
+    gathers the stage's weights once per step, not once per iteration. Weights that arrive
+    in a 16-bit compute dtype (cast where stored, step.params_for_compute) enter the loop in
+    fp32, so their gradients add up over the iterations in fp32; each iteration casts them
+    back (`_compute_weights`).
     """
     stages, repeats = pipeline.stages, pipeline.repeats
     layers = jax.tree.leaves(stacked)[0].shape[0]
@@ -168,9 +183,19 @@ def _stage_weights(stacked, pipeline: Pipeline, shards: int):
     def regroup(weight):
         grouped = weight.reshape(repeats, stages, per_group, *weight.shape[1:])
         grouped = grouped.swapaxes(0, 1)  # circular: the only weight movement of the schedule
-        return jnp.broadcast_to(grouped[:, None], (stages, shards, *grouped.shape[1:]))
+        copies = jnp.broadcast_to(grouped[:, None], (stages, shards, *grouped.shape[1:]))
+        return copies.astype(jnp.float32) if _is_half(weight) else copies
 
     return _pin(jax.tree.map(regroup, stacked), STAGE_AXIS, sharding.BATCH_AXES)
+
+
+def _is_half(array) -> bool:
+    return array.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _compute_weights(stage_weights, stacked, lap):
+    """One lap's layer group of a cell's weights, in the dtype the stack came in."""
+    return jax.tree.map(lambda w, given: w[lap].astype(given.dtype), stage_weights, stacked)
 
 
 def _split_batch(x, count: int, shards: int):
@@ -253,8 +278,7 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
         first = jax.tree.map(lambda f, r: jnp.where(lap == 0, f, r), fresh, returning)
         row = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first, row)
         own_lap = jnp.clip((t - stage) // micro, 0, repeats - 1)
-        layers = jax.tree.map(lambda w: w[own_lap], stage_weights)
-        return jax.lax.scan(step, row, layers)[0]
+        return jax.lax.scan(step, row, _compute_weights(stage_weights, stacked, own_lap))[0]
 
     def park(parked_row, received, t):
         """Stage 0 keeps what the last stage finished at t (lap k // M of micro-batch k % M)."""

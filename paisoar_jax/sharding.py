@@ -127,6 +127,11 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes for a reader: `stage` only when the mesh has pipeline stages."""
+    return {axis: size for axis, size in mesh.shape.items() if axis != "stage" or size > 1}
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many ways the batch is split: the product of the (data, fsdp) axes."""
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
@@ -151,10 +156,31 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, pipelined: int =
             f"into micro-batches of {micro_batch // pipelined}, which do not split over the "
             f"{shards} batch shards (mesh data x fsdp)"
         )
-    if micro_batch % jax.process_count():
+    _, readers = input_slot(mesh)
+    if micro_batch % readers:
         raise UserError(
-            f"train.global_batch={global_batch} does not split over {jax.process_count()} processes"
+            f"train.global_batch={global_batch} does not split over the {readers} processes "
+            f"that read it"
         )
+
+
+def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
+    """(slot, slots): which share of each global batch this process reads, of how many.
+
+    One share per process, except where processes hold the same rows of the batch: the
+    pipeline stages of `mesh.dcn_stage` each run every row, so the processes of one
+    (data, fsdp) position read the same examples. `mesh`: default, the one set by
+    jax.set_mesh; outside one, this process's index and the process count.
+    """
+    mesh = jax.sharding.get_mesh() if mesh is None else mesh
+    if mesh.empty or mesh.shape.get("stage", 1) == 1:
+        return jax.process_index(), jax.process_count()
+    rows = batch_sharding(mesh).devices_indices_map((batch_shards(mesh),))
+    held: dict[int, set[int]] = {}
+    for device, index in rows.items():
+        held.setdefault(device.process_index, set()).add(index[0].start or 0)
+    shares = sorted({tuple(sorted(starts)) for starts in held.values()})
+    return shares.index(tuple(sorted(held[jax.process_index()]))), len(shares)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -20,6 +20,7 @@ from paisoar_jax.config import (
     CustomModelConfig,
     LanguageModelConfig,
     VisionConfig,
+    check_stage_groups,
 )
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
@@ -51,7 +52,7 @@ ZOO: dict[str, ZooEntry] = {
         MODEL_CONFIGS["resnet"], ResNet, ImageClassification, fp8=False, stack=False
     ),
     "vgg": ZooEntry(MODEL_CONFIGS["vgg"], VGG, ImageClassification, fp8=False, stack=False),
-    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True, stack=False),
+    "vit": ZooEntry(MODEL_CONFIGS["vit"], ViT, ImageClassification, fp8=True, stack=True),
 }
 
 
@@ -99,12 +100,26 @@ def check_model(config: Config) -> None:
             f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name "
             f"{fp8_names}); {resolved.name} is convolutional: use bf16"
         )
+    if isinstance(resolved, VisionConfig):
+        _check_vision_stack(resolved, config)
     if config.mesh.stages > 1 and not entry(resolved.name).stack:
         stacked = ", ".join(name for name, known in ZOO.items() if known.stack)
         raise UserError(
             f"mesh.stage={config.mesh.stages} pipelines a stack of identical blocks "
             f"({stacked}); model.name={resolved.name} has none: set mesh.stage=1"
         )
+
+
+def _check_vision_stack(resolved: VisionConfig, config: Config) -> None:
+    """ViT stacks its blocks with model.scan_layers; a pipeline needs that and even groups."""
+    if resolved.scan_layers and resolved.name != "vit":
+        raise UserError(f"model.scan_layers is for vit; {resolved.name} has no stack of blocks")
+    if resolved.name != "vit" or config.mesh.stages == 1:
+        return
+    if not resolved.scan_layers:
+        raise UserError("mesh.stage > 1 pipelines the stacked blocks: set model.scan_layers=true")
+    stages, repeats = config.mesh.stages, config.train.pipeline_repeats
+    check_stage_groups(f"model.depth ({resolved.variant})", resolved.depth, stages, repeats)
 
 
 def task_for(config: Config) -> Task:

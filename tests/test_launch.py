@@ -475,3 +475,18 @@ def test_a_bad_launch_is_one_error_line_in_every_mode(mode):
     assert len(lines) == 1 and "-- python needs a script (or -m MODULE) to run" in lines[0]
     if mode == "json":
         assert json.loads(lines[0])["level"] == "error"
+
+
+def test_pipeline_stages_across_two_processes_equal_one_process(tmp_path):
+    """mesh.dcn_stage=2: each process is one stage, both read the same rows of every batch
+    (sharding.input_slot), and the stage-to-stage permutes cross the processes; the losses
+    are the one-process pipeline's."""
+    mesh = ["mesh.data=4", "model.layers=2", "train.steps=4"]
+    result = run_launcher(
+        *TWO_PROCESSES, "--", *RUN, *mesh, "mesh.dcn_stage=2", f"run.dir={tmp_path / 'two'}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train_one(tmp_path / "one", *mesh, "mesh.stage=2")
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3, 4]
+    assert two == pytest.approx(one, rel=1e-6)

@@ -4,15 +4,22 @@ import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 from conftest import TINY, build_run, plan_run, run_records, token_batches
+from flax import nnx
 
-from paisoar_jax import pipeline
-from paisoar_jax.config import load_config
+import paisoar_jax
+from paisoar_jax import api, pipeline
+from paisoar_jax import rules as rules_table
+from paisoar_jax.config import config_from_dict, load_config, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
 from paisoar_jax.memory import per_device_bytes
 from paisoar_jax.step import loss_and_grads
+from paisoar_jax.tools import findings
+from paisoar_jax.tools.generate import placement
+from paisoar_jax.workload import setup
 from paisoar_jax.zoo import check_model, task_for
 
 
@@ -222,3 +229,114 @@ def test_scan_layers_is_a_scan_outside_a_pipeline():
     x = np.ones((2, 2))
     expected = x @ weights[0] @ weights[1] @ weights[2]
     np.testing.assert_allclose(pipeline.scan_layers(step, x, weights), expected)
+
+
+VIT = ["model.name=vit", "model.variant=vit_tiny", "model.image_size=8", "model.num_classes=10"]
+VIT += ["model.scan_layers=true", "data.source=synthetic", "train.global_batch=16"]
+
+
+def vit_losses(run_dir, mesh):
+    overrides = [*VIT, *mesh, "train.steps=3", "train.log_every=1", "train.eval_every=0"]
+    overrides += ["checkpoint.enabled=false", "run.progress=false", "run.tensorboard=false"]
+    train(load_config(None, [*overrides, f"run.dir={run_dir}"]))
+    return [record["loss"] for record in run_records(run_dir)]
+
+
+def test_a_pipelined_vit_trains_as_one_device_does(tmp_path):
+    pipelined = vit_losses(tmp_path / "staged", ["mesh.stage=2", "mesh.data=4"])
+    flat = vit_losses(tmp_path / "flat", ["mesh.data=8"])
+    assert len(pipelined) == 3
+    np.testing.assert_allclose(pipelined, flat, rtol=1e-5)
+    with pytest.raises(UserError, match="set model.scan_layers=true"):
+        check_model(load_config(None, [*VIT, "model.scan_layers=false", "mesh.stage=2"]))
+    with pytest.raises(UserError, match=r"model.depth \(vit_tiny\)=4 does not split"):
+        check_model(load_config(None, [*VIT, "mesh.stage=3", "train.pipeline_microbatches=4"]))
+
+
+class StackedNet(nnx.Module):
+    """A model of one's own with a stack of 4 identical blocks, run by scan_layers."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(16, 32, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return nnx.Sequential(nnx.LayerNorm(32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs))
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def step(x, layer):
+            return x + jax.nn.gelu(nnx.merge(graphdef, layer)(x)), None
+
+        return self.head(paisoar_jax.scan_layers(step, self.embed(x), stacked))
+
+
+class UnstackedNet(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def classify(model, batch, rng):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+def own_model_losses(run_dir, model, overrides):
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(256, 16)).astype(np.float32)}
+    data["y"] = (data["x"][:, :4].argmax(-1)).astype(np.int32)
+    settings = ["train.global_batch=16", "train.steps=3", "train.log_every=1"]
+    settings += ["train.eval_every=0", "run.progress=false", "run.tensorboard=false"]
+    settings += ["checkpoint.enabled=false", f"run.dir={run_dir}", *overrides]
+    paisoar_jax.fit(None, settings, model=model, loss=classify, data=data, exit_on_error=False)
+    return [record["loss"] for record in run_records(run_dir)]
+
+
+def test_a_model_of_ones_own_pipelines_its_stack(tmp_path, capsys):
+    """scan_layers in the user's model: pipelined like the zoo's, the stack on the stages by a
+    rule that names its leading axis `layers`."""
+    rules = 'sharding.rules=[["blocks\\\\.", [layers]]]'
+    pipelined = own_model_losses(tmp_path / "staged", StackedNet, ["mesh.stage=2", rules])
+    flat = own_model_losses(tmp_path / "flat", StackedNet, ["mesh.data=8"])
+    assert len(pipelined) == 3
+    np.testing.assert_allclose(pipelined, flat, rtol=1e-5)
+    config = api.resolve_config(None, ["train.global_batch=16", "mesh.stage=2", rules])
+    data = {"x": np.zeros((64, 16), np.float32), "y": np.zeros((64,), np.int32)}
+    config, workload = api.build_workload(config, model=StackedNet, loss=classify, data=data)
+    layout = setup(config, workload, jax.devices()).layout
+    placed = rules_table.describe(layout.abstract_state.params, layout.shardings.params)
+    assert {where for path, _, where in placed if path.startswith("blocks.")} == {
+        "[stage, -]",
+        "[stage, -, -]",
+    }
+    with pytest.raises(UserError, match="UnstackedNet runs none through paisoar_jax.scan_layers"):
+        own_model_losses(tmp_path / "none", UnstackedNet, ["mesh.stage=2"])
+
+
+@pytest.mark.parametrize("microbatches, fires", [(8, True), (16, False)])
+def test_doctor_names_a_bubble_over_a_fifth_of_the_step(microbatches, fires):
+    """stage=4: 8 micro-batches idle 3/11 = 27% of the step, 16 idle 3/19 = 16%."""
+    overrides = ["mesh.stage=4", f"train.pipeline_microbatches={microbatches}"]
+    config = load_config(None, [*TINY, "model.layers=4", "train.global_batch=32", *overrides])
+    finding = findings.pipeline_bubble(findings.Run(config.run_dir, config, [], None))
+    assert (finding is not None) == fires
+    if fires:
+        assert "idle 27% of the step" in finding.evidence
+        assert finding.fixes[0].startswith("`mesh.stage=4` `train.pipeline_microbatches=16`")
+
+
+def test_generate_places_a_pipelined_run_without_stages():
+    """Decoding runs the stack whole: a stage=2 run's config is placed with stage 1."""
+    config = load_config(
+        None, [*TINY, "model.layers=4", "mesh.stage=2", "train.pipeline_repeats=2"]
+    )
+    placed = config_from_dict(to_dict(config), placement(config, 8))
+    assert (placed.mesh.stages, placed.train.pipeline_repeats) == (1, 1)

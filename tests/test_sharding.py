@@ -78,3 +78,11 @@ def test_logical_to_sharding(devices):
 def test_constrain_is_a_no_op_without_a_mesh():
     x = np.ones((4, 2), np.float32)
     assert sharding.constrain(x, ("batch", None)) is x
+
+
+def test_one_process_reads_every_row_of_the_batch(devices):
+    for mesh_config in (MeshConfig(), MeshConfig(stage=2, fsdp=2)):
+        mesh = sharding.build_mesh(mesh_config, devices)
+        assert sharding.input_slot(mesh) == (0, 1)
+        with jax.set_mesh(mesh):
+            assert sharding.input_slot() == (0, 1)

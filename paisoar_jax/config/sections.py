@@ -175,6 +175,8 @@ class VisionConfig:
     mlp_width: int = 0  # ViT: MLP hidden width; VGG: classifier hidden width (4096)
     patch: int = 0  # ViT patch size in pixels
     batch_norm: bool = False  # VGG only: BatchNorm after every conv (ResNet always has it)
+    # ViT only: the blocks stacked on a `layers` axis and scanned (what mesh.stage > 1 needs)
+    scan_layers: bool = False
     zero_init_residual: bool = True  # ResNet: last BatchNorm scale of each block starts at 0
     init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
     label_smoothing: float = 0.0  # share of the target spread evenly over all classes

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from paisoar_jax.errors import UserError
+from paisoar_jax.sharding import input_slot
 
 FINGERPRINT_SAMPLES = 16  # examples read (evenly spaced) to tell one dataset from another
 
@@ -164,8 +165,11 @@ class GlobalBatches:
         process_index: int | None = None,
         process_count: int | None = None,
     ):
-        self.process_index = jax.process_index() if process_index is None else process_index
-        self.process_count = jax.process_count() if process_count is None else process_count
+        # Default: this process's share of the run's mesh (pipeline stages across hosts read
+        # the same rows), or its own process slot outside a mesh.
+        slot, slots = input_slot()
+        self.process_index = slot if process_index is None else process_index
+        self.process_count = slots if process_count is None else process_count
         if global_batch % self.process_count:
             raise UserError(
                 f"train.global_batch={global_batch} does not split evenly over "

@@ -29,6 +29,7 @@ import numpy as np
 
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.errors import UserError
+from paisoar_jax.sharding import input_slot
 
 
 class ExampleData:
@@ -89,14 +90,14 @@ class BatchData:
     def batches(self, global_batch: int, seed: int, shuffle: bool, workers: int):
         """Endless re-iteration of the source, each batch checked for its row count."""
         del seed, shuffle, workers  # the user's own pipeline decides its order and workers
-        rows = global_batch // jax.process_count()
+        rows = global_batch // input_slot()[1]  # the processes that read distinct rows
         if isinstance(self.source, grain.IterDataset):
             return _ResumableBatches(self.source, rows, self.name)
         return _Batches(self.source, rows, self.name)
 
     def batch_spec(self, global_batch: int) -> Any:
         """The shape and dtype of one global batch; UserError when the rows do not add up."""
-        processes = jax.process_count()
+        processes = input_slot()[1]
         if self.rows * processes != global_batch:
             raise UserError(
                 f"{self.name} gives batches of {self.rows} rows per process ({self.rows} x "

@@ -21,7 +21,7 @@ from paisoar_jax import fp8, output
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
-from paisoar_jax.models.layers import param
+from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.pipeline import scan_layers
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
@@ -270,7 +270,9 @@ class GPT(Decoder):
         self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
         if config.position == "learned":
             self.position_embedding = param(rngs, normal, (config.seq_len, D), ("length", "embed"))
-        self.blocks = build_blocks(lambda rngs: Block(config, policy, rngs), config, rngs)
+        self.blocks = build_blocks(
+            lambda rngs: Block(config, policy, rngs), config.layers, config.scan_layers, rngs
+        )
         self.final_norm = _layer_norm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
@@ -302,19 +304,6 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
         "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=logits_dtype
     )
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
-
-
-def build_blocks(create_block, config: LanguageModelConfig, rngs: nnx.Rngs):
-    """`config.layers` blocks: stacked on a leading `layers` axis for scan, or a list."""
-    if not config.scan_layers:
-        return nnx.List([create_block(rngs) for _ in range(config.layers)])
-
-    @nnx.split_rngs(splits=config.layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(block_rngs: nnx.Rngs):
-        return create_block(block_rngs)
-
-    return create(rngs)
 
 
 def run_blocks(blocks, x_BxTxD: jax.Array, rotary, remat_policy: str, config) -> jax.Array:

@@ -103,6 +103,23 @@ def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple) -> 
     return nnx.Param(nnx.with_partitioning(initializer, names)(rngs.params(), shape))
 
 
+def build_blocks(create_block, count: int, scanned: bool, rngs: nnx.Rngs):
+    """`count` blocks: stacked on a leading `layers` axis for scan, or a list.
+
+    The stacked axis carries the logical name `layers`, which a pipelined mesh splits over
+    its stages (sharding.py).
+    """
+    if not scanned:
+        return nnx.List([create_block(rngs) for _ in range(count)])
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(block_rngs: nnx.Rngs):
+        return create_block(block_rngs)
+
+    return create(rngs)
+
+
 def conv_output_size(size: int, kernel_size: int, stride: int, padding: int) -> int:
     """Spatial output size of a convolution or pooling window with symmetric padding."""
     return (size + 2 * padding - kernel_size) // stride + 1

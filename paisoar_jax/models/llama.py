@@ -25,11 +25,10 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.gpt import (
     Decoder,
     DecoderBlock,
-    build_blocks,
     mlp_width,
     resolve_attention,
 )
-from paisoar_jax.models.layers import param
+from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.sharding import constrain
 
@@ -143,7 +142,9 @@ class Llama(Decoder):
         normal = nnx.initializers.normal(config.init_std)
         D, V = config.width, config.vocab_size
         self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
-        self.blocks = build_blocks(lambda rngs: Block(config, policy, rngs), config, rngs)
+        self.blocks = build_blocks(
+            lambda rngs: Block(config, policy, rngs), config.layers, config.scan_layers, rngs
+        )
         self.final_norm = RMSNorm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))

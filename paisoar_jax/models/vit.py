@@ -6,6 +6,8 @@ the GPT, without the causal mask) and a final layer norm; the classifier reads t
 token. ViT-B/16 at 224 px with 1000 classes has 86,567,656 parameters (timm's
 vit_base_patch16_224). The blocks' parameters carry the GPT's logical names (embed, qkv,
 heads, head_dim, mlp), so the same rules give FSDP and Megatron-style tensor parallelism.
+With model.scan_layers=true the blocks are stacked and scanned, as the GPT's are, which is
+what pipeline stages (mesh.stage) split.
 Shape suffixes: B batch, H height, W width, C channels, P patch, T tokens, D width,
 K heads, E head width, F MLP width, N classes.
 """
@@ -25,12 +27,15 @@ from paisoar_jax.models.layers import (
     Conv,
     Dense,
     VisionConfig,
+    build_blocks,
     check_image_shape,
     param,
     resolve_config,
     run_block,
 )
+from paisoar_jax.pipeline import scan_layers
 from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
 
 LAYER_NORM_EPSILON = 1e-6  # the ViT paper's (PyTorch's default is 1e-5)
@@ -164,7 +169,9 @@ class ViT(nnx.Module):
         self.position_embedding = param(
             rngs, position_init, (token_count(config), D), ("length", "embed")
         )
-        self.blocks = nnx.List([EncoderBlock(config, policy, rngs) for _ in range(config.depth)])
+        self.blocks = build_blocks(
+            lambda rngs: EncoderBlock(config, policy, rngs), config.depth, config.scan_layers, rngs
+        )
         self.final_norm = _layer_norm(D, rngs)
         self.head = Dense(
             D,
@@ -187,8 +194,17 @@ class ViT(nnx.Module):
         class_token_Bx1xD = jnp.broadcast_to(cast(self.class_token[...]), (B, 1, D))
         x_BxTxD = jnp.concatenate([class_token_Bx1xD, tokens_BxTxD], axis=1)
         x_BxTxD = constrain(x_BxTxD + cast(self.position_embedding[...]), TOKEN_AXES)
-        for block in self.blocks:
-            x_BxTxD = run_block(block, self.remat_policy, x_BxTxD, train=train)
+        if self.config.scan_layers:  # a plain scan, or the pipeline of mesh.stage > 1
+            graphdef, stacked_state = nnx.split(self.blocks)
+
+            def step(x_BxTxD, block_state):
+                return nnx.merge(graphdef, block_state)(x_BxTxD).astype(x_BxTxD.dtype), None
+
+            block_step = wrap_block_call(step, self.remat_policy, scanned=True)
+            x_BxTxD = scan_layers(block_step, x_BxTxD, stacked_state)
+        else:
+            for block in self.blocks:
+                x_BxTxD = run_block(block, self.remat_policy, x_BxTxD, train=train)
         class_BxD = self.final_norm(x_BxTxD[:, 0])
         return constrain(self.head(class_BxD), ("batch", None))
 
