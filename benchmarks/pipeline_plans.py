@@ -39,7 +39,7 @@ MESHES = {
         (8, ["mesh.data=1", "mesh.fsdp=4", "mesh.stage=2", "train.pipeline_microbatches=8"]),
         (8, ["mesh.data=1", "mesh.fsdp=2", "mesh.stage=4", "train.pipeline_microbatches=16"]),
         (16, ["mesh.data=1", "mesh.fsdp=16"]),
-        (16, ["mesh.data=1", "mesh.fsdp=8", "mesh.stage=2", "train.pipeline_microbatches=8"]),
+        (16, ["mesh.data=1", "mesh.fsdp=8", "mesh.stage=2", "train.pipeline_microbatches=4"]),
     ],
 }
 

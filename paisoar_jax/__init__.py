@@ -11,6 +11,7 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     remat_block(block)                     checkpoint a block with the run's remat.policy
     scan_layers(step, x, stacked)          run a stack of identical blocks (pipelined when
                                            mesh.stage > 1, else jax.lax.scan)
+    input_slot()                           (this process's share of each batch, shares)
     force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
     UserError                              bad input (one line, exit status 2 from the CLI)
 
@@ -31,6 +32,7 @@ _EXPORTS = {
     "Config": "paisoar_jax.config",
     "remat_block": "paisoar_jax.remat",
     "scan_layers": "paisoar_jax.pipeline",
+    "input_slot": "paisoar_jax.sharding",
     "force_policy": "paisoar_jax.precision",
     "fp32_function": "paisoar_jax.precision",
     "UserError": "paisoar_jax.errors",

@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from paisoar_jax import memory
+from paisoar_jax import memory, pipeline
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import format_bytes  # the units `plan` prints: both read alike
@@ -112,12 +112,15 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
         else:
             fixes.append(("mesh.zero=3", f"shard the params too, over {over}"))
     global_batch, accumulate = config.train.global_batch, config.train.grad_accum
+    # A pipeline cuts each pass again into its micro-batches, each split over the devices.
+    schedule = pipeline.from_config(config)
+    cuts = schedule.microbatches if schedule else 1
     more = next(
         (
             count
             for count in range(accumulate + 1, global_batch + 1)
-            if global_batch % count == 0
-            and (batch_devices is None or (global_batch // count) % batch_devices == 0)
+            if global_batch % (count * cuts) == 0
+            and (batch_devices is None or (global_batch // count // cuts) % batch_devices == 0)
         ),
         None,
     )

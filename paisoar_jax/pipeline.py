@@ -110,12 +110,15 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def active(pipeline: Pipeline | None) -> Iterator[_Active | None]:
-    """While a step is traced: `scan_layers` pipelines over `pipeline` (None: plain scan)."""
-    if pipeline is None:
+def active(pipeline: Pipeline | None, reset: bool = False) -> Iterator[_Active | None]:
+    """While a step is traced: `scan_layers` pipelines over `pipeline` (None: plain scan).
+
+    `reset`: with None, also turns an enclosing pipeline off (inside a pipeline's cell).
+    """
+    if pipeline is None and not reset:
         yield None
         return
-    token = _ACTIVE.set(_Active(pipeline))
+    token = _ACTIVE.set(None if pipeline is None else _Active(pipeline))
     try:
         yield _ACTIVE.get()
     finally:
@@ -126,8 +129,9 @@ def check_used(context: _Active | None, model_name: str) -> None:
     """Raises UserError when a pipelined run's model ran no stack through `scan_layers`."""
     if context is not None and context.stacks == 0:
         raise UserError(
-            f"mesh.stage={context.pipeline.stages} needs a stack of identical blocks, and "
-            f"{model_name} runs none through paisoar_jax.scan_layers (set mesh.stage=1)"
+            f"{context.pipeline.stages} pipeline stages (mesh.stage x mesh.dcn_stage) need a "
+            f"stack of identical blocks, and {model_name} runs none through "
+            f"paisoar_jax.scan_layers (set mesh.stage=1 and mesh.dcn_stage=1)"
         )
 
 
@@ -277,6 +281,10 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
         returning = jax.tree.map(lambda a: a[slot], parked_row)
         first = jax.tree.map(lambda f, r: jnp.where(lap == 0, f, r), fresh, returning)
         row = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first, row)
+        # Fill and drain: a stage with no micro-batch at t computes on zeros, not on
+        # leftovers (whose zero cotangents could meet an inf in fp16: 0 x inf = nan).
+        working = (t - stage >= 0) & (t - stage < micro * repeats)
+        row = jax.tree.map(lambda r: jnp.where(working, r, jnp.zeros_like(r)), row)
         own_lap = jnp.clip((t - stage) // micro, 0, repeats - 1)
         return jax.lax.scan(step, row, _compute_weights(stage_weights, stacked, own_lap))[0]
 
@@ -301,7 +309,7 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
 
     def iteration(carry, t):
         stream, parked = carry
-        with sharding.batch_vmapped():
+        with sharding.batch_vmapped(), active(None, reset=True):  # a nested stack: a scan
             done = per_cell(stage_ids, stream, parked, weights, inputs, t)
         # Each row moves one stage on; the last stage's wraps round to stage 0.
         stream = _pin(jax.tree.map(_next_stage, done), STAGE_AXIS, sharding.BATCH_AXES)

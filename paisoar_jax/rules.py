@@ -93,7 +93,13 @@ def parameter_shardings(
 
 def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     """The logical table, plus the mesh axes by their own names (`fsdp` widened as `embed`)."""
-    return {**table, "data": ("data",), "tensor": ("tensor",), "fsdp": table["embed"]}
+    return {
+        **table,
+        "data": ("data",),
+        "stage": ("stage",),
+        "tensor": ("tensor",),
+        "fsdp": table["embed"],
+    }
 
 
 def _rule_spec(entries, table, shape, mesh: Mesh, name: str, pattern: str) -> PartitionSpec:

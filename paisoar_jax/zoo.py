@@ -105,8 +105,9 @@ def check_model(config: Config) -> None:
     if config.mesh.stages > 1 and not entry(resolved.name).stack:
         stacked = ", ".join(name for name, known in ZOO.items() if known.stack)
         raise UserError(
-            f"mesh.stage={config.mesh.stages} pipelines a stack of identical blocks "
-            f"({stacked}); model.name={resolved.name} has none: set mesh.stage=1"
+            f"{config.mesh.describe_stages()} pipelines a stack of identical blocks "
+            f"({stacked}); model.name={resolved.name} has none: set mesh.stage=1 and "
+            f"mesh.dcn_stage=1"
         )
 
 

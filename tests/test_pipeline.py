@@ -16,6 +16,7 @@ from paisoar_jax.config import config_from_dict, load_config, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
 from paisoar_jax.memory import per_device_bytes
+from paisoar_jax.oom import memory_fixes
 from paisoar_jax.step import loss_and_grads
 from paisoar_jax.tools import findings
 from paisoar_jax.tools.generate import placement
@@ -308,15 +309,14 @@ def test_a_model_of_ones_own_pipelines_its_stack(tmp_path, capsys):
     flat = own_model_losses(tmp_path / "flat", StackedNet, ["mesh.data=8"])
     assert len(pipelined) == 3
     np.testing.assert_allclose(pipelined, flat, rtol=1e-5)
-    config = api.resolve_config(None, ["train.global_batch=16", "mesh.stage=2", rules])
-    data = {"x": np.zeros((64, 16), np.float32), "y": np.zeros((64,), np.int32)}
-    config, workload = api.build_workload(config, model=StackedNet, loss=classify, data=data)
-    layout = setup(config, workload, jax.devices()).layout
-    placed = rules_table.describe(layout.abstract_state.params, layout.shardings.params)
-    assert {where for path, _, where in placed if path.startswith("blocks.")} == {
-        "[stage, -]",
-        "[stage, -, -]",
-    }
+    for rule in (rules, 'sharding.rules=[["blocks\\\\.", [stage]]]'):  # logical or mesh axis
+        config = api.resolve_config(None, ["train.global_batch=16", "mesh.stage=2", rule])
+        data = {"x": np.zeros((64, 16), np.float32), "y": np.zeros((64,), np.int32)}
+        config, workload = api.build_workload(config, model=StackedNet, loss=classify, data=data)
+        layout = setup(config, workload, jax.devices()).layout
+        placed = rules_table.describe(layout.abstract_state.params, layout.shardings.params)
+        blocks = {where for path, _, where in placed if path.startswith("blocks.")}
+        assert blocks == {"[stage, -]", "[stage, -, -]"}, rule
     with pytest.raises(UserError, match="UnstackedNet runs none through paisoar_jax.scan_layers"):
         own_model_losses(tmp_path / "none", UnstackedNet, ["mesh.stage=2"])
 
@@ -340,3 +340,15 @@ def test_generate_places_a_pipelined_run_without_stages():
     )
     placed = config_from_dict(to_dict(config), placement(config, 8))
     assert (placed.mesh.stages, placed.train.pipeline_repeats) == (1, 1)
+
+
+@pytest.mark.parametrize("global_batch, suggested", [(16, None), (64, "train.grad_accum=2")])
+def test_out_of_memory_fixes_keep_the_micro_batches_splittable(global_batch, suggested):
+    """data=4 x stage=2, 4 micro-batches: grad_accum=2 is only suggested where each pipeline
+    micro-batch still splits over the 4 batch devices."""
+    config = load_config(
+        None, [*TINY, "mesh.data=4", "mesh.stage=2", f"train.global_batch={global_batch}"]
+    )
+    mesh = {"data": 4, "stage": 2, "fsdp": 1, "tensor": 1}
+    accumulations = [fix for fix, _ in memory_fixes(config, mesh) if "grad_accum" in fix]
+    assert accumulations == ([suggested] if suggested else [])

@@ -72,6 +72,12 @@ class MeshConfig:
         """Pipeline stages over all hosts: stage x dcn_stage."""
         return self.stage * self.dcn_stage
 
+    def describe_stages(self) -> str:
+        """The stage settings as a user typed them: `mesh.stage=4` or with dcn_stage."""
+        if self.dcn_stage == 1:
+            return f"mesh.stage={self.stage}"
+        return f"mesh.stage={self.stage} x mesh.dcn_stage={self.dcn_stage}"
+
 
 # The keys of the model section that only model.name=llama reads.
 LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")

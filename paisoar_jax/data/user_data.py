@@ -10,7 +10,10 @@ Two kinds, told apart by type:
                its own rows; the same order on any topology.
     batches    a grain IterDataset or any re-iterable (a list, an object with __iter__) of
                per-process batches: an array or a dict of arrays, each with
-               global_batch / process_count rows. Re-iterated once it ends.
+               global_batch / readers rows, where `paisoar_jax.input_slot()` gives
+               (this process's slot, readers): one slot per process, except that the
+               processes of one pipeline position (mesh.dcn_stage) share a slot and must
+               yield the same rows. Re-iterated once it ends.
 
 Resume: examples keep their exact place on any topology (the position is the examples
 consumed); a grain IterDataset keeps its place on the same process count (grain's
@@ -101,8 +104,9 @@ class BatchData:
         if self.rows * processes != global_batch:
             raise UserError(
                 f"{self.name} gives batches of {self.rows} rows per process ({self.rows} x "
-                f"{processes} processes = {self.rows * processes}), but train.global_batch="
-                f"{global_batch}: set train.global_batch={self.rows * processes}"
+                f"{processes} processes that read distinct rows = {self.rows * processes}), "
+                f"but train.global_batch={global_batch}: set train.global_batch="
+                f"{self.rows * processes}"
             )
         return jax.tree.map(
             lambda spec: jax.ShapeDtypeStruct((global_batch, *spec[0]), spec[1]),

@@ -49,13 +49,14 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
     task = task_for(config)
     source, _ = task.open_sources()
-    host_batches = task.host_batches(
-        source,
-        global_batch=config.train.global_batch,
-        seed=config.train.seed,
-        train=True,
-        workers=config.data.workers,
-    )
+    with jax.set_mesh(mesh):  # the rows this process reads follow the mesh (input_slot)
+        host_batches = task.host_batches(
+            source,
+            global_batch=config.train.global_batch,
+            seed=config.train.seed,
+            train=True,
+            workers=config.data.workers,
+        )
     prefetcher = DevicePrefetcher(
         iter(host_batches), sharding.batch_sharding(mesh), config.data.prefetch
     )

@@ -224,13 +224,17 @@ def pipeline_bubble(run: Run) -> Finding | None:
         f"{schedule.iterations} (over {BUBBLE_LIMIT:.0%})"
     )
     train, stage = run.config.train, f"`mesh.stage={run.config.mesh.stage}`"
+    if run.config.mesh.dcn_stage > 1:
+        stage += f" `mesh.dcn_stage={run.config.mesh.dcn_stage}`"
+    mesh_shape = _mesh_shape(run)  # known: each micro-batch must split over the batch shards
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) if mesh_shape else 1
 
     def bubble(count: int, repeats: int) -> float:
         return (stages - 1) / (count * repeats + stages - 1)
 
     fixes = []
     per_pass = train.global_batch // train.grad_accum
-    enough = [count for count in range(micro + 1, per_pass + 1) if per_pass % count == 0]
+    enough = [count for count in range(micro + 1, per_pass + 1) if per_pass % (count * shards) == 0]
     enough = [count for count in enough if bubble(count, laps) <= BUBBLE_LIMIT]
     if enough:
         fixes.append(
