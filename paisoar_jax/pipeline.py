@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 
 import jax
@@ -110,10 +109,14 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def active(pipeline: Pipeline | None, reset: bool = False) -> Iterator[_Active | None]:
+def active(
+    pipeline: Pipeline | None, model_name: str = "", reset: bool = False
+) -> Iterator[_Active | None]:
     """While a step is traced: `scan_layers` pipelines over `pipeline` (None: plain scan).
 
-    `reset`: with None, also turns an enclosing pipeline off (inside a pipeline's cell).
+    `model_name`: the model traced inside; a pipeline it ran no stack through is refused
+    on the way out (`check_used`). `reset`: with None, also turns an enclosing pipeline
+    off (inside a pipeline's cell).
     """
     if pipeline is None and not reset:
         yield None
@@ -121,6 +124,8 @@ def active(pipeline: Pipeline | None, reset: bool = False) -> Iterator[_Active |
     token = _ACTIVE.set(None if pipeline is None else _Active(pipeline))
     try:
         yield _ACTIVE.get()
+        if model_name:
+            check_used(_ACTIVE.get(), model_name)
     finally:
         _ACTIVE.reset(token)
 
@@ -151,9 +156,7 @@ def scan_layers(step: Callable, x, stacked):
 def _batch_shards() -> int:
     """How many ways the mesh splits the batch (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    return math.prod(mesh.shape[axis] for axis in sharding.BATCH_AXES)
+    return 1 if mesh.empty else sharding.batch_shards(mesh)
 
 
 def _pin(tree, *leading):

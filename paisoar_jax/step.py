@@ -74,9 +74,8 @@ def loss_fn(
     With a pipeline `schedule` the model's stack runs through it (pipeline.py).
     """
     model = nnx.merge(graphdef, params, model_state)
-    with pipeline.active(schedule) as pipelined:
+    with pipeline.active(schedule, type(model).__name__):
         loss, metrics = task.loss(model, batch, key)
-    pipeline.check_used(pipelined, type(model).__name__)
     return loss, (metrics, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2]))
 
 
@@ -234,10 +233,8 @@ def eval_step(params, model_state, batch, *, layout: StateLayout, task) -> dict[
     """The task's eval metrics (mean loss, accuracy, ...) on one held-out batch."""
     compute_params = params_for_compute(params, layout)
     model = nnx.merge(layout.graphdef, compute_params, model_state)
-    with pipeline.active(layout.pipeline) as pipelined:
-        metrics = task.eval_metrics(model, batch)
-    pipeline.check_used(pipelined, type(model).__name__)
-    return metrics
+    with pipeline.active(layout.pipeline, type(model).__name__):
+        return task.eval_metrics(model, batch)
 
 
 def jit_train_step(
