@@ -17,6 +17,7 @@ manager removes the leftover. Restoring takes an abstract target whose leaves ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import types
@@ -176,8 +177,9 @@ def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> N
         name: shape
         for name, shape in _leaf_names(saved_tree).items()
         if shape is not None  # empty optimizer states are stored as None
+        and not name.startswith("comm.")  # per-device exchange state: see _comm_target
     }
-    wanted = _leaf_names(target)
+    wanted = {name: shape for name, shape in _leaf_names(target).items() if name[:5] != "comm."}
     for name, shape in wanted.items():
         if name not in saved:
             raise UserError(
@@ -195,6 +197,40 @@ def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> N
             f"checkpoint {directory} does not fit this model: it has {extra[0]} "
             f"(shape {saved[extra[0]]}) that this model lacks"
         )
+
+
+def _comm_target(saved_tree: Any, target: Any) -> Any:
+    """What to restore TrainState.comm onto: the target's, or None where it starts afresh.
+
+    The error-feedback residual (grad_comm.py) is one row per device of the mesh it was
+    written on; on another mesh, or where one run has it and the other not, it cannot be
+    carried over and the new run starts from a zero residual.
+    """
+    saved = saved_tree.get("comm", {}) if isinstance(saved_tree, dict) else {}
+    shapes = {name: shape for name, shape in _leaf_names(saved).items() if shape is not None}
+    if shapes == _leaf_names(target.comm):
+        return target.comm
+    return None
+
+
+def _restorable_as_saved(saved_comm: Any, target: Any) -> Any:
+    """Abstract arrays of the saved comm state as written (replicated), to be dropped."""
+    everywhere = jax.sharding.NamedSharding(target.step.sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=everywhere),
+        saved_comm,
+        is_leaf=lambda leaf: hasattr(leaf, "shape"),
+    )
+
+
+def _zeros(abstract: Any) -> Any:
+    """Zero arrays of `abstract`'s shapes, dtypes and shardings."""
+    return jax.tree.map(
+        lambda leaf: jax.jit(
+            lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding
+        )(),
+        abstract,
+    )
 
 
 def warn(message: str) -> None:
@@ -286,13 +322,20 @@ class Checkpointer:
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
         check_compatible(saved_tree, target, step_dir)
         # Written before the state had model_state (0.1 checkpoints of models without
-        # BatchNorm): restore the fields it has, the model state is empty anyway.
-        older = (
-            isinstance(saved_tree, dict)
-            and "model_state" not in saved_tree
-            and not jax.tree.leaves(target.model_state)
-        )
-        fields = ("step", "params", "opt_state", "rng")
+        # BatchNorm) or comm (before grad_comm): restore the fields it has, the missing ones
+        # are empty here anyway.
+        comm_target = _comm_target(saved_tree, target)
+        missing = [
+            name
+            for name in ("model_state", "comm")
+            if isinstance(saved_tree, dict)
+            and name not in saved_tree
+            and (name == "comm" or not jax.tree.leaves(getattr(target, name)))
+        ]
+        older = bool(missing)
+        if comm_target is None and "comm" not in missing:  # restored as written, then dropped
+            target = target.replace(comm=_restorable_as_saved(saved_tree["comm"], target))
+        fields = [field.name for field in dataclasses.fields(target) if field.name not in missing]
         state_target = {name: getattr(target, name) for name in fields} if older else target
         items = {"state": ocp.args.StandardRestore(state_target)}
         holder = IteratorState()
@@ -310,8 +353,16 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
         if older:
-            state = target.replace(**state, model_state=target.model_state)
+            # (a missing comm is empty as saved; a residual this run needs comes below)
+            empty = {name: {} if name == "comm" else getattr(target, name) for name in missing}
+            state = target.replace(**state, **empty)
         _verify(state, meta.get("checksums"), step_dir)
+        if comm_target is None:
+            warn(
+                "the gradient exchange's error-feedback residual of the checkpoint does not fit "
+                "this mesh and mesh.grad_comm settings: it starts from zero"
+            )
+            state = state.replace(comm=_zeros(typed_target.comm))
         data_state = json.loads(holder.state) if holder.state is not None else None
         data_state = meta.get("data_position", data_state)
         input_changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())

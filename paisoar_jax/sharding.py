@@ -232,21 +232,25 @@ def tree_shardings(logical_specs, abstract_values, mesh: Mesh, rules) -> object:
     )
 
 
-# True while the batch axes are taken by an enclosing vmap over the batch shards (the
-# pipeline's, pipeline.py): the activations inside are one shard's rows, "batch" is whole.
-_BATCH_VMAPPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "paisoar_jax_batch_vmapped", default=False
+# The mesh axes of the activations' `batch` axis: all of BATCH_AXES, except while an
+# enclosing vmap over batch shards (the pipeline's, grad_comm's) has taken some of them.
+_BATCH_AXES_LEFT: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "paisoar_jax_batch_axes_left", default=BATCH_AXES
 )
 
 
 @contextlib.contextmanager
-def batch_vmapped() -> Iterator[None]:
-    """While tracing a function vmapped over the batch shards: `batch` maps to no axis."""
-    token = _BATCH_VMAPPED.set(True)
+def batch_vmapped(rest: tuple[str, ...] = ()) -> Iterator[None]:
+    """While tracing a function vmapped over the batch shards: `batch` maps to `rest`.
+
+    `rest`: the batch axes the vmap leaves (grad_comm's vmap over data leaves fsdp); none
+    by default (the pipeline's vmap takes them all: the activations are one shard's rows).
+    """
+    token = _BATCH_AXES_LEFT.set(rest or None)
     try:
         yield
     finally:
-        _BATCH_VMAPPED.reset(token)
+        _BATCH_AXES_LEFT.reset(token)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
@@ -256,11 +260,6 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    vmapped = _BATCH_VMAPPED.get()
-    spec = PartitionSpec(
-        *(
-            None if not axis or (vmapped and axis == "batch") else ACTIVATION_RULES[axis]
-            for axis in logical_axes
-        )
-    )
+    rules = {**ACTIVATION_RULES, "batch": _BATCH_AXES_LEFT.get()}
+    spec = PartitionSpec(*(rules[axis] if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)

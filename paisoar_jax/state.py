@@ -19,7 +19,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from paisoar_jax import rules, sharding
+from paisoar_jax import grad_comm, rules, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
 from paisoar_jax.pipeline import Pipeline, from_config
@@ -39,6 +39,9 @@ class TrainState:
     # The run's random key (raw uint32[2]): randomness of step s is fold_in(rng, s), so the
     # key and the step saved in a checkpoint reproduce it exactly on resume.
     rng: jax.Array
+    # The compressed gradient exchange's state (grad_comm.py): {"residual": ...} with error
+    # feedback, else empty.
+    comm: dict[str, Any] = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,8 @@ class StateLayout:
     compute_dtypes: Any = None
     # mesh.stage > 1: the schedule `pipeline.scan_layers` runs the model's stack with.
     pipeline: Pipeline | None = None
+    # mesh.grad_comm=bf16|int8: the compressed gradient exchange (grad_comm.py), else None.
+    exchange: grad_comm.Exchange | None = None
 
 
 def state_layout(
@@ -94,12 +99,15 @@ def state_layout(
         state_param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),
     )
+    exchange = grad_comm.plan(config, mesh, abstract_params, param_shardings, state_param_shardings)
+    grad_comm.check_model_state(exchange, abstract_model_state)
     shardings = TrainState(
         step=sharding.replicated(mesh),
         params=param_shardings,
         model_state=model_state_shardings,
         opt_state=opt_shardings,
         rng=sharding.replicated(mesh),
+        comm=grad_comm.comm_state_shardings(exchange, mesh),
     )
     param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     shapes = TrainState(
@@ -108,6 +116,7 @@ def state_layout(
         model_state=abstract_model_state,
         opt_state=abstract_opt_state,
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        comm=jax.eval_shape(lambda: grad_comm.initial_comm_state(exchange, mesh)),
     )
     abstract_state = jax.tree.map(
         lambda shape, leaf_sharding: jax.ShapeDtypeStruct(
@@ -133,6 +142,7 @@ def state_layout(
         create_model=create_model,
         compute_dtypes=compute_dtypes,
         pipeline=from_config(config),
+        exchange=exchange,
     )
 
 
@@ -206,6 +216,7 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
             model_state=nnx.to_pure_dict(model_variables),
             opt_state=layout.optimizer.init(params),
             rng=jax.random.PRNGKey(config.train.seed),
+            comm=grad_comm.initial_comm_state(layout.exchange, layout.shardings.step.mesh),
         )
 
     return jax.jit(init, out_shardings=layout.shardings)()

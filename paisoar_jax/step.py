@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import fp8, loss_scale, pipeline, sharding
+from paisoar_jax import fp8, grad_comm, loss_scale, pipeline, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
 
@@ -182,18 +182,28 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
     scale = loss_scale.current_scale(state.opt_state)
-    loss, grads, task_metrics, model_state = loss_and_grads(
-        state.params,
-        state.model_state,
-        layout.graphdef,
-        batch,
-        task,
-        grad_accum=grad_accum,
-        scale=scale,
-        gradient_shardings=layout.gradient_shardings,
-        key=jax.random.fold_in(state.rng, state.step),
-        layout=layout,
-    )
+    key = jax.random.fold_in(state.rng, state.step)
+    comm = state.comm
+    if layout.exchange is None:
+        loss, grads, task_metrics, model_state = loss_and_grads(
+            state.params,
+            state.model_state,
+            layout.graphdef,
+            batch,
+            task,
+            grad_accum=grad_accum,
+            scale=scale,
+            gradient_shardings=layout.gradient_shardings,
+            key=key,
+            layout=layout,
+        )
+    else:  # mesh.grad_comm: each data shard's gradient, then the compressed exchange
+        loss, shard_grads, task_metrics, model_state = _per_shard(
+            state, batch, task, grad_accum, scale, key, layout
+        )
+        grads, comm = grad_comm.exchange_gradients(
+            shard_grads, state.comm, scale, layout.exchange, layout.shardings.step.mesh
+        )
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
     updates, opt_state = layout.optimizer.update(grads, state.opt_state, state.params)
@@ -205,17 +215,57 @@ def train_step(
         **_learning_rate(schedule, state),
         **loss_scale.scale_metrics(opt_state),
     }
-    if jax.tree.leaves(model_state):
-        # A skipped step (non-finite gradients) keeps the old statistics too: they saw the
-        # same overflowing forward pass.
+    if jax.tree.leaves((model_state, comm)):
+        # A skipped step (non-finite gradients) keeps the old statistics and error-feedback
+        # residual too: they saw the same overflowing forward pass.
         finite = loss_scale.all_finite(grads)
-        model_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), model_state, state.model_state
+        model_state, comm = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (model_state, comm),
+            (state.model_state, state.comm),
         )
     new_state = state.replace(
-        step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        step=state.step + 1,
+        params=params,
+        model_state=model_state,
+        opt_state=opt_state,
+        comm=comm,
     )
     return new_state, metrics
+
+
+def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layout):
+    """(loss, per-shard gradients [P, ...], metrics, model_state): each data shard on its own.
+
+    The loss is vmapped over the data shards (`spmd_axis_name`: shard p runs on its data
+    devices, split further over fsdp), with the params shared, so each gradient leaf comes
+    back per shard, split over data, for grad_comm.py to exchange. Gradient accumulation
+    runs inside each shard: the exchange is once per optimizer step. Shard p's randomness
+    is fold_in(key, p). Loss and metrics are the means over the shards.
+    """
+    shards = layout.exchange.shards
+
+    def one_shard(shard_batch, index):
+        with sharding.batch_vmapped(sharding.BATCH_AXES[1:]):
+            return loss_and_grads(
+                state.params,
+                state.model_state,
+                layout.graphdef,
+                shard_batch,
+                task,
+                grad_accum=grad_accum,
+                scale=scale,
+                key=jax.random.fold_in(key, index),
+                layout=layout,
+            )
+
+    per_shard = jax.vmap(one_shard, spmd_axis_name=grad_comm.DATA_AXIS)
+    loss, grads, metrics, model_state = per_shard(
+        grad_comm.shard_batch(batch, shards), jnp.arange(shards)
+    )
+    means = jax.tree.map(lambda value: jnp.mean(value, axis=0), (loss, metrics))
+    # The model has no state its forward pass updates (grad_comm.check_model_state).
+    return means[0], grads, means[1], state.model_state
 
 
 def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[str, jax.Array]:

@@ -397,3 +397,28 @@ def test_an_image_model_run_with_its_plan_is_diagnosed(tmp_path, devices):
     assert "low-mfu" in findings  # a CPU against 100 TFLOP/s
     assert not any("attention" in fix for fix in findings["low-mfu"]["fixes"])
     assert "image_size" not in findings.get("communication-bound", {}).get("evidence", "")
+
+
+def test_a_data_parallel_run_bound_by_a_slow_link_is_told_about_grad_comm(healthy_copy):
+    """plan --compare-grad-comm on 1 GbE for data=8: the doctor suggests compressing the
+    gradients and quotes plan's projected step for each setting."""
+    out, err = io.StringIO(), io.StringIO()
+    arguments = ["--devices", "8", *TINY, *MEDIUM, "mesh.data=8", "mesh.tensor=1"]
+    arguments += ["--link", "1gbe", "--compare-grad-comm"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan.main([*arguments, "--output", str(healthy_copy / "plan.json")])
+    assert status == 0, err.getvalue()
+    table = out.getvalue()
+    assert "mesh.grad_comm side by side" in table and "all-to-all s8" not in table
+    comparison = json.loads((healthy_copy / "plan.json").read_text())["grad_comm_comparison"]
+    steps = {
+        name: comparison[name]["links"]["1gbe"]["time_s"]["step_no_overlap"]
+        for name in ("fp32", "bf16", "int8")
+    }
+    assert steps["int8"] < steps["bf16"] < steps["fp32"]
+    assert comparison["int8"]["wire_bytes"] < 0.3 * comparison["fp32"]["wire_bytes"]
+    (fix,) = [
+        fix for fix in found(healthy_copy)["communication-bound"]["fixes"] if "grad_comm" in fix
+    ]
+    assert "`mesh.grad_comm=int8 mesh.grad_comm_error_feedback=true`" in fix
+    assert f"int8 {steps['int8'] * 1e3:.3g} ms" in fix

@@ -22,7 +22,7 @@ from paisoar_jax import heartbeat, sharding
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import launch
+from paisoar_jax.tools import hlo, launch
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
 
 # Constant lr: a run cut at step 2 and resumed to 4 follows the schedule of one run of 4.
@@ -490,3 +490,42 @@ def test_pipeline_stages_across_two_processes_equal_one_process(tmp_path):
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(two) == [1, 2, 3, 4]
     assert two == pytest.approx(one, rel=1e-6)
+
+
+def test_compressed_gradients_on_two_processes_equal_one_process(tmp_path):
+    """mesh.grad_comm=int8 with error feedback: 2 processes x 4 devices (dcn_data=2) give
+    the losses of the same compressed run on 1 process x 8 devices."""
+    compressed = ["mesh.grad_comm=int8", "mesh.grad_comm_error_feedback=true", "train.steps=4"]
+    train_two(tmp_path / "two", "mesh.data=4", *compressed)
+    train_one(tmp_path / "one", "mesh.data=8", *compressed)
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3, 4]
+    assert two == pytest.approx(one, rel=1e-6)
+
+
+def test_scope_dcn_keeps_the_exchange_inside_each_host_in_fp32(tmp_path):
+    """grad_comm_scope=dcn on 2 processes: in the compiled train step the gradients are
+    reduce-scattered and all-gathered in fp32 among each process's 4 devices, and only
+    int8 crosses between the 2 processes; the losses stay within int8's rounding of fp32."""
+    dump = tmp_path / "hlo"
+    env = subprocess_env()
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+    overrides = ["mesh.data=4", "mesh.dcn_data=2", "mesh.grad_comm=int8", "train.steps=3"]
+    overrides += ["mesh.grad_comm_scope=dcn", f"run.dir={tmp_path / 'two'}"]
+    result = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.launch", *TWO_PROCESSES, "--", *RUN, *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (step_hlo, *_) = sorted(dump.glob("*jit_train_step*after_optimizations.txt"))
+    found = {(op.kind, op.dtype, op.group_size) for op in hlo.collectives(step_hlo.read_text(), 8)}
+    assert ("all-to-all", "s8", 2) in found and ("all-gather", "s8", 2) in found
+    assert ("all-gather", "f32", 4) in found
+    assert ("reduce-scatter", "f32", 4) in found or ("all-reduce", "f32", 4) in found
+    assert not any(dtype == "s8" and size != 2 for _, dtype, size in found)
+    train_one(tmp_path / "one", "mesh.data=8", "train.steps=3")
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert two == pytest.approx(one, rel=1e-3)

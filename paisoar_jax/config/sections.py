@@ -55,10 +55,27 @@ class MeshConfig:
     dcn_stage: int = 1  # pipeline stages across hosts/slices (dcn)
     dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
     zero: int = 0  # 0 replicate over data; 1 (=2) shard optimizer state; 3 params too
+    # The gradients' dtype on the wire across the data axes (grad_comm.py): fp32 (XLA's own
+    # all-reduce), bf16 or int8 (blockwise scaled), summed in fp32 on arrival either way.
+    grad_comm: Literal["fp32", "bf16", "int8"] = "fp32"
+    grad_comm_block: int = 256  # int8: values per scale (a power of two)
+    # Keep each device's rounding residual in the train state and add it to the next step's
+    # gradient before it is compressed (a gradient-sized fp32 buffer per device).
+    grad_comm_error_feedback: bool = False
+    # all: compress over every data shard; dcn: only between hosts (mesh.dcn_data), the
+    # exchange inside a host stays fp32
+    grad_comm_scope: Literal["all", "dcn"] = "all"
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"mesh.zero must be 0, 1, 2 or 3, got {self.zero}")
+        block = self.grad_comm_block
+        if block < 1 or block & (block - 1):
+            raise UserError(f"mesh.grad_comm_block must be a power of two, got {block}")
+        if self.grad_comm == "fp32":
+            for key, unset in (("grad_comm_error_feedback", False), ("grad_comm_scope", "all")):
+                if getattr(self, key) != unset:
+                    raise UserError(f"mesh.{key} is for a compressed exchange: set mesh.grad_comm")
         for key in ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp"):
             size = getattr(self, key)
             if size == 0 or size < -1:
@@ -494,6 +511,22 @@ class Config:
         if self.data.eval_fraction == 0 and self.train.eval_every > 0:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
         self._check_pipeline()
+        self._check_grad_comm()
+
+    def _check_grad_comm(self) -> None:
+        """mesh.grad_comm against the pipeline and the precision (grad_comm.py)."""
+        if self.mesh.grad_comm == "fp32":
+            return
+        if self.mesh.stages > 1:
+            raise UserError(
+                f"mesh.grad_comm={self.mesh.grad_comm} does not combine with pipeline stages "
+                f"yet ({self.mesh.describe_stages()}): use mesh.grad_comm=fp32"
+            )
+        if self.precision.policy == "fp8":
+            raise UserError(
+                f"mesh.grad_comm={self.mesh.grad_comm} does not combine with precision.policy="
+                "fp8: each data shard would update the fp8 scaling state on its own"
+            )
 
     def _check_pipeline(self) -> None:
         """mesh.stage against the batch, the model's stack and the precision."""

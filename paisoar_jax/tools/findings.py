@@ -145,6 +145,7 @@ def _plan_differences(run: Run) -> list[str]:
         "grad_accum": config.train.grad_accum,
         "zero": config.mesh.zero,
         "precision": config.precision.policy,
+        "grad_comm": config.mesh.grad_comm,
     }
     return [
         f"{key} {run.plan[key]} (the run has {value})"
@@ -200,6 +201,7 @@ def communication_bound(run: Run) -> Finding | None:
             f"`mesh.tensor=1`{fill}: tensor parallelism all-reduces activations in every "
             "layer; keep it within one node's NVLink"
         )
+    fixes += _grad_comm_fixes(run)
     fixes += [
         "overlap collectives with compute: XLA_FLAGS=--xla_gpu_enable_latency_hiding_"
         "scheduler=true and the pipelining flags (docs/multihost.md)",
@@ -209,6 +211,36 @@ def communication_bound(run: Run) -> Finding | None:
     return Finding(
         "communication-bound", "communication dominates the step", evidence, tuple(fixes)
     )
+
+
+def _grad_comm_fixes(run: Run) -> list[str]:
+    """Compressing the gradient exchange (grad_comm.py), where the data axis has one."""
+    plan, settings = run.plan, run.config.mesh
+    if plan.get("mesh", {}).get("data", 1) <= 1 or settings.grad_comm == "int8":
+        return []
+    scope = (
+        " `mesh.grad_comm_scope=dcn` keeps the exchange inside each host in fp32."
+        if settings.dcn_data > 1
+        else ""
+    )
+    projected = ""
+    comparison = plan.get("grad_comm_comparison", {})
+    link = plan.get("link", {}).get("name")
+    if link in comparison.get("int8", {}).get("links", {}):
+        times = {name: comparison[name]["links"][link]["time_s"] for name in comparison}
+        projected = (
+            " (plan projects "
+            + ", ".join(f"{name} {times[name]['step_no_overlap'] * 1e3:.3g} ms" for name in times)
+            + f" per step on {link})"
+        )
+    start = "`mesh.grad_comm=bf16` halves the gradient bytes, " * (settings.grad_comm == "fp32")
+    return [
+        f"compress the gradients on the wire: {start}`mesh.grad_comm=int8 "
+        "mesh.grad_comm_error_feedback=true` about quarters them; both sum in fp32 on "
+        f"arrival{projected}.{scope}".rstrip(".")
+        + " (`python -m paisoar_jax.plan "
+        "--compare-grad-comm` shows each link)"
+    ]
 
 
 def pipeline_bubble(run: Run) -> Finding | None:

@@ -83,6 +83,7 @@ class Collective:
     count: int  # runs per step: the product of the trip counts of the enclosing loops
     name: str  # the HLO instruction name
     computation: str  # the HLO computation that holds it
+    dtype: str = ""  # the element type it moves (`f32`, `s8`; `mixed` for a mixed tuple)
 
 
 @dataclasses.dataclass
@@ -211,8 +212,12 @@ def analyze(hlo_text: str, device_count: int = 1) -> tuple[list[Collective], lis
             payload = shape_bytes(instruction.shape)
             if kind == "reduce-scatter":
                 payload *= size  # NCCL counts the input; the result is one device's shard
+            types = {kind for kind, _ in _ARRAY_SHAPE.findall(instruction.shape)}
+            dtype = types.pop() if len(types) == 1 else "mixed"
             found.append(
-                Collective(kind, payload, size, runs[computation], instruction.name, computation)
+                Collective(
+                    kind, payload, size, runs[computation], instruction.name, computation, dtype
+                )
             )
     return found, unknown
 

@@ -45,7 +45,9 @@ from paisoar_jax.memory import format_bytes, memory
 from paisoar_jax.tools import cli, hlo
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
-LINKS = {"nvlink": 450.0, "infiniband": 50.0}  # NVLink 4: 900 GB/s both ways; NDR: 400 Gb/s
+# NVLink 4: 900 GB/s both ways; NDR InfiniBand: 400 Gb/s; Ethernet: its line rate.
+LINKS = {"1gbe": 0.125, "10gbe": 1.25, "100gbe": 12.5, "infiniband": 50.0, "nvlink": 450.0}
+GRAD_COMMS = ("fp32", "bf16", "int8")
 DEFAULT_PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16, for plans made off the GPU
 DEFAULT_EFFICIENCY = 0.5
 DESCRIPTION = (
@@ -170,6 +172,11 @@ def plan(
 
     `workload`: a model of one's own, as for compile_step; default: the config's zoo model.
     """
+    return _plan_and_collectives(config, devices, link, efficiency, simulated, workload)[0]
+
+
+def _plan_and_collectives(config, devices, link, efficiency, simulated, workload):
+    """(plan, the step's collectives as hlo.Collective): see `plan`."""
     from paisoar_jax import rules
     from paisoar_jax.zoo import zoo_workload
 
@@ -189,10 +196,7 @@ def plan(
     schedule = layout.pipeline
     bubble = schedule.bubble if schedule else 0.0
     busy_s = flops / (peak * 1e12 * efficiency)
-    compute_s = busy_s / (1 - bubble)
-    communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
-    no_overlap_s = compute_s + communication_s
-    overlap_s = max(compute_s, communication_s)
+    timing = step_times(found, gb_per_s, busy_s, bubble)
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -215,8 +219,10 @@ def plan(
             )
         ],
         "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
+        "collectives_by_dtype": _by_dtype(found, gb_per_s),
         "collective_ops": [
-            {key: getattr(op, key) for key in ("kind", "bytes", "group_size", "count", "name")}
+            {key: getattr(op, key) for key in ("kind", "dtype", "bytes", "group_size", "count")}
+            | {"name": op.name}
             for op in found
         ],
         "unknown_trip_counts": unknown_loops,
@@ -226,6 +232,24 @@ def plan(
         "peak_source": peak_source,
         "efficiency": efficiency,
         "flops_per_device": flops,
+        "busy_s": busy_s,
+        "bubble": bubble,
+        "grad_comm": config.mesh.grad_comm if layout.exchange else "fp32",
+        **timing,
+    }, found
+
+
+def step_times(found: list, gb_per_s: float, busy_s: float, bubble: float) -> dict[str, Any]:
+    """Compute, communication and step time of a step's collectives on one link.
+
+    `busy_s`: the compute without the pipeline `bubble`, which is lost time too.
+    """
+    compute_s = busy_s / (1 - bubble)
+    by_kind = hlo.totals_by_kind(found, gb_per_s)
+    communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
+    no_overlap_s = compute_s + communication_s
+    overlap_s = max(compute_s, communication_s)
+    return {
         "time_s": {
             "compute": compute_s,
             "communication": communication_s,
@@ -233,11 +257,55 @@ def plan(
             "step_perfect_overlap": overlap_s,
         },
         "scaling_efficiency": {
-            # The bubble is lost time too: the share of the step the devices compute.
+            # The share of the step the devices compute.
             "no_overlap": busy_s / no_overlap_s if no_overlap_s else 1.0,
             "perfect_overlap": busy_s / overlap_s if overlap_s else 1.0,
         },
     }
+
+
+def _by_dtype(found: list, gb_per_s: float) -> list[dict[str, Any]]:
+    """Runs, bytes and seconds per step of each (kind, element type) of collective."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for op in found:
+        row = rows.setdefault((op.kind, op.dtype), {"kind": op.kind, "dtype": op.dtype})
+        totals = hlo.totals_by_kind([op], gb_per_s)[op.kind]
+        for key in ("count", "bytes", "seconds"):
+            row[key] = row.get(key, 0) + totals.get(key, 0)
+    return sorted(rows.values(), key=lambda row: (hlo.KINDS.index(row["kind"]), row["dtype"]))
+
+
+def compare_grad_comm(
+    config: Config, devices: Sequence, efficiency: float, simulated: bool, workload: Any = None
+) -> dict[str, Any]:
+    """Step time and scaling efficiency per link (LINKS) for each mesh.grad_comm setting.
+
+    Each setting's step is compiled; every collective is timed on the one link, as in plan.
+    """
+    from dataclasses import replace
+
+    from paisoar_jax.zoo import zoo_workload
+
+    workload = zoo_workload(config) if workload is None else workload
+    comparison: dict[str, Any] = {}
+    for setting in GRAD_COMMS:
+        mesh = replace(config.mesh, grad_comm=setting)
+        if setting == "fp32":
+            mesh = replace(mesh, grad_comm_error_feedback=False, grad_comm_scope="all")
+        variant = replace(config, mesh=mesh)
+        result, found = _plan_and_collectives(
+            variant, devices, ("nvlink", LINKS["nvlink"]), efficiency, simulated, workload
+        )
+        comparison[setting] = {
+            "wire_bytes": sum(
+                op.count * op.bytes * hlo.ring_factor(op.kind, op.group_size) for op in found
+            ),
+            "links": {
+                name: step_times(found, gb_per_s, result["busy_s"], result["bubble"])
+                for name, gb_per_s in LINKS.items()
+            },
+        }
+    return comparison
 
 
 def _pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:
@@ -330,13 +398,13 @@ def format_table(result: dict) -> str:
     for row in parameters:
         shape = "x".join(map(str, row["shape"])) or "scalar"
         lines.append(f"  {row['path']:<{width}}  {shape:>14}  {row['sharding']}")
-    lines += ["", f"collectives per step  {'runs':>6}{'bytes/device':>14}{'time':>11}"]
-    for kind, totals in result["collectives"].items() or [("none", None)]:
-        if totals is None:
-            lines.append("  none")
-            continue
-        size, seconds = format_bytes(totals["bytes"]), _duration(totals["seconds"])
-        lines.append(f"  {kind:<19}{totals['count']:>6}{size:>14}{seconds:>11}")
+    lines += ["", f"collectives per step        {'runs':>6}{'bytes/device':>14}{'time':>11}"]
+    for row in result["collectives_by_dtype"]:
+        size, seconds = format_bytes(row["bytes"]), _duration(row["seconds"])
+        label = f"{row['kind']} {row['dtype']}"
+        lines.append(f"  {label:<25}{row['count']:>6}{size:>14}{seconds:>11}")
+    if not result["collectives_by_dtype"]:
+        lines.append("  none")
     lines += [
         "",
         f"step time on {link['name']} ({link['gb_per_s']:g} GB/s per direction), "
@@ -353,11 +421,37 @@ def format_table(result: dict) -> str:
         f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
     ]
     lines += _pipeline_lines(result.get("pipeline"))
+    lines += _comparison_lines(result.get("grad_comm_comparison"))
     if result["unknown_trip_counts"]:
         lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
     if result["platform"] == "cpu" and (result["zero"] or result["mesh"]["fsdp"] > 1):
         lines.append("note: XLA CPU emits all-reduce + slice where XLA GPU emits reduce-scatter")
     return "\n".join(lines)
+
+
+def _comparison_lines(comparison: dict[str, Any] | None) -> list[str]:
+    """The side-by-side table of --compare-grad-comm (nothing without it)."""
+    if not comparison:
+        return []
+    settings = list(comparison)
+    lines = [
+        "",
+        "mesh.grad_comm side by side: step time, no overlap (scaling efficiency)",
+        "  " + f"{'link':<12}" + "".join(f"{setting:>20}" for setting in settings),
+    ]
+    for link in LINKS:
+        cells = []
+        for setting in settings:
+            times = comparison[setting]["links"][link]
+            step, share = times["time_s"]["step_no_overlap"], times["scaling_efficiency"]
+            cells.append(f"{_duration(step)} ({share['no_overlap']:.0%})")
+        lines.append("  " + f"{link:<12}" + "".join(f"{cell:>20}" for cell in cells))
+    lines.append(
+        "  "
+        + f"{'wire/device':<12}"
+        + "".join(f"{format_bytes(comparison[s]['wire_bytes']):>20}" for s in settings)
+    )
+    return lines
 
 
 def write_plan(path: pathlib.Path, result: dict) -> None:
@@ -384,13 +478,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--link",
         default="nvlink",
         help="nvlink (450 GB/s per direction: H100/H200 NVLink 4, 900 GB/s both ways), "
-        "infiniband (50 GB/s: one 400 Gb/s NDR port) or a bandwidth in GB/s "
-        "(default: nvlink)",
+        "infiniband (50 GB/s: one 400 Gb/s NDR port), 100gbe, 10gbe, 1gbe (12.5, 1.25 and "
+        "0.125 GB/s: Ethernet at line rate) or a bandwidth in GB/s (default: nvlink)",
     )
     parser.add_argument(
         "--efficiency",
         default=str(DEFAULT_EFFICIENCY),
         help="assumed share of the peak FLOP/s the compute reaches (default: 0.5)",
+    )
+    parser.add_argument(
+        "--compare-grad-comm",
+        action="store_true",
+        help="also compile the step with mesh.grad_comm=fp32, bf16 and int8 and show their "
+        "step times and scaling efficiency on 1gbe, 10gbe, 100gbe, infiniband and nvlink",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument(
@@ -417,6 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = int(args.devices)
         devices = cpu_devices(count) if count else jax.devices()
         result = plan(config, devices, link, efficiency, simulated=bool(count))
+        if args.compare_grad_comm:
+            result["grad_comm_comparison"] = compare_grad_comm(
+                config, devices, efficiency, simulated=bool(count)
+            )
         if args.output is not None:
             write_plan(args.output, result)
         output.result(json.dumps(result, indent=None) if args.json else format_table(result))

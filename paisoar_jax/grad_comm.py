@@ -1,0 +1,366 @@
+"""Compressed gradient exchange: bf16 or int8 on the wire, summed in fp32 on arrival.
+
+With `mesh.grad_comm=fp32` (the default) XLA reduces the gradients over the data axis
+itself, an fp32 all-reduce (or reduce-scatter under ZeRO). On a slow link between hosts
+that exchange is the step; `bf16` halves its bytes and `int8` (a float32 scale per block
+of `mesh.grad_comm_block` values) about quarters them. Casting before XLA's all-reduce
+would also sum in the low precision; here the sum is fp32:
+
+1. Each data shard computes its own gradient (step.py vmaps the loss over the data
+   shards), so the train step holds it as a [P, ...] array split over `data`.
+2. Inside one `jax.shard_map` each device lays its gradients out as rows, row p for data
+   shard p, every leaf in one buffer (so one collective per step, not one per parameter):
+   a leaf the optimizer state splits over data (ZeRO >= 1) is cut along that dimension,
+   any other leaf is flattened and cut evenly.
+3. The rows are compressed and sent with one all-to-all; each device decompresses what it
+   receives and sums it in fp32: a reduce-scatter with fp32 accumulation. A ZeRO >= 1 leaf
+   is now in the optimizer's layout; the others are compressed again and all-gathered.
+
+bf16 travels as its 16 bits in uint16 (XLA CPU would widen a bf16 collective to f32);
+int8 values and their scales travel in one int8 buffer. A non-finite gradient makes its
+block's scale non-finite, so an fp16 overflow still reaches the loss scaler, which sees the
+fp32 sum and skips the step for every device at once.
+
+`mesh.grad_comm_scope=dcn` compresses only between hosts: the rows are first
+reduce-scattered in fp32 inside each host (mesh.data devices), the compressed all-to-all
+and all-gather then run between the hosts (mesh.dcn_data) and the in-host all-gather is
+fp32 again. The data axis of a hybrid mesh is host-major (device h x I + i is device i of
+host h), which the replica groups below rely on.
+
+Error feedback (`mesh.grad_comm_error_feedback=true`) keeps what rounding took off each
+device's rows, and off the piece it all-gathers, in `TrainState.comm["residual"]`, and adds
+it back before the next step is compressed. It is stored unscaled (fp16 loss scaling
+changes the scale between steps), checkpointed with the state, and kept as it was on a
+step the loss scaler skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from paisoar_jax import output, sharding
+from paisoar_jax.config import Config
+from paisoar_jax.errors import UserError
+
+DATA_AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """How one gradient leaf enters the buffer: its local shape and its rows."""
+
+    local_shape: tuple[int, ...]  # one device's block of one shard's gradient
+    scatter_dim: int | None  # split along this dimension (ZeRO >= 1), else flattened
+    width: int  # values per row
+    in_spec: PartitionSpec  # the [P, ...] per-shard gradient
+    out_spec: PartitionSpec  # the reduced gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """The compressed exchange of one run: its settings and the buffer's layout."""
+
+    dtype: str  # "bf16" or "int8"
+    block: int  # int8: values per scale
+    error_feedback: bool
+    shards: int  # P: data shards (mesh data x dcn_data)
+    hosts: int  # H: groups the compressed exchange runs between (P when scope is all)
+    leaves: tuple[_Leaf, ...]
+    scattered: int  # values per row of the leaves cut along a dimension, padded
+    gathered: int  # values per row of the flattened leaves, padded
+
+    @property
+    def in_host(self) -> int:
+        """Devices per host group that exchange in fp32 first (1: none)."""
+        return self.shards // self.hosts
+
+    @property
+    def row(self) -> int:
+        """Values of one row of the buffer."""
+        return self.scattered + self.gathered
+
+    @property
+    def residual_width(self) -> int:
+        """Values of one device's error-feedback residual: its rows and its gathered piece."""
+        return self.hosts * self.row + self.gathered
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(axes_per_dim) -> PartitionSpec:
+    return PartitionSpec(*(axes or None for axes in axes_per_dim))
+
+
+def _leaf(shape, param_sharding, gradient_sharding, mesh: Mesh, shards: int) -> _Leaf:
+    """A leaf's place in the buffer, from its param and gradient (ZeRO) shardings."""
+
+    def per_dim(named):
+        spec = tuple(named.spec) + (None,) * (len(shape) - len(named.spec))
+        return [_axes(entry) for entry in spec]
+
+    base = [tuple(axis for axis in axes if axis != DATA_AXIS) for axes in per_dim(param_sharding)]
+    local_shape = tuple(NamedSharding(mesh, _spec(base)).shard_shape(tuple(shape)))
+    split = [d for d, axes in enumerate(per_dim(gradient_sharding)) if DATA_AXIS in axes]
+    scatter_dim = split[0] if split else None
+    out = list(base)
+    if scatter_dim is not None:
+        out[scatter_dim] = (*base[scatter_dim], DATA_AXIS)
+        width = math.prod(local_shape) // shards
+    else:
+        width = -(-math.prod(local_shape) // shards)
+    in_spec = PartitionSpec(DATA_AXIS, *_spec(base))
+    return _Leaf(local_shape, scatter_dim, width, in_spec, _spec(out))
+
+
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+def plan(config: Config, mesh: Mesh, abstract_params, param_shardings, gradient_shardings):
+    """The run's Exchange, or None for XLA's fp32 exchange (a warning where it is moot)."""
+    settings = config.mesh
+    if settings.grad_comm == "fp32":
+        return None
+    shards = mesh.shape[DATA_AXIS]
+    hosts = settings.dcn_data if settings.grad_comm_scope == "dcn" else shards
+    if shards == 1 or hosts == 1:
+        where = "data shard" if shards == 1 else "host (mesh.dcn_data=1)"
+        output.warning(
+            f"mesh.grad_comm={settings.grad_comm} has nothing to compress: the mesh has one "
+            f"{where}; gradients are exchanged in fp32"
+        )
+        return None
+    leaves = tuple(
+        _leaf(value.shape, param, gradient, mesh, shards)
+        for value, param, gradient in zip(
+            jax.tree.leaves(abstract_params),
+            jax.tree.leaves(param_shardings),
+            jax.tree.leaves(gradient_shardings),
+            strict=True,
+        )
+    )
+    block = settings.grad_comm_block if settings.grad_comm == "int8" else 1
+    scattered = sum(leaf.width for leaf in leaves if leaf.scatter_dim is not None)
+    gathered = sum(leaf.width for leaf in leaves if leaf.scatter_dim is None)
+    return Exchange(
+        dtype=settings.grad_comm,
+        block=block,
+        error_feedback=settings.grad_comm_error_feedback,
+        shards=shards,
+        hosts=hosts,
+        leaves=leaves,
+        scattered=_round_up(scattered, block),
+        gathered=_round_up(gathered, block),
+    )
+
+
+def residual_sharding(mesh: Mesh) -> NamedSharding:
+    """The residual's layout: one row per device, [devices, residual_width]."""
+    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+
+def initial_comm_state(exchange: Exchange | None, mesh: Mesh) -> dict:
+    """TrainState.comm at step 0: the zero residual with error feedback, else empty."""
+    if exchange is None or not exchange.error_feedback:
+        return {}
+    return {"residual": jnp.zeros((mesh.size, exchange.residual_width), jnp.float32)}
+
+
+def comm_state_shardings(exchange: Exchange | None, mesh: Mesh) -> dict:
+    """The shardings of `initial_comm_state`."""
+    if exchange is None or not exchange.error_feedback:
+        return {}
+    return {"residual": residual_sharding(mesh)}
+
+
+def _encode(rows: jax.Array, exchange: Exchange) -> jax.Array:
+    """fp32 [R, K] -> what goes on the wire: uint16 bf16 bits, or int8 values and scales."""
+    if exchange.dtype == "bf16":
+        return jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), jnp.uint16)
+    count, width = rows.shape
+    blocks = rows.reshape(count, width // exchange.block, exchange.block)
+    scale = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / 127.0
+    # A zero block divides by 1; a non-finite one keeps its inf/nan scale, so the decoded
+    # block is non-finite too and the loss scaler sees the overflow.
+    divisor = jnp.where(scale == 0, 1.0, scale)
+    values = jnp.clip(jnp.round(blocks / divisor), -127, 127).astype(jnp.int8)
+    scale_bytes = jax.lax.bitcast_convert_type(scale[..., 0], jnp.int8)  # [R, K / block, 4]
+    return jnp.concatenate([values.reshape(count, width), scale_bytes.reshape(count, -1)], axis=1)
+
+
+def _decode(wire: jax.Array, exchange: Exchange, width: int) -> jax.Array:
+    """The inverse of `_encode`, in fp32: [R, K]."""
+    if exchange.dtype == "bf16":
+        return jax.lax.bitcast_convert_type(wire, jnp.bfloat16).astype(jnp.float32)
+    count = wire.shape[0]
+    values = wire[:, :width].reshape(count, width // exchange.block, exchange.block)
+    scale_bytes = wire[:, width:].reshape(count, width // exchange.block, 4)
+    scale = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    return (values.astype(jnp.float32) * scale[..., None]).reshape(count, width)
+
+
+def _compress(rows, residual, scale, exchange: Exchange):
+    """(wire, new residual): rows plus the carried residual, compressed; what rounding took."""
+    if residual is not None:
+        rows = rows + residual * scale
+    wire = _encode(rows, exchange)
+    if residual is None:
+        return wire, None
+    return wire, (rows - _decode(wire, exchange, rows.shape[1])) / scale
+
+
+def _groups(exchange: Exchange):
+    """(in-host groups, between-host groups) of data-axis indices; None: the whole axis."""
+    if exchange.in_host == 1:
+        return None, None
+    per_host = exchange.in_host
+    in_host = [[h * per_host + i for i in range(per_host)] for h in range(exchange.hosts)]
+    between = [[h * per_host + i for h in range(exchange.hosts)] for i in range(per_host)]
+    return in_host, between
+
+
+def _rows(gradient: jax.Array, leaf: _Leaf, shards: int) -> jax.Array:
+    """One device's block of a shard's gradient as [P, width] rows, row p for shard p."""
+    if leaf.scatter_dim is not None:
+        return jnp.moveaxis(gradient, leaf.scatter_dim, 0).reshape(shards, leaf.width)
+    flat = gradient.reshape(-1)
+    return jnp.pad(flat, (0, shards * leaf.width - flat.size)).reshape(shards, leaf.width)
+
+
+def _from_scattered(piece: jax.Array, leaf: _Leaf, shards: int) -> jax.Array:
+    """The device's reduced piece of a leaf cut along a dimension, in the leaf's layout."""
+    moved = list(leaf.local_shape)
+    moved.insert(0, moved.pop(leaf.scatter_dim))
+    moved[0] //= shards
+    return jnp.moveaxis(piece.reshape(moved), 0, leaf.scatter_dim)
+
+
+def _from_gathered(rows: jax.Array, leaf: _Leaf) -> jax.Array:
+    """A flattened leaf's reduced [P, width] rows back in its local shape."""
+    return rows.reshape(-1)[: math.prod(leaf.local_shape)].reshape(leaf.local_shape)
+
+
+def _pad_columns(rows: jax.Array, width: int) -> jax.Array:
+    return jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
+
+
+def _local_exchange(exchange: Exchange, scale, residual, *gradients):
+    """One device's side of the exchange (inside shard_map): gradients [1, ...] each."""
+    shards, hosts = exchange.shards, exchange.hosts
+    in_host, between = _groups(exchange)
+    leaves = exchange.leaves
+    scattered = [i for i, leaf in enumerate(leaves) if leaf.scatter_dim is not None]
+    flattened = [i for i, leaf in enumerate(leaves) if leaf.scatter_dim is None]
+
+    def section(indices, width):
+        parts = [_rows(gradients[i][0].astype(jnp.float32), leaves[i], shards) for i in indices]
+        joined = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((shards, 0), jnp.float32)
+        return _pad_columns(joined, width)
+
+    # [P, K]: the cut leaves' rows, then the flattened ones', each part padded to a block
+    buffer = jnp.concatenate(
+        [section(scattered, exchange.scattered), section(flattened, exchange.gathered)], axis=1
+    )
+    if in_host is not None:  # scope dcn: first an fp32 reduce-scatter inside each host
+        per_host = buffer.reshape(hosts, exchange.in_host, exchange.row).swapaxes(0, 1)
+        buffer = jax.lax.psum_scatter(
+            per_host, DATA_AXIS, scatter_dimension=0, axis_index_groups=in_host, tiled=True
+        ).reshape(hosts, exchange.row)
+    worker, server = None, None
+    if residual is not None:
+        flat = residual[0]
+        worker = flat[: hosts * exchange.row].reshape(hosts, exchange.row)
+        server = flat[hosts * exchange.row :].reshape(1, exchange.gathered)
+    wire, worker = _compress(buffer, worker, scale, exchange)
+    received = jax.lax.all_to_all(wire, DATA_AXIS, 0, 0, axis_index_groups=between, tiled=True)
+    piece = jnp.sum(_decode(received, exchange, exchange.row), axis=0) / shards  # fp32 sum
+    reduced = []
+    offset = 0
+    for i in scattered:
+        width = leaves[i].width
+        reduced.append((i, _from_scattered(piece[offset : offset + width], leaves[i], shards)))
+        offset += width
+    if flattened:
+        mine = piece[exchange.scattered :][None]
+        wire, server = _compress(mine, server, scale, exchange)
+        gathered = jax.lax.all_gather(wire, DATA_AXIS, axis_index_groups=between, tiled=True)
+        rows = _decode(gathered, exchange, exchange.gathered)  # [H, G]
+        if in_host is not None:  # back inside each host, in fp32
+            rows = jax.lax.all_gather(rows, DATA_AXIS, axis_index_groups=in_host, tiled=False)
+            rows = rows.swapaxes(0, 1).reshape(shards, exchange.gathered)
+        offset = 0
+        for i in flattened:
+            width = leaves[i].width
+            reduced.append((i, _from_gathered(rows[:, offset : offset + width], leaves[i])))
+            offset += width
+    gradients_out = [
+        gradient.astype(gradients[i].dtype) for i, gradient in sorted(reduced, key=lambda x: x[0])
+    ]
+    if residual is None:
+        return gradients_out, None
+    parts = [worker.reshape(-1)] + ([server.reshape(-1)] if server is not None else [])
+    new_residual = jnp.concatenate(parts)
+    new_residual = jnp.pad(new_residual, (0, exchange.residual_width - new_residual.size))
+    return gradients_out, new_residual[None]
+
+
+def exchange_gradients(shard_gradients, comm_state: dict, scale, exchange: Exchange, mesh: Mesh):
+    """(mean gradient, new comm state) from per-shard gradients [P, ...] split over data.
+
+    The mean is fp32, in each leaf's gradient layout (split over data where ZeRO splits the
+    optimizer state); `scale` is the loss scale the gradients carry (1 without fp16).
+    """
+    leaves, treedef = jax.tree.flatten(shard_gradients)
+    residual = comm_state.get("residual")
+    in_specs = (PartitionSpec(), *(leaf.in_spec for leaf in exchange.leaves))
+    out_specs = [leaf.out_spec for leaf in exchange.leaves]
+    if residual is not None:
+        in_specs = (PartitionSpec(), residual_sharding(mesh).spec, *in_specs[1:])
+        out_specs = (out_specs, residual_sharding(mesh).spec)
+
+        def run(scale, residual, *gradients):
+            return _local_exchange(exchange, scale, residual, *gradients)
+    else:
+        out_specs = (out_specs,)
+
+        def run(scale, *gradients):
+            return (_local_exchange(exchange, scale, None, *gradients)[0],)
+
+    scale = jnp.asarray(scale, jnp.float32)
+    arguments = (scale, residual, *leaves) if residual is not None else (scale, *leaves)
+    results = jax.shard_map(
+        run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )(*arguments)
+    gradients = treedef.unflatten(results[0])
+    return gradients, ({"residual": results[1]} if residual is not None else {})
+
+
+def check_model_state(exchange: Exchange | None, abstract_model_state) -> None:
+    """Refuses a model whose forward pass updates state: each data shard would on its own."""
+    if exchange is not None and jax.tree.leaves(abstract_model_state):
+        raise UserError(
+            f"mesh.grad_comm={exchange.dtype} runs each data shard's forward pass on its own, "
+            "and this model keeps state its forward pass updates (BatchNorm statistics): use "
+            "mesh.grad_comm=fp32"
+        )
+
+
+def shard_batch(batch, shards: int):
+    """[B, ...] -> [P, B / P, ...]: data shard p's rows (the contiguous block it holds)."""
+
+    def split(array):
+        per_shard = array.reshape(shards, array.shape[0] // shards, *array.shape[1:])
+        return jax.lax.with_sharding_constraint(
+            per_shard, PartitionSpec(DATA_AXIS, sharding.BATCH_AXES[1:])
+        )
+
+    return jax.tree.map(split, batch)
