@@ -45,11 +45,24 @@ def describe_change(before: dict[str, tuple], after: dict[str, tuple]) -> str:
     return "; ".join(changes)
 
 
-class CompiledStep:
-    """Calls a jitted `step(state, batch)` through executables compiled per batch signature."""
+def one_step_at_a_time(layout: Any, mesh: Any) -> bool:
+    """Whether the train step must finish before the next is dispatched (CompiledStep)."""
+    return layout.exchange is not None and mesh.devices.flat[0].platform == "cpu"
 
-    def __init__(self, jitted: Any, state: Any, batch: Any):
+
+class CompiledStep:
+    """Calls a jitted `step(state, batch)` through executables compiled per batch signature.
+
+    `one_at_a_time`: each call waits for its step to finish before returning. XLA CPU (the
+    simulated devices of tests and CPU runs) can deadlock when one device starts the next
+    step's all-to-all while another is still finishing the current step: each device's
+    collective holds a thread of one shared pool until every device joins it. The loop
+    asks for it where the compressed gradient exchange (grad_comm.py) runs on CPU.
+    """
+
+    def __init__(self, jitted: Any, state: Any, batch: Any, one_at_a_time: bool = False):
         self._jitted = jitted
+        self._one_at_a_time = one_at_a_time
         self._first = signature(batch)
         self._compiled: dict[tuple, Any] = {}
         start = time.perf_counter()
@@ -83,7 +96,8 @@ class CompiledStep:
                     )
                 self._compile(state, batch)
             self._current, self._current_key = self._compiled[key], key
-        return self._current(state, batch)
+        result = self._current(state, batch)
+        return jax.block_until_ready(result) if self._one_at_a_time else result
 
 
 def _key(batch_signature: dict[str, tuple]) -> tuple:

@@ -7,7 +7,11 @@ of `mesh.grad_comm_block` values) about quarters them. Casting before XLA's all-
 would also sum in the low precision; here the sum is fp32:
 
 1. Each data shard computes its own gradient (step.py vmaps the loss over the data
-   shards), so the train step holds it as a [P, ...] array split over `data`.
+   shards), so the train step holds it as a [P, ...] array split over `data`. The step's
+   gradient and loss are then the means over the shards, which equal the whole batch's
+   when every row weighs the same (a loss that weighs rows unequally, by a mask, gets the
+   mean of the shards' means). A model whose forward pass updates state (BatchNorm) is
+   refused: each shard would update it on its own.
 2. Inside one `jax.shard_map` each device lays its gradients out as rows, row p for data
    shard p, every leaf in one buffer (so one collective per step, not one per parameter):
    a leaf the optimizer state splits over data (ZeRO >= 1) is cut along that dimension,
@@ -37,10 +41,12 @@ step the loss scaler skips.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paisoar_jax import output, sharding
@@ -139,6 +145,8 @@ def plan(config: Config, mesh: Mesh, abstract_params, param_shardings, gradient_
             f"{where}; gradients are exchanged in fp32"
         )
         return None
+    if hosts < shards:
+        _check_host_major(mesh, hosts)
     leaves = tuple(
         _leaf(value.shape, param, gradient, mesh, shards)
         for value, param, gradient in zip(
@@ -161,6 +169,19 @@ def plan(config: Config, mesh: Mesh, abstract_params, param_shardings, gradient_
         scattered=_round_up(scattered, block),
         gathered=_round_up(gathered, block),
     )
+
+
+def _check_host_major(mesh: Mesh, hosts: int) -> None:
+    """Scope dcn's in-host groups (`_groups`) must be the devices of one process each."""
+    data = mesh.axis_names.index(DATA_AXIS)
+    processes = np.vectorize(lambda device: device.process_index)(mesh.devices)
+    per_position = np.moveaxis(processes, data, 0).reshape(mesh.shape[DATA_AXIS], -1)
+    for group in np.split(per_position, hosts):
+        if len(set(group.reshape(-1).tolist())) != len(set(group[0].tolist())):
+            raise UserError(
+                "mesh.grad_comm_scope=dcn needs each host's devices together on the data "
+                "axis, and this mesh interleaves them: use mesh.grad_comm_scope=all"
+            )
 
 
 def residual_sharding(mesh: Mesh) -> NamedSharding:
@@ -199,8 +220,9 @@ def _encode(rows: jax.Array, exchange: Exchange) -> jax.Array:
 
 def _decode(wire: jax.Array, exchange: Exchange, width: int) -> jax.Array:
     """The inverse of `_encode`, in fp32: [R, K]."""
-    if exchange.dtype == "bf16":
-        return jax.lax.bitcast_convert_type(wire, jnp.bfloat16).astype(jnp.float32)
+    if exchange.dtype == "bf16":  # bf16 is the high half of an fp32: shift it back there
+        high = jnp.left_shift(wire.astype(jnp.uint32), jnp.uint32(16))
+        return jax.lax.bitcast_convert_type(high, jnp.float32)
     count = wire.shape[0]
     values = wire[:, :width].reshape(count, width // exchange.block, exchange.block)
     scale_bytes = wire[:, width:].reshape(count, width // exchange.block, 4)
@@ -253,95 +275,163 @@ def _pad_columns(rows: jax.Array, width: int) -> jax.Array:
     return jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
 
 
-def _local_exchange(exchange: Exchange, scale, residual, *gradients):
-    """One device's side of the exchange (inside shard_map): gradients [1, ...] each."""
-    shards, hosts = exchange.shards, exchange.hosts
-    in_host, between = _groups(exchange)
-    leaves = exchange.leaves
-    scattered = [i for i, leaf in enumerate(leaves) if leaf.scatter_dim is not None]
-    flattened = [i for i, leaf in enumerate(leaves) if leaf.scatter_dim is None]
+def _split_indices(exchange: Exchange) -> tuple[list[int], list[int]]:
+    """(leaves cut along a dimension, flattened leaves): their order in the buffer."""
+    scattered = [i for i, leaf in enumerate(exchange.leaves) if leaf.scatter_dim is not None]
+    flattened = [i for i, leaf in enumerate(exchange.leaves) if leaf.scatter_dim is None]
+    return scattered, flattened
+
+
+def _buffer(exchange: Exchange, gradients) -> jax.Array:
+    """[P, K] fp32: the cut leaves' rows, then the flattened ones', each part padded."""
+    shards = exchange.shards
 
     def section(indices, width):
-        parts = [_rows(gradients[i][0].astype(jnp.float32), leaves[i], shards) for i in indices]
+        parts = [
+            _rows(gradients[i][0].astype(jnp.float32), exchange.leaves[i], shards) for i in indices
+        ]
         joined = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((shards, 0), jnp.float32)
         return _pad_columns(joined, width)
 
-    # [P, K]: the cut leaves' rows, then the flattened ones', each part padded to a block
-    buffer = jnp.concatenate(
+    scattered, flattened = _split_indices(exchange)
+    return jnp.concatenate(
         [section(scattered, exchange.scattered), section(flattened, exchange.gathered)], axis=1
     )
+
+
+def _as_wire(values: jax.Array, exchange: Exchange) -> jax.Array:
+    """fp32 [R, S] as the wire dtype's words, bit for bit (they ride with the gradients)."""
+    wire_type = jnp.uint16 if exchange.dtype == "bf16" else jnp.int8
+    words = jax.lax.bitcast_convert_type(values, wire_type)  # [R, S, 4 / word bytes]
+    return words.reshape(values.shape[0], -1)
+
+
+def _from_wire(words: jax.Array, count: int) -> jax.Array:
+    """The inverse of `_as_wire`: [R, S] fp32."""
+    return jax.lax.bitcast_convert_type(words.reshape(words.shape[0], count, -1), jnp.float32)
+
+
+def _sum_rows(rows: jax.Array) -> jax.Array:
+    """rows[0] + rows[1] + ...: in that order on every device, as one fused loop.
+
+    XLA CPU's reduce over the leading axis ran ten times slower than these adds.
+    """
+    return functools.reduce(jnp.add, [rows[i] for i in range(rows.shape[0])])
+
+
+def _reduce_scatter(buffer, stats, worker, scale, exchange: Exchange):
+    """(the device's piece of the fp32 mean [K], the stats' sum [S], new worker residual).
+
+    Row p of the buffer goes to data shard p. The stats (each shard's loss and metrics)
+    ride along in fp32 bits, so their sum needs no collective of its own: one that no data
+    depends on could run before the exchange on some devices and after it on others, and
+    XLA CPU, whose collectives each block a thread of one pool until every device joins,
+    can then deadlock.
+    """
+    in_host, between = _groups(exchange)
     if in_host is not None:  # scope dcn: first an fp32 reduce-scatter inside each host
-        per_host = buffer.reshape(hosts, exchange.in_host, exchange.row).swapaxes(0, 1)
-        buffer = jax.lax.psum_scatter(
-            per_host, DATA_AXIS, scatter_dimension=0, axis_index_groups=in_host, tiled=True
-        ).reshape(hosts, exchange.row)
-    worker, server = None, None
-    if residual is not None:
-        flat = residual[0]
-        worker = flat[: hosts * exchange.row].reshape(hosts, exchange.row)
-        server = flat[hosts * exchange.row :].reshape(1, exchange.gathered)
+        rows = jnp.concatenate(
+            [buffer, jnp.broadcast_to(stats, (buffer.shape[0], stats.shape[1]))], 1
+        )
+        per_host = rows.reshape(exchange.hosts, exchange.in_host, rows.shape[1])
+        rows = jax.lax.psum_scatter(
+            per_host.swapaxes(0, 1),
+            DATA_AXIS,
+            scatter_dimension=0,
+            axis_index_groups=in_host,
+            tiled=True,
+        ).reshape(exchange.hosts, rows.shape[1])
+        buffer, stats = rows[:, : exchange.row], rows[:1, exchange.row :]  # the host's sums
     wire, worker = _compress(buffer, worker, scale, exchange)
+    riding = _as_wire(stats, exchange)
+    riding = jnp.broadcast_to(riding, (exchange.hosts, riding.shape[1]))
+    wire = jnp.concatenate([wire, riding], axis=1)
     received = jax.lax.all_to_all(wire, DATA_AXIS, 0, 0, axis_index_groups=between, tiled=True)
-    piece = jnp.sum(_decode(received, exchange, exchange.row), axis=0) / shards  # fp32 sum
-    reduced = []
+    payload, riding = received[:, : -riding.shape[1]], received[:, -riding.shape[1] :]
+    summed = _sum_rows(_decode(payload, exchange, exchange.row))  # the fp32 sum
+    stats_sum = _sum_rows(_from_wire(riding, stats.shape[1]))
+    return summed / exchange.shards, stats_sum, worker
+
+
+def _all_gather(mine, server, scale, exchange: Exchange):
+    """(every device's piece [P, G], new server residual), compressed between the hosts."""
+    in_host, between = _groups(exchange)
+    wire, server = _compress(mine[None], server, scale, exchange)
+    gathered = jax.lax.all_gather(wire, DATA_AXIS, axis_index_groups=between, tiled=True)
+    rows = _decode(gathered, exchange, exchange.gathered)  # [H, G]
+    if in_host is not None:  # back inside each host, in fp32
+        rows = jax.lax.all_gather(rows, DATA_AXIS, axis_index_groups=in_host, tiled=False)
+        rows = rows.swapaxes(0, 1).reshape(exchange.shards, exchange.gathered)
+    return rows, server
+
+
+def _local_exchange(exchange: Exchange, scale, residual, stats, *gradients):
+    """One device's side of the exchange (inside shard_map): gradients [1, ...] each.
+
+    Returns (mean gradients, new residual [1, residual_width or 0], mean stats [S]).
+    """
+    hosts, leaves = exchange.hosts, exchange.leaves
+    worker = server = None
+    if exchange.error_feedback:  # [1, residual_width]: the worker's rows, then its piece's
+        worker = residual[0, : hosts * exchange.row].reshape(hosts, exchange.row)
+        server = residual[0, hosts * exchange.row :][None, : exchange.gathered]
+    piece, stats_sum, worker = _reduce_scatter(
+        _buffer(exchange, gradients), stats, worker, scale, exchange
+    )
+    scattered, flattened = _split_indices(exchange)
+    reduced = {}
     offset = 0
     for i in scattered:
         width = leaves[i].width
-        reduced.append((i, _from_scattered(piece[offset : offset + width], leaves[i], shards)))
+        reduced[i] = _from_scattered(piece[offset : offset + width], leaves[i], exchange.shards)
         offset += width
     if flattened:
-        mine = piece[exchange.scattered :][None]
-        wire, server = _compress(mine, server, scale, exchange)
-        gathered = jax.lax.all_gather(wire, DATA_AXIS, axis_index_groups=between, tiled=True)
-        rows = _decode(gathered, exchange, exchange.gathered)  # [H, G]
-        if in_host is not None:  # back inside each host, in fp32
-            rows = jax.lax.all_gather(rows, DATA_AXIS, axis_index_groups=in_host, tiled=False)
-            rows = rows.swapaxes(0, 1).reshape(shards, exchange.gathered)
+        rows, server = _all_gather(piece[exchange.scattered :], server, scale, exchange)
         offset = 0
         for i in flattened:
             width = leaves[i].width
-            reduced.append((i, _from_gathered(rows[:, offset : offset + width], leaves[i])))
+            reduced[i] = _from_gathered(rows[:, offset : offset + width], leaves[i])
             offset += width
-    gradients_out = [
-        gradient.astype(gradients[i].dtype) for i, gradient in sorted(reduced, key=lambda x: x[0])
-    ]
-    if residual is None:
-        return gradients_out, None
-    parts = [worker.reshape(-1)] + ([server.reshape(-1)] if server is not None else [])
-    new_residual = jnp.concatenate(parts)
-    new_residual = jnp.pad(new_residual, (0, exchange.residual_width - new_residual.size))
-    return gradients_out, new_residual[None]
+    means = [reduced[i].astype(gradients[i].dtype) for i in range(len(leaves))]
+    if not exchange.error_feedback:
+        return means, residual, stats_sum / exchange.shards
+    kept = [worker.reshape(-1)] + ([server.reshape(-1)] if flattened else [])
+    kept = jnp.concatenate(kept)
+    kept = jnp.pad(kept, (0, exchange.residual_width - kept.size))[None]
+    return means, kept, stats_sum / exchange.shards
 
 
-def exchange_gradients(shard_gradients, comm_state: dict, scale, exchange: Exchange, mesh: Mesh):
-    """(mean gradient, new comm state) from per-shard gradients [P, ...] split over data.
+def exchange_gradients(
+    shard_gradients, shard_stats, comm_state: dict, scale, exchange: Exchange, mesh: Mesh
+):
+    """(mean gradient, mean stats, new comm state) from per-shard values split over data.
 
-    The mean is fp32, in each leaf's gradient layout (split over data where ZeRO splits the
-    optimizer state); `scale` is the loss scale the gradients carry (1 without fp16).
+    `shard_gradients`: a tree of [P, ...] arrays; `shard_stats`: [P, S] fp32, each shard's
+    loss and metrics, averaged exactly (in fp32) along the way. The mean gradient is fp32,
+    in each leaf's gradient layout (split over data where ZeRO splits the optimizer state);
+    `scale` is the loss scale the gradients carry (1 without fp16).
     """
     leaves, treedef = jax.tree.flatten(shard_gradients)
     residual = comm_state.get("residual")
-    in_specs = (PartitionSpec(), *(leaf.in_spec for leaf in exchange.leaves))
-    out_specs = [leaf.out_spec for leaf in exchange.leaves]
-    if residual is not None:
-        in_specs = (PartitionSpec(), residual_sharding(mesh).spec, *in_specs[1:])
-        out_specs = (out_specs, residual_sharding(mesh).spec)
-
-        def run(scale, residual, *gradients):
-            return _local_exchange(exchange, scale, residual, *gradients)
-    else:
-        out_specs = (out_specs,)
-
-        def run(scale, *gradients):
-            return (_local_exchange(exchange, scale, None, *gradients)[0],)
-
-    scale = jnp.asarray(scale, jnp.float32)
-    arguments = (scale, residual, *leaves) if residual is not None else (scale, *leaves)
-    results = jax.shard_map(
-        run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )(*arguments)
-    gradients = treedef.unflatten(results[0])
-    return gradients, ({"residual": results[1]} if residual is not None else {})
+    if residual is None:  # no error feedback: an empty row per device
+        residual = jnp.zeros((mesh.size, 0), jnp.float32)
+    rows = residual_sharding(mesh).spec
+    in_specs = (
+        PartitionSpec(),
+        rows,
+        PartitionSpec(DATA_AXIS),
+        *(leaf.in_spec for leaf in exchange.leaves),
+    )
+    out_specs = ([leaf.out_spec for leaf in exchange.leaves], rows, PartitionSpec())
+    gradients, residual, stats = jax.shard_map(
+        functools.partial(_local_exchange, exchange),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+    )(jnp.asarray(scale, jnp.float32), residual, shard_stats.astype(jnp.float32), *leaves)
+    state = {"residual": residual} if exchange.error_feedback else {}
+    return treedef.unflatten(gradients), stats, state
 
 
 def check_model_state(exchange: Exchange | None, abstract_model_state) -> None:

@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from paisoar_jax import heartbeat, oom, output, sharding
-from paisoar_jax.compilation import CompiledStep
+from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
 from paisoar_jax.errors import DivergenceError, UserError
@@ -225,7 +225,8 @@ def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
     limit_bytes = parts.limit_bytes
     with oom.readable_out_of_memory(config, layout, limit_bytes):
         jitted = jit_train_step(layout, parts.task, parts.schedule, config.train.grad_accum, mesh)
-        train_step = CompiledStep(jitted, state, first_batch)
+        one_at_a_time = one_step_at_a_time(layout, mesh)
+        train_step = CompiledStep(jitted, state, first_batch, one_at_a_time=one_at_a_time)
     if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(config, layout, train_step.compiled, limit_bytes)
     return train_step, jit_eval_step(layout, parts.task, mesh)

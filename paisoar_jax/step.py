@@ -198,12 +198,18 @@ def train_step(
             layout=layout,
         )
     else:  # mesh.grad_comm: each data shard's gradient, then the compressed exchange
-        loss, shard_grads, task_metrics, model_state = _per_shard(
+        shard_losses, shard_grads, shard_metrics, model_state = _per_shard(
             state, batch, task, grad_accum, scale, key, layout
         )
-        grads, comm = grad_comm.exchange_gradients(
-            shard_grads, state.comm, scale, layout.exchange, layout.shardings.step.mesh
+        # Loss and metrics ride with the gradients: their means need no collective of their
+        # own (grad_comm._reduce_scatter says why that matters).
+        names = sorted(shard_metrics)
+        shard_stats = jnp.stack([shard_losses, *(shard_metrics[name] for name in names)], 1)
+        mesh = layout.shardings.step.mesh
+        grads, stats, comm = grad_comm.exchange_gradients(
+            shard_grads, shard_stats, state.comm, scale, layout.exchange, mesh
         )
+        loss, task_metrics = stats[0], dict(zip(names, stats[1:], strict=True))
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
     updates, opt_state = layout.optimizer.update(grads, state.opt_state, state.params)
@@ -235,13 +241,14 @@ def train_step(
 
 
 def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layout):
-    """(loss, per-shard gradients [P, ...], metrics, model_state): each data shard on its own.
+    """(losses, gradients, metrics, model_state), each [P, ...]: the data shards on their own.
 
     The loss is vmapped over the data shards (`spmd_axis_name`: shard p runs on its data
     devices, split further over fsdp), with the params shared, so each gradient leaf comes
     back per shard, split over data, for grad_comm.py to exchange. Gradient accumulation
     runs inside each shard: the exchange is once per optimizer step. Shard p's randomness
-    is fold_in(key, p). Loss and metrics are the means over the shards.
+    is fold_in(key, p). The model state comes back as it was: the model has none its
+    forward pass updates (grad_comm.check_model_state).
     """
     shards = layout.exchange.shards
 
@@ -260,12 +267,8 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
             )
 
     per_shard = jax.vmap(one_shard, spmd_axis_name=grad_comm.DATA_AXIS)
-    loss, grads, metrics, model_state = per_shard(
-        grad_comm.shard_batch(batch, shards), jnp.arange(shards)
-    )
-    means = jax.tree.map(lambda value: jnp.mean(value, axis=0), (loss, metrics))
-    # The model has no state its forward pass updates (grad_comm.check_model_state).
-    return means[0], grads, means[1], state.model_state
+    losses, grads, metrics, _ = per_shard(grad_comm.shard_batch(batch, shards), jnp.arange(shards))
+    return losses, grads, metrics, state.model_state
 
 
 def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[str, jax.Array]:

@@ -57,6 +57,7 @@ def _per_call_ms(function, calls: int = CALLS) -> float:
 def bare_loop_ms(config: Config) -> float:
     """Milliseconds per step of the same jitted step fed a fresh host batch each step."""
     from paisoar_jax import sharding
+    from paisoar_jax.compilation import one_step_at_a_time
     from paisoar_jax.state import init_state
     from paisoar_jax.step import jit_train_step
     from paisoar_jax.workload import setup
@@ -73,9 +74,12 @@ def bare_loop_ms(config: Config) -> float:
         batch = lambda: jax.device_put(rng.integers(0, vocab, shape.shape, np.int32), where)
         state, metrics = step(state, batch())  # compiles
         jax.block_until_ready(metrics)
+        one_at_a_time = one_step_at_a_time(run.layout, run.mesh)  # as the loop runs it
         start = time.perf_counter()
         for _ in range(config.train.steps):
             state, metrics = step(state, batch())
+            if one_at_a_time:
+                jax.block_until_ready(metrics)
         jax.block_until_ready(metrics)
     return (time.perf_counter() - start) / config.train.steps * 1e3
 

@@ -6,11 +6,15 @@ built; `--devices N` simulates N devices on CPU) and reports, per device:
 - bytes of params, optimizer state and gradients (from the shardings), and XLA's own
   account of the compiled step (compiled.memory_analysis()): temporaries, inputs, outputs
   not donated, generated code and their total;
-- the collectives one step runs, by kind, with their bytes, read from the compiled HLO
-  (paisoar_jax/tools/hlo.py says how they are counted);
+- the collectives one step runs, by kind and element type (f32; u16 and s8 for the bf16
+  and int8 gradient exchange of mesh.grad_comm), with their bytes, read from the compiled
+  HLO (paisoar_jax/tools/hlo.py says how they are counted);
 - a projected step time on a given link: compute from the model's FLOPs at an assumed share
   of the peak, communication from NCCL's ring-algorithm costs, with no overlap and with
   perfect overlap, and the scaling efficiency compute / (compute + exposed communication).
+
+`--compare-grad-comm` compiles the step for mesh.grad_comm fp32, bf16 and int8 and puts
+their step times and scaling efficiencies on each of LINKS (1gbe .. nvlink) side by side.
 
 The model is bandwidth only: no per-collective latency, and every collective runs over the
 one link given (no ici/dcn split), so many small collectives look cheaper than they are. The
