@@ -17,12 +17,11 @@ manager removes the leftover. Restoring takes an abstract target whose leaves ca
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import types
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grain
@@ -335,8 +334,8 @@ class Checkpointer:
         older = bool(missing)
         if comm_target is None and "comm" not in missing:  # restored as written, then dropped
             target = target.replace(comm=_restorable_as_saved(saved_tree["comm"], target))
-        fields = [field.name for field in dataclasses.fields(target) if field.name not in missing]
-        state_target = {name: getattr(target, name) for name in fields} if older else target
+        names = [field.name for field in fields(target) if field.name not in missing]
+        state_target = {name: getattr(target, name) for name in names} if older else target
         items = {"state": ocp.args.StandardRestore(state_target)}
         holder = IteratorState()
         signature = {"process_count": jax.process_count(), **(input_signature or {})}

@@ -77,8 +77,18 @@ class Exchange:
     shards: int  # P: data shards (mesh data x dcn_data)
     hosts: int  # H: groups the compressed exchange runs between (P when scope is all)
     leaves: tuple[_Leaf, ...]
-    scattered: int  # values per row of the leaves cut along a dimension, padded
-    gathered: int  # values per row of the flattened leaves, padded
+
+    @property
+    def scattered(self) -> int:
+        """Values per row of the leaves cut along a dimension, padded to a block."""
+        widths = (leaf.width for leaf in self.leaves if leaf.scatter_dim is not None)
+        return _round_up(sum(widths), self.block)
+
+    @property
+    def gathered(self) -> int:
+        """Values per row of the flattened leaves, padded to a block."""
+        widths = (leaf.width for leaf in self.leaves if leaf.scatter_dim is None)
+        return _round_up(sum(widths), self.block)
 
     @property
     def in_host(self) -> int:
@@ -156,18 +166,13 @@ def plan(config: Config, mesh: Mesh, abstract_params, param_shardings, gradient_
             strict=True,
         )
     )
-    block = settings.grad_comm_block if settings.grad_comm == "int8" else 1
-    scattered = sum(leaf.width for leaf in leaves if leaf.scatter_dim is not None)
-    gathered = sum(leaf.width for leaf in leaves if leaf.scatter_dim is None)
     return Exchange(
         dtype=settings.grad_comm,
-        block=block,
+        block=settings.grad_comm_block if settings.grad_comm == "int8" else 1,
         error_feedback=settings.grad_comm_error_feedback,
         shards=shards,
         hosts=hosts,
         leaves=leaves,
-        scattered=_round_up(scattered, block),
-        gathered=_round_up(gathered, block),
     )
 
 

@@ -108,6 +108,23 @@ def build_run(overrides, devices, base=TINY):
     return config, mesh, layout, state, train_step
 
 
+def resumable_run(run_dir, overrides, steps):
+    """{step: loss} of a TINY + overrides run to `steps` in run_dir (resuming what is there).
+
+    It logs every step and saves every 3, with a constant learning rate, so a run cut at 3
+    and resumed to 6 follows the schedule of one run of 6.
+    """
+    from paisoar_jax.config import load_config
+    from paisoar_jax.loop import train
+
+    settings = [*TINY, *overrides, f"train.steps={steps}", "train.log_every=1"]
+    settings += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
+    # The same learning rates however long the run: no warmup (it is min(warmup, steps)).
+    settings += ["optim.schedule=constant", "optim.warmup_steps=0"]
+    train(load_config(None, settings))
+    return {record["step"]: record["loss"] for record in run_records(run_dir)}
+
+
 def token_batches(count, batch=16, seq_len=32, seed=0):
     """Fixed random int32 token batches of shape (batch, seq_len + 1)."""
     import numpy as np

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, build_run, run_records, token_batches
+from conftest import TINY, build_run, resumable_run, run_records, token_batches
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paisoar_jax import grad_comm
@@ -209,11 +209,7 @@ def test_an_fp16_overflow_skips_the_step_and_keeps_the_residual(devices):
 
 
 def run_steps(run_dir, overrides, steps):
-    settings = [*TINY, "mesh.data=8", *overrides, f"train.steps={steps}", "train.log_every=1"]
-    settings += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
-    settings += ["optim.schedule=constant", "optim.warmup_steps=0"]
-    train(load_config(None, settings))
-    return {record["step"]: record["loss"] for record in run_records(run_dir)}
+    return resumable_run(run_dir, ["mesh.data=8", *overrides], steps)
 
 
 def saved_residual(run_dir, step):

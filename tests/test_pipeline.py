@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import TINY, build_run, plan_run, run_records, token_batches
+from conftest import TINY, build_run, plan_run, resumable_run, run_records, token_batches
 from flax import nnx
 
 import paisoar_jax
@@ -154,12 +154,7 @@ def test_plan_reports_the_stage_to_stage_bytes_and_the_bubble(repeats, devices):
 
 
 def run_steps(run_dir, mesh, steps):
-    overrides = [*TINY, "model.layers=4", *mesh, f"train.steps={steps}", "train.log_every=1"]
-    overrides += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
-    # The same learning rates however long the run: no warmup (it is min(warmup, steps)).
-    overrides += ["optim.schedule=constant", "optim.warmup_steps=0"]
-    train(load_config(None, overrides))
-    return {record["step"]: record["loss"] for record in run_records(run_dir)}
+    return resumable_run(run_dir, ["model.layers=4", *mesh], steps)
 
 
 @pytest.mark.parametrize(

@@ -218,29 +218,22 @@ def _grad_comm_fixes(run: Run) -> list[str]:
     plan, settings = run.plan, run.config.mesh
     if plan.get("mesh", {}).get("data", 1) <= 1 or settings.grad_comm == "int8":
         return []
-    scope = (
-        " `mesh.grad_comm_scope=dcn` keeps the exchange inside each host in fp32."
-        if settings.dcn_data > 1
-        else ""
+    bf16 = "`mesh.grad_comm=bf16` halves the gradient bytes, " * (settings.grad_comm == "fp32")
+    fix = (
+        f"compress the gradients on the wire: {bf16}`mesh.grad_comm=int8 "
+        "mesh.grad_comm_error_feedback=true` about quarters them; both sum in fp32 on arrival"
     )
-    projected = ""
     comparison = plan.get("grad_comm_comparison", {})
     link = plan.get("link", {}).get("name")
     if link in comparison.get("int8", {}).get("links", {}):
-        times = {name: comparison[name]["links"][link]["time_s"] for name in comparison}
-        projected = (
-            " (plan projects "
-            + ", ".join(f"{name} {times[name]['step_no_overlap'] * 1e3:.3g} ms" for name in times)
-            + f" per step on {link})"
+        steps = ", ".join(
+            f"{name} {setting['links'][link]['time_s']['step_no_overlap'] * 1e3:.3g} ms"
+            for name, setting in comparison.items()
         )
-    start = "`mesh.grad_comm=bf16` halves the gradient bytes, " * (settings.grad_comm == "fp32")
-    return [
-        f"compress the gradients on the wire: {start}`mesh.grad_comm=int8 "
-        "mesh.grad_comm_error_feedback=true` about quarters them; both sum in fp32 on "
-        f"arrival{projected}.{scope}".rstrip(".")
-        + " (`python -m paisoar_jax.plan "
-        "--compare-grad-comm` shows each link)"
-    ]
+        fix += f" (plan projects {steps} per step on {link})"
+    if settings.dcn_data > 1:
+        fix += "; `mesh.grad_comm_scope=dcn` keeps the exchange inside each host in fp32"
+    return [fix + " (`python -m paisoar_jax.plan --compare-grad-comm` shows each link)"]
 
 
 def pipeline_bubble(run: Run) -> Finding | None:

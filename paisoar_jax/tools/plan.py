@@ -200,7 +200,7 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
     schedule = layout.pipeline
     bubble = schedule.bubble if schedule else 0.0
     busy_s = flops / (peak * 1e12 * efficiency)
-    timing = step_times(found, gb_per_s, busy_s, bubble)
+    timing = step_times(by_kind, busy_s, bubble)
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -243,13 +243,13 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
     }, found
 
 
-def step_times(found: list, gb_per_s: float, busy_s: float, bubble: float) -> dict[str, Any]:
-    """Compute, communication and step time of a step's collectives on one link.
+def step_times(by_kind: dict[str, dict], busy_s: float, bubble: float) -> dict[str, Any]:
+    """Compute, communication and step time from a step's collectives timed on one link.
 
-    `busy_s`: the compute without the pipeline `bubble`, which is lost time too.
+    `by_kind`: hlo.totals_by_kind with a bandwidth; `busy_s`: the compute without the
+    pipeline `bubble`, which is lost time too.
     """
     compute_s = busy_s / (1 - bubble)
-    by_kind = hlo.totals_by_kind(found, gb_per_s)
     communication_s = sum(totals.get("seconds", 0.0) for totals in by_kind.values())
     no_overlap_s = compute_s + communication_s
     overlap_s = max(compute_s, communication_s)
@@ -305,7 +305,9 @@ def compare_grad_comm(
                 op.count * op.bytes * hlo.ring_factor(op.kind, op.group_size) for op in found
             ),
             "links": {
-                name: step_times(found, gb_per_s, result["busy_s"], result["bubble"])
+                name: step_times(
+                    hlo.totals_by_kind(found, gb_per_s), result["busy_s"], result["bubble"]
+                )
                 for name, gb_per_s in LINKS.items()
             },
         }
