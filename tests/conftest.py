@@ -2,14 +2,22 @@
 
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compile once per machine: repeated test runs reuse the compiled programs.
-CACHE_DIR = pathlib.Path(os.environ.get("PAISOAR_TEST_CACHE", "/tmp/paisoar_jax_test_cache"))
+# Compile once per test run: every test and every `python -m paisoar_jax.*` child shares one
+# persistent compilation cache in a folder of this run (removed at its end), so a program
+# that several tests build compiles once. PAISOAR_TEST_CACHE names a folder to keep instead
+# (a developer's warm reruns); the README's timings are cold, without it.
+KEEP_CACHE = "PAISOAR_TEST_CACHE" in os.environ
+CACHE_DIR = pathlib.Path(
+    os.environ["PAISOAR_TEST_CACHE"] if KEEP_CACHE else tempfile.mkdtemp(prefix="paisoar-cache-")
+)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -59,6 +67,47 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--all", action="store_true", help="run both tiers: the fast suite and the slow tests"
+    )
+
+
+# For the fast tier only: the CPU backend's code generated without LLVM's optimisations.
+# Its programs are tiny and compiled once or twice each, so compiling is most of their time:
+# this cuts the tier by a quarter. The slow tier keeps the defaults: it runs hundreds of
+# steps, and XLA CPU's in-process collectives, slower unoptimised, can miss their rendezvous
+# deadline on a loaded machine and abort. Users' runs never see it.
+FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def pytest_configure(config):
+    # Before any test touches a device (the backend reads XLA_FLAGS when it starts); the
+    # `python -m paisoar_jax.*` children inherit it.
+    if _fast_tier_only(config):
+        os.environ["XLA_FLAGS"] += " " + FAST_TIER_XLA_FLAGS
+
+
+def _fast_tier_only(config) -> bool:
+    named = any("::" in argument for argument in config.args)
+    return not (config.getoption("--all") or config.getoption("markexpr") or named)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier by default: tests marked slow run with -m slow or --all (or by name)."""
+    if not _fast_tier_only(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not KEEP_CACHE:
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def devices():
     devices = jax.devices()
@@ -81,6 +130,34 @@ def run_module(module, *args, cwd, timeout=300):
         text=True,
         timeout=timeout,
     )
+
+
+def run_modules(commands, cwd, timeout=300):
+    """Runs several `python -m paisoar_jax.<module> args...` at once; their CompletedProcesses.
+
+    For refusals: each process spends its time starting Python and jax, so the cores
+    start many of them side by side in the time of a few.
+    """
+    import subprocess
+
+    processes = [
+        subprocess.Popen(
+            [PYTHON, "-m", f"paisoar_jax.{module}", *args],
+            cwd=cwd,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for module, *args in commands
+    ]
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(
+            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        )
+    return results
 
 
 def plan_run(overrides, devices, base=TINY):
@@ -155,3 +232,48 @@ def token_dataset(tmp_path_factory):
     )
     assert status == 0
     return output
+
+
+def assert_trees_close(actual, expected, rtol: float, what: str = "") -> None:
+    """Each leaf of `actual` equals `expected`'s within rtol of that leaf's largest magnitude.
+
+    A sharded computation sums in another order than one device, so each element carries an
+    error of a few ulps of the *terms* it summed, not of its own value: an element-wise
+    relative check fails on near-zero results (a gradient of 1e-9 among ones of 1e-2) on any
+    fresh venv or busy machine. Measured against the leaf's scale, rtol 1e-4 still catches a
+    wrong shard, a missing reduction or a dropped micro-batch, which are off by the scale.
+    """
+    import jax
+    import numpy as np
+
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    ):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = float(np.abs(b).max()) if b.size else 0.0
+        np.testing.assert_allclose(
+            a, b, rtol=0, atol=rtol * scale, err_msg=f"{what}{jax.tree_util.keystr(path)}"
+        )
+
+
+def assert_steps_match(actual, expected, rtol: float = 1e-3) -> None:
+    """Params after optimizer steps equal the reference's within rtol of each leaf's magnitude.
+
+    `actual`/`expected` are (initial, final) pairs. Adam divides a gradient by its own size,
+    so a near-zero gradient's float noise (another sum order) can move its element by a few
+    percent of a step; the gradients themselves are compared to float tolerance elsewhere.
+    The tolerance is still far under how far the steps moved the params (checked here, so
+    a step that did nothing cannot pass), so a lost or misplaced update is caught.
+    """
+    import jax
+    import numpy as np
+
+    (initial, final), (expected_initial, expected_final) = actual, expected
+    assert_trees_close(initial, expected_initial, 0.0, "initial")
+    assert_trees_close(final, expected_final, rtol, "params")
+    pairs = zip(jax.tree.leaves(expected_final), jax.tree.leaves(expected_initial), strict=True)
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(np.asarray(a)).max() + 1e-30))
+        for a, b in pairs
+    )
+    assert moved > 3 * rtol, f"the steps moved the params by at most {moved:.1e} of their size"

@@ -19,6 +19,7 @@ def test_data_only_times_the_pipeline(tmp_path):
     assert result["tokens_per_s"] == pytest.approx(result["batches_per_s"] * 16 * 32)
 
 
+@pytest.mark.slow
 def test_training_bench_reports_speed_on_synthetic_tokens(tmp_path):
     result = bench(*TINY, "train.steps=6", "train.log_every=2", cwd=tmp_path)
     assert result["mode"] == "train" and result["steps"] == 6
@@ -29,6 +30,7 @@ def test_training_bench_reports_speed_on_synthetic_tokens(tmp_path):
     assert not (tmp_path / "runs" / "bench" / "default" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_overhead_compares_the_loop_with_a_bare_one(tmp_path):
     result = bench("--overhead", "train.steps=40", "train.log_every=20", cwd=tmp_path)
     assert result["mode"] == "overhead" and result["steps"] == 40

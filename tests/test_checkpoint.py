@@ -128,6 +128,7 @@ def flip_bytes(step_dir: pathlib.Path):
     largest.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(run_config(run_dir))  # checkpoints 2 and 4
@@ -182,6 +183,7 @@ def run_config(run_dir, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_resume_settings(tmp_path):
     run_dir = tmp_path / "run"
     first = train(run_config(run_dir))
@@ -203,6 +205,7 @@ def test_resume_settings(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # steps 3, 4 logged once
 
 
+@pytest.mark.slow
 def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
     from paisoar_jax.errors import DivergenceError
 
@@ -226,6 +229,7 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(kept.state))
 
 
+@pytest.mark.slow
 def test_export_params_and_fine_tune_from_them(tmp_path, devices):
     run_dir = tmp_path / "run"
     train(run_config(run_dir))
@@ -293,6 +297,7 @@ def losses_of(run_dir):
     return {record["step"]: record["loss"] for record in records}
 
 
+@pytest.mark.slow
 def test_another_worker_count_continues_the_input_exactly(tmp_path, capsys):
     constant = "optim.schedule=constant"  # a run of 4 steps follows the schedule of one of 6
     train(run_config(tmp_path / "uninterrupted", "train.steps=6", constant))

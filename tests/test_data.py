@@ -96,7 +96,7 @@ def test_resume_continues_after_the_examples_consumed_on_any_process_count():
         np.testing.assert_array_equal(next(resumed), wanted)
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("shuffle", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_whole_batch_reads_follow_grain_s_own_order(shuffle):
     """Sources with read_batch take the one-read-per-batch path; it must give exactly the
     batches of grain's per-example shuffle, repeat and batch (epochs and offsets included)."""
@@ -211,7 +211,7 @@ def test_dataset_that_disagrees_with_the_model_is_refused(token_dataset, data, m
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_iterator_state_resumes_at_exactly_the_next_batch(devices, workers):
     source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
     options = dict(global_batch=4, seed=2, workers=workers)

@@ -86,6 +86,7 @@ def healthy_copy(healthy_run, tmp_path):
     return shutil.copytree(healthy_run, tmp_path / "copy")
 
 
+@pytest.mark.slow
 def test_a_healthy_run_has_no_findings(healthy_run):
     status, out, err = diagnose(healthy_run)
     assert status == 0 and err == ""
@@ -107,6 +108,7 @@ def test_the_command_line_reads_a_run_directory(healthy_run, tmp_path):
     assert completed.stdout.strip().endswith("no findings")
 
 
+@pytest.mark.slow
 def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run):
     """The healthy run again, its grain pipeline given a last stage of 0.5 s per batch.
 
@@ -181,6 +183,7 @@ def test_a_learning_rate_that_diverges(tmp_path, healthy_run):
     assert "`optim.lr=1000` (now 10000)" in finding["fixes"]
 
 
+@pytest.mark.slow
 def test_fp16_forced_overflow_skips_many_steps(tmp_path, devices):
     """fp16 starting at a loss scale of 2^24: the first steps overflow until it falls."""
     run_dir = tmp_path / "run"
@@ -201,6 +204,7 @@ def test_fp16_forced_overflow_skips_many_steps(tmp_path, devices):
     assert any(fix.startswith("`precision.policy=bf16`") for fix in finding["fixes"])
 
 
+@pytest.mark.slow
 def test_fp16_exploding_gradients_collapse_the_loss_scale(tmp_path, devices):
     """A huge step blows the params up: every later step overflows whatever the scale."""
     run_dir = tmp_path / "run"
@@ -399,6 +403,7 @@ def test_an_image_model_run_with_its_plan_is_diagnosed(tmp_path, devices):
     assert "image_size" not in findings.get("communication-bound", {}).get("evidence", "")
 
 
+@pytest.mark.slow
 def test_a_data_parallel_run_bound_by_a_slow_link_is_told_about_grad_comm(healthy_copy):
     """plan --compare-grad-comm on 1 GbE for data=8: the doctor suggests compressing the
     gradients and quotes plan's projected step for each setting."""

@@ -32,6 +32,7 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_own_mlp_learns_the_spirals(tmp_path):
     result = run_example("own_mlp.py", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -39,6 +40,7 @@ def test_own_mlp_learns_the_spirals(tmp_path):
     assert accuracy > 0.95
 
 
+@pytest.mark.slow
 def test_own_transformer_runs_on_fsdp_and_tensor(tmp_path):
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)  # the example asks for its own 4 simulated devices
@@ -51,6 +53,7 @@ def test_own_transformer_runs_on_fsdp_and_tensor(tmp_path):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_fine_tune_starts_from_the_export(tmp_path):
     result = run_example("fine_tune.py", "train.steps=60", "train.log_every=10", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -61,6 +64,7 @@ def test_fine_tune_starts_from_the_export(tmp_path):
     assert tuned[0]["loss"] < pre_trained[0]["loss"] / 2
 
 
+@pytest.mark.slow
 def test_own_grain_pipeline_under_the_launcher(tmp_path):
     """`launch -- python script.py`: two processes, each feeding its own share."""
     launch = ["-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "2", "--"]
@@ -72,6 +76,7 @@ def test_own_grain_pipeline_under_the_launcher(tmp_path):
     assert "[rank 1] eval accuracy" in result.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_continues_bit_for_bit(tmp_path):
     """A fit run stopped by SIGTERM saves and exits 0; rerun, it ends as the uninterrupted one."""
     settings = ["train.steps=40", "train.log_every=1", "checkpoint.every=0"]

@@ -60,6 +60,7 @@ def train_steps(overrides, devices, steps, same_batch=True):
     return losses, state, train_step, batch
 
 
+@pytest.mark.slow
 def test_fp8_trains_like_bf16_and_compiles_to_fp8_matmuls(devices):
     steps = 12  # one batch over and over at full lr: the loss falls steeply in both
     common = ["optim.warmup_steps=0", "optim.schedule=constant"]
@@ -81,6 +82,7 @@ def test_fp8_trains_like_bf16_and_compiles_to_fp8_matmuls(devices):
     assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
 
 
+@pytest.mark.slow
 def test_sharded_fp8_step_matches_one_device(devices):
     """Each amax is the max over the global tensor, so the scales match one device's (to
     the bf16 rounding of gradients summed in another order)."""
@@ -99,6 +101,7 @@ def test_sharded_fp8_step_matches_one_device(devices):
         np.testing.assert_allclose(actual, expected, rtol=5e-2, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_grad_accumulation_threads_the_scaling_state_through_micro_batches(devices):
     overrides = ["precision.policy=fp8", "train.grad_accum=2"]
     _, state, *_ = train_steps(overrides, devices[:1], 1)
@@ -106,6 +109,7 @@ def test_grad_accumulation_threads_the_scaling_state_through_micro_batches(devic
     assert (np.count_nonzero(history, axis=1) == 2).all()  # one entry per micro-batch
 
 
+@pytest.mark.slow
 def test_resume_restores_the_scaling_state_and_continues_exactly(tmp_path):
     common = ["precision.policy=fp8", "model.layers=1", "model.width=32", "model.seq_len=32"]
     common += ["train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]
@@ -125,6 +129,7 @@ def test_fp8_is_refused_for_convolutional_models():
         zoo_workload(load_config(None, [*TINY_RESNET, "precision.policy=fp8"]))
 
 
+@pytest.mark.slow
 def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, capsys):
     common = ["model.layers=1", "model.width=32", "model.seq_len=32", "train.eval_every=0"]
     common += ["train.sample_bytes=0", "run.progress=false", "run.tensorboard=false"]
@@ -141,6 +146,7 @@ def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, ca
     assert "(BatchNorm statistics, fp8 scales): they start afresh" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
     """precision.force_policy on an fp8 model: the skipped matmuls' state is kept, not
     overwritten by a zero gradient (scales of 0 would make the next fp8 step NaN)."""

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, run_module
+from conftest import TINY, run_module, run_modules
 from flax import nnx
 from test_hf import gpt2, llama
 
@@ -24,8 +24,8 @@ PROMPT = [5, 17, 3, 88, 41, 9]
 @pytest.mark.parametrize(
     "overrides",
     [
-        [],
-        ["model.position=rotary", "model.scan_layers=false"],
+        pytest.param([], marks=pytest.mark.slow),
+        pytest.param(["model.position=rotary", "model.scan_layers=false"], marks=pytest.mark.slow),
         ["model.name=llama", "model.kv_heads=2", "model.rope_scaling=llama3"],
     ],
 )
@@ -78,6 +78,7 @@ def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_a_sharded_model_generates_what_one_device_does(imported, devices, tmp_path):
     _, ours = imported["llama"]
     sharded = tmp_path / "sharded"
@@ -93,6 +94,7 @@ def test_a_sharded_model_generates_what_one_device_does(imported, devices, tmp_p
     assert many.generate(PROMPT, 8, **sampled) == one.generate(PROMPT, 8, **sampled)
 
 
+@pytest.mark.slow
 def test_prompts_are_text_through_the_tokenizer_or_bytes(tmp_path):
     import tokenizers
 
@@ -133,18 +135,29 @@ def test_prompts_are_text_through_the_tokenizer_or_bytes(tmp_path):
     assert result.stdout.startswith("def ")
 
 
-@pytest.mark.parametrize(
-    "arguments, message",
-    [
-        (["--prompt", "hello"], "no tokenizer is known for this model"),
-        (["--tokens", "1,2,500"], "token 500 is outside the vocabulary (0..95)"),
-        (["--tokens", "1,x"], "--tokens '1,x' is not a comma-separated list of token ids"),
-        (["--tokens", "1,2", "--max-new", "40"], "need 41 positions, more than the model's 32"),
-        (["--tokens", "1,2", "--max-new", "4", "--top-k", "97"], "--top-k 97 is more than"),
-    ],
-)
-def test_bad_requests_get_one_line_and_exit_2(imported, arguments, message, tmp_path):
-    result = run_module("generate", imported["gpt2"][1], *arguments, cwd=tmp_path)
+BAD_REQUESTS = [
+    (["--prompt", "hello"], "no tokenizer is known for this model"),
+    (["--tokens", "1,2,500"], "token 500 is outside the vocabulary (0..95)"),
+    (["--tokens", "1,x"], "--tokens '1,x' is not a comma-separated list of token ids"),
+    (["--tokens", "1,2", "--max-new", "40"], "need 41 positions, more than the model's 32"),
+    (["--tokens", "1,2", "--max-new", "4", "--top-k", "97"], "--top-k 97 is more than"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused_requests(imported, tmp_path_factory):
+    """Each bad request's run, all started at once: {arguments: CompletedProcess}."""
+    commands = [("generate", imported["gpt2"][1], *arguments) for arguments, _ in BAD_REQUESTS]
+    results = run_modules(commands, cwd=tmp_path_factory.mktemp("refused"))
+    return {
+        tuple(arguments): result
+        for (arguments, _), result in zip(BAD_REQUESTS, results, strict=True)
+    }
+
+
+@pytest.mark.parametrize("arguments, message", BAD_REQUESTS)
+def test_bad_requests_get_one_line_and_exit_2(refused_requests, arguments, message):
+    result = refused_requests[tuple(arguments)]
     assert result.returncode == 2
     assert result.stderr.strip().startswith("paisoar_jax.generate: error: ")
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1

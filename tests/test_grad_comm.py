@@ -31,7 +31,10 @@ def wire_bytes(found, kinds=hlo.KINDS):
     )
 
 
-@pytest.mark.parametrize("dtype, wire_type, ratio", [("bf16", "u16", 1 / 2), ("int8", "s8", 1 / 4)])
+@pytest.mark.parametrize(
+    "dtype, wire_type, ratio",
+    [pytest.param("bf16", "u16", 1 / 2, marks=pytest.mark.slow), ("int8", "s8", 1 / 4)],
+)
 def test_the_exchange_carries_bf16_or_int8_with_the_expected_bytes(
     dtype, wire_type, ratio, devices
 ):
@@ -175,6 +178,7 @@ def steps(overrides, devices, count=3):
     return losses, jax.device_get(state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh",
     [
@@ -193,6 +197,7 @@ def test_compressed_steps_follow_the_fp32_steps(mesh, devices):
         assert losses == pytest.approx(reference, rel=tolerance)
 
 
+@pytest.mark.slow
 def test_an_fp16_overflow_skips_the_step_and_keeps_the_residual(devices):
     """A scale that overflows: the fp32 sum is non-finite, the step is skipped on every
     device, params and error-feedback residual bit-identical."""
@@ -223,6 +228,7 @@ def saved_residual(run_dir, step):
 EF = ["mesh.grad_comm=int8", "mesh.grad_comm_error_feedback=true"]
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_the_error_feedback_residual(tmp_path):
     """Steps 4-6 after a resume at 3 equal the uninterrupted run's, residual and all."""
     whole = run_steps(tmp_path / "whole", EF, 6)
@@ -234,6 +240,7 @@ def test_resume_is_exact_with_the_error_feedback_residual(tmp_path):
     np.testing.assert_array_equal(residual, saved_residual(tmp_path / "whole", 6))
 
 
+@pytest.mark.slow
 def test_a_residual_of_another_mesh_starts_from_zero(tmp_path, capsys):
     """Resuming an error-feedback run on data=4 x fsdp=2: one warning, and it trains on."""
     run_steps(tmp_path / "run", EF, 3)
@@ -280,6 +287,7 @@ def final_eval_loss(run_dir, overrides):
     return [record for record in run_records(run_dir) if "eval_loss" in record][-1]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_compressed_runs_end_200_steps_within_one_percent_of_fp32(tmp_path):
     """bf16 and int8 with error feedback: the eval loss after 200 steps (the default
     model's curves are in benchmarks/RESULTS.md, benchmarks/grad_comm_curves.py)."""

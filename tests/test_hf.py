@@ -165,6 +165,7 @@ def fine_tune(export_dir, run_dir, steps, *extra):
     return [json.loads(line)["loss"] for line in lines]
 
 
+@pytest.mark.slow
 def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(imported, devices, tmp_path):
     _, _, ours = imported["llama"]
     straight = fine_tune(ours, tmp_path / "straight", 20, "optim.schedule=constant")

@@ -191,7 +191,7 @@ def test_two_processes_read_their_rows_of_the_same_global_batches(tmp_path):
     assert sorted(levels[:16]) == sorted(levels[16:]) == [10 * (i + 1) for i in range(16)]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_iterator_state_resumes_at_exactly_the_next_batch(tree, workers):
     source = ImageFolder(tree)
     options = dict(global_batch=4, seed=5, image_size=8, train=True)

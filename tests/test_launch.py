@@ -127,7 +127,6 @@ def one_process_reference(devices, steps, overrides=()):
     return result
 
 
-@pytest.mark.slow
 def test_two_processes_train_like_one_process_with_eight_devices(two_process_run, one_process_run):
     run_dir, result = two_process_run
     assert_same_losses(run_dir, one_process_run)  # the same data order, no batches by hand
@@ -178,7 +177,6 @@ def test_resume_with_the_same_process_count_continues_exactly(two_process_run, t
     assert losses(resumed) == losses(run_dir)  # bit for bit, the data order included
 
 
-@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, one_process_run, tmp_path):
     run_dir, _ = two_process_run
     resumed = cut_at_step_two(run_dir, tmp_path / "run")
@@ -477,6 +475,7 @@ def test_a_bad_launch_is_one_error_line_in_every_mode(mode):
         assert json.loads(lines[0])["level"] == "error"
 
 
+@pytest.mark.slow
 def test_pipeline_stages_across_two_processes_equal_one_process(tmp_path):
     """mesh.dcn_stage=2: each process is one stage, both read the same rows of every batch
     (sharding.input_slot), and the stage-to-stage permutes cross the processes; the losses
@@ -492,6 +491,7 @@ def test_pipeline_stages_across_two_processes_equal_one_process(tmp_path):
     assert two == pytest.approx(one, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_compressed_gradients_on_two_processes_equal_one_process(tmp_path):
     """mesh.grad_comm=int8 with error feedback: 2 processes x 4 devices (dcn_data=2) give
     the losses of the same compressed run on 1 process x 8 devices."""
@@ -503,6 +503,7 @@ def test_compressed_gradients_on_two_processes_equal_one_process(tmp_path):
     assert two == pytest.approx(one, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_scope_dcn_keeps_the_exchange_inside_each_host_in_fp32(tmp_path):
     """grad_comm_scope=dcn on 2 processes: in the compiled train step the gradients are
     reduce-scattered and all-gathered in fp32 among each process's 4 devices, and only

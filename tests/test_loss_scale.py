@@ -162,6 +162,7 @@ def scale_trajectory(overrides, devices, steps=8):
     return trajectory, skipped_params_unchanged
 
 
+@pytest.mark.slow
 def test_sharded_scale_trajectory_equals_one_device(devices):
     reference, ref_unchanged = scale_trajectory(["mesh.data=1"], devices[:1])
     sharded, unchanged = scale_trajectory(["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], devices)

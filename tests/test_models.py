@@ -83,6 +83,7 @@ def test_bf16_policy_runs_matmuls_in_bf16_and_returns_fp32_logits():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params_of(model)))
 
 
+@pytest.mark.slow
 def test_logits_in_the_compute_dtype_give_the_same_loss_and_gradients():
     """model.fp32_logits=false: bf16 logits (half the bytes), the loss still in fp32."""
     from paisoar_jax.config import Config

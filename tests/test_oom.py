@@ -188,6 +188,7 @@ def test_the_limit_comes_from_the_config_or_the_device():
     assert oom.device_limit_bytes(0) is None
 
 
+@pytest.mark.slow
 def test_the_trainer_prints_the_report_for_a_step_over_its_memory_budget(tmp_path):
     """Through `python -m paisoar_jax.train`: the report, no traceback, exit status 2."""
     result = run_module(

@@ -48,7 +48,7 @@ def test_json_mode_writes_one_object_a_line(monkeypatch, capsys):
     ]
 
 
-@pytest.mark.parametrize("mode", ["json", "quiet"])
+@pytest.mark.parametrize("mode", ["json", pytest.param("quiet", marks=pytest.mark.slow)])
 def test_a_training_run_follows_the_switch(mode, tmp_path):
     environment = {**subprocess_env(), "PAISOAR_OUTPUT": mode}
     command = [PYTHON, "-m", "paisoar_jax.train", *TINY, "train.steps=2", "train.eval_every=2"]

@@ -71,6 +71,7 @@ def in_layer_loops(result, kind):
     )
 
 
+@pytest.mark.slow
 def test_data_parallel_all_reduces_the_gradients(plans):
     result = plans["data"]
     assert set(result["collectives"]) == {"all-reduce"}
@@ -83,6 +84,7 @@ def test_data_parallel_all_reduces_the_gradients(plans):
     assert in_layer_loops(result, "all-reduce") == FP32 * block_params(result) * LAYERS
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_reduces_every_micro_batch(plans):
     single, accumulated = plans["data"], plans["accumulate"]
     assert accumulated["collectives"]["all-reduce"]["bytes"] == pytest.approx(
@@ -141,6 +143,7 @@ def test_step_time_adds_compute_and_ring_communication(plans):
     assert efficiency == pytest.approx(times["compute"] / times["step_no_overlap"])
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table_for_the_default_config(tmp_path):
     environment = subprocess_env()
     environment.pop("XLA_FLAGS", None)  # --devices alone must give the 8 devices

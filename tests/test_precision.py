@@ -146,6 +146,7 @@ def test_bf16_non_finite_loss_stops_with_the_step(tmp_path):
     assert "training diverged" in last and "at step " in last
 
 
+@pytest.mark.slow
 def test_fp16_scale_that_keeps_falling_warns_of_divergence(tmp_path):
     # Params blown up by a huge step: every later gradient overflows, however small the scale.
     result = run_train(

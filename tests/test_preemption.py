@@ -82,10 +82,12 @@ def logged_step(run_dir, step):
     return lambda: path.exists() and f'"step": {step},' in path.read_text()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "signal_number, overrides",
-    [(signal.SIGTERM, ("data.workers=1",)), (signal.SIGINT, tuple(SCALED))],
+    [
+        pytest.param(signal.SIGTERM, ("data.workers=1",), marks=pytest.mark.slow),
+        (signal.SIGINT, tuple(SCALED)),
+    ],
     ids=["sigterm-workers", "sigint-fp16-accum-eval"],
 )
 def test_stop_signal_saves_and_resume_continues_exactly(

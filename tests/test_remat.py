@@ -37,6 +37,7 @@ def temporary_bytes(devices, policy):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_needs_at_least_half_less_temporary_memory(devices):
     none, full = temporary_bytes(devices, "none"), temporary_bytes(devices, "full")
     assert none >= 2 * full, (none, full)

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import build_run, token_batches
+from conftest import assert_steps_match, assert_trees_close, build_run, token_batches
 
 from paisoar_jax import memory, sharding
 from paisoar_jax.step import loss_and_grads
@@ -16,6 +16,9 @@ MESHES = {
     "data=4,fsdp=2,zero=1": ["mesh.data=4", "mesh.fsdp=2", "mesh.zero=1"],
     "data=8,zero=3": ["mesh.data=8", "mesh.zero=3"],
 }
+# The fast tier checks two meshes that between them split every axis (test_api adds ZeRO-3
+# for a model of one's own); the slow tier checks the rest.
+FAST_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
 
 
 def three_steps(overrides, devices):
@@ -46,31 +49,23 @@ def reference(devices):
     return three_steps(["mesh.data=1"], devices[:1])
 
 
-def assert_trees_close(actual, expected, rtol, atol):
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
-    ):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
-
-
-@pytest.mark.parametrize("name", MESHES)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=() if name in FAST_MESHES else pytest.mark.slow) for name in MESHES],
+)
 def test_sharded_steps_match_one_device(name, reference, devices):
     result = three_steps(MESHES[name], devices)
-    assert_trees_close(result["initial"], reference["initial"], rtol=0, atol=0)
-    assert_trees_close(result["grads"], reference["grads"], rtol=1e-4, atol=1e-6)
+    assert_trees_close(result["grads"], reference["grads"], rtol=1e-4)
     np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-5)
-    assert_trees_close(result["params"], reference["params"], rtol=1e-4, atol=1e-6)
-    # The steps did update the params (a no-op step would match trivially).
-    moved = (
-        reference["params"]["blocks"]["qkv_kernel"] - reference["initial"]["blocks"]["qkv_kernel"]
-    )
-    assert np.abs(moved).max() > 1e-4
+    pair = lambda run: (run["initial"], run["params"])  # noqa: E731
+    assert_steps_match(pair(result), pair(reference))
 
 
 def spec(array):
     return tuple(array.sharding.spec)
 
 
+@pytest.mark.slow
 def test_layouts_follow_the_rules(devices):
     """Inspect .sharding: where params and Adam moments live under each ZeRO stage."""
     expectations = {
@@ -140,7 +135,11 @@ def test_zero1_shards_only_optimizer_state(devices):
 
 
 @pytest.mark.parametrize(
-    "mesh_overrides", [["mesh.data=2", "mesh.fsdp=2"], ["mesh.data=4", "mesh.zero=1"]]
+    "mesh_overrides",
+    [
+        pytest.param(["mesh.data=2", "mesh.fsdp=2"], marks=pytest.mark.slow),
+        ["mesh.data=4", "mesh.zero=1"],
+    ],
 )
 def test_grad_accumulation_equals_one_big_batch(devices, mesh_overrides):
     big_batch = token_batches(1, batch=16)[0]
@@ -149,17 +148,18 @@ def test_grad_accumulation_equals_one_big_batch(devices, mesh_overrides):
         _, mesh, layout, state, train_step = build_run(
             [*mesh_overrides, f"train.grad_accum={accum}"], devices[:4]
         )
+        initial = jax.device_get(state.params)
         with jax.set_mesh(mesh):
             batch = jax.device_put(big_batch, sharding.batch_sharding(mesh))
             state, metrics = train_step(state, batch)
         results[accum] = (
             float(metrics["loss"]),
             float(metrics["grad_norm"]),
-            jax.device_get(state.params),
+            (initial, jax.device_get(state.params)),
         )
     assert results[4][0] == pytest.approx(results[1][0], rel=1e-5)
     assert results[4][1] == pytest.approx(results[1][1], rel=1e-4)
-    assert_trees_close(results[4][2], results[1][2], rtol=1e-4, atol=1e-6)
+    assert_steps_match(results[4][2], results[1][2])
 
 
 def test_step_makes_no_hidden_host_transfers(devices):
@@ -173,6 +173,7 @@ def test_step_makes_no_hidden_host_transfers(devices):
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_casts_the_weights_before_gathering_them(devices):
     """Under FSDP in bf16 the weights are cast where they are stored (sharded), so the
     all-gathers move bf16; the gradients reaching the optimizer are fp32 and equal those of
@@ -203,4 +204,4 @@ def test_bf16_fsdp_casts_the_weights_before_gathering_them(devices):
     assert '<@mesh, [{}, {"fsdp"}, {}]> : tensor<2x64x256xbf16>' in text
     cast_where_stored, cast_at_use = gradients.values()
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(cast_where_stored))
-    assert_trees_close(cast_where_stored, cast_at_use, rtol=1e-2, atol=1e-5)
+    assert_trees_close(cast_where_stored, cast_at_use, rtol=1e-2)

@@ -37,6 +37,7 @@ def test_tasks_follow_the_model():
     assert isinstance(task_for(load_config(None, [])), LanguageModelling)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh", [["mesh.data=8"], ["mesh.data=2", "mesh.fsdp=4", "mesh.zero=3"]], ids=["dp", "fsdp"]
 )
@@ -60,6 +61,7 @@ def test_sharded_step_with_global_batch_norm_matches_one_device(mesh, devices):
     assert stem_mean.dtype == np.float32 and np.abs(stem_mean).max() > 0
 
 
+@pytest.mark.slow
 def test_accumulation_threads_the_statistics_through_the_micro_batches(devices):
     """grad_accum=2 updates the running statistics once per micro-batch, in order."""
     batch = image_batch()
@@ -81,6 +83,7 @@ def test_accumulation_threads_the_statistics_through_the_micro_batches(devices):
     )
 
 
+@pytest.mark.slow
 def test_eval_uses_the_running_statistics(devices):
     """In eval an image's logits do not depend on the rest of its batch."""
     config, mesh, layout, state, train_step = build_run([], devices[:1], base=TINY_RESNET)
@@ -94,6 +97,7 @@ def test_eval_uses_the_running_statistics(devices):
     assert not np.allclose(model(images[:3], train=True), whole[:3], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_skipped_fp16_step_keeps_the_statistics(devices):
     """An overflowing step leaves params and running statistics as they were."""
     overrides = [
@@ -111,6 +115,7 @@ def test_skipped_fp16_step_keeps_the_statistics(devices):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.model_state), before)
 
 
+@pytest.mark.slow
 def test_resume_restores_the_statistics_and_continues_exactly(tmp_path):
     """Stopping at step 3 and resuming gives the losses and state of an unbroken run."""
     common = [*TINY_RESNET, "train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]
@@ -189,6 +194,7 @@ def test_bad_image_input_gets_one_line_and_exit_2(case, message, tmp_path):
     assert lines[0].startswith("paisoar_jax.train: error: ") and message in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_an_image_folder_trains_with_unreadable_files_skipped(tmp_path, capfd):
     """Real PNGs are decoded, cropped and flipped; the broken file is skipped with a count."""
     folder = image_folder(tmp_path / "images", ["cat", "dog"], files=6)
@@ -209,6 +215,7 @@ def test_an_image_folder_trains_with_unreadable_files_skipped(tmp_path, capfd):
     assert "skipped 1" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
     """The running statistics travel with the params: an export holds them and a run that
     starts from it (checkpoint.init_from) starts from them, not from fresh ones."""

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import yaml
-from conftest import TINY, run_module
+from conftest import TINY, run_module, run_modules
 
 from paisoar_jax.config import load_config
 
@@ -64,29 +64,38 @@ def test_sharded_training_run_writes_its_run_directory(tmp_path):
     assert "sample:" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["train.stepz=3"], "unknown config key train.stepz"),
-        (["train.steps=many"], "train.steps: expected int, got 'many'"),
-        (["mesh.data=3"], "mesh data=3,fsdp=1,tensor=1 needs 3 devices, but 8 are present"),
-        (
-            ["mesh.data=8", "train.global_batch=12"],
-            "train.global_batch=12 is not divisible by the 8 batch shards",
-        ),
-        (["mesh.data=1", "mesh.tensor=8"], "(heads, size 4) is not divisible by mesh tensor=8"),
-        (
-            ["mesh.data=1", "mesh.tensor=8", "model.heads=8", "model.mlp_width=100"],
-            "(mlp, size 100) is not divisible by mesh tensor=8",
-        ),
-        (["--config", "missing.yaml"], "config file not found: missing.yaml"),
-        (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU"),
-        (["data.source=arrayrecord:/no/data"], "arrayrecord:/no/data: no such file or directory"),
-        (["run.dir=/dev/null/run"], "run.dir /dev/null/run is not writable"),
-    ],
-)
-def test_bad_input_gets_one_line_and_exit_2(args, message, tmp_path):
-    result = run_train(*TINY, *args, cwd=tmp_path, timeout=120)
+BAD_INPUTS = [
+    (["train.stepz=3"], "unknown config key train.stepz"),
+    (["train.steps=many"], "train.steps: expected int, got 'many'"),
+    (["mesh.data=3"], "mesh data=3,fsdp=1,tensor=1 needs 3 devices, but 8 are present"),
+    (
+        ["mesh.data=8", "train.global_batch=12"],
+        "train.global_batch=12 is not divisible by the 8 batch shards",
+    ),
+    (["mesh.data=1", "mesh.tensor=8"], "(heads, size 4) is not divisible by mesh tensor=8"),
+    (
+        ["mesh.data=1", "mesh.tensor=8", "model.heads=8", "model.mlp_width=100"],
+        "(mlp, size 100) is not divisible by mesh tensor=8",
+    ),
+    (["--config", "missing.yaml"], "config file not found: missing.yaml"),
+    (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU"),
+    (["data.source=arrayrecord:/no/data"], "arrayrecord:/no/data: no such file or directory"),
+    (["run.dir=/dev/null/run"], "run.dir /dev/null/run is not writable"),
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Each bad input's run, all started at once: {args: CompletedProcess}."""
+    cwd = tmp_path_factory.mktemp("refusals")
+    commands = [("train", *TINY, *args) for args, _ in BAD_INPUTS]
+    results = run_modules(commands, cwd=cwd, timeout=180)
+    return {tuple(args): result for (args, _), result in zip(BAD_INPUTS, results, strict=True)}
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS)
+def test_bad_input_gets_one_line_and_exit_2(refusals, args, message):
+    result = refusals[tuple(args)]
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -94,6 +103,7 @@ def test_bad_input_gets_one_line_and_exit_2(args, message, tmp_path):
     assert message in lines[0]
 
 
+@pytest.mark.slow
 def test_grain_workers_from_the_command_line(tmp_path):
     result = run_train(
         *TINY, "data.workers=1", "train.steps=3", "train.eval_every=0", "mesh.data=8", cwd=tmp_path

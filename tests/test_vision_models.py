@@ -356,6 +356,7 @@ def gradients(name, remat):
     return jax.jit(jax.grad(loss, has_aux=True))(pure(params), pure(batch_stats))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, remat", [("resnet18", "full"), ("vit_tiny", "minimal")])
 def test_remat_gives_the_same_gradients(name, remat):
     graphdef, state = abstract_model(TINY[name], remat=remat)
