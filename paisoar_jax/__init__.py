@@ -3,7 +3,9 @@
 Sharded over a device mesh, mixed precision, checkpointed; see README.md for the tour. The
 public API (paisoar_jax/api.py and the helpers a model of one's own uses):
 
-    fit(config, overrides, *, model, loss, optimizer, data, eval_data)  train
+    fit(config, overrides, *, model, loss, optimizer, data, eval_data)  train; returns a
+                                           FitResult: the summary and .model, the trained module
+    load(run_dir_or_step, model=factory)   the trained module again, from disk
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
     export_run(run_dir, output)            a run's weights, for checkpoint.init_from
     initialize()                           join a multi-process run (fit does it itself)
@@ -24,6 +26,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "fit": "paisoar_jax.api",
+    "FitResult": "paisoar_jax.api",
+    "load": "paisoar_jax.api",
     "plan_fit": "paisoar_jax.api",
     "bench_fit": "paisoar_jax.api",
     "initialize": "paisoar_jax.api",
@@ -38,6 +42,10 @@ _EXPORTS = {
     "UserError": "paisoar_jax.errors",
 }
 __all__ = [*_EXPORTS, "__version__"]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def __getattr__(name: str):

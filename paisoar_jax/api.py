@@ -28,6 +28,7 @@ from paisoar_jax.config import (
     Config,
     CustomModelConfig,
     LanguageModelConfig,
+    RunConfig,
     config_from_dict,
     load_config,
     to_dict,
@@ -36,6 +37,17 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.tools import cli
 
 ConfigLike = Config | str | pathlib.Path | None
+
+
+class FitResult(dict):
+    """The run's summary (a dict: steps, loss, eval_loss, run_dir, ...) and `.model`.
+
+    `.model` is the trained module as the factory builds it, holding the trained weights,
+    for inference in plain Python (see paisoar_jax/trained.py); None when fit trained a
+    zoo model (there `paisoar_jax.load` or `python -m paisoar_jax.export` serve).
+    """
+
+    model: Any = None
 
 
 def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> Config:
@@ -71,7 +83,7 @@ def initialize(config: ConfigLike = None) -> None:
 def build_workload(
     config: Config,
     *,
-    model: Callable | None = None,
+    model: Any = None,
     loss: Callable | None = None,
     optimizer: Any = None,
     data: Any = None,
@@ -90,8 +102,7 @@ def build_workload(
             raise UserError("loss and data go with a model of your own: pass model= too")
         zoo = zoo_workload(config)
         return config, Workload(zoo.model, zoo.task, optimizer, follows_policy=True)
-    if not callable(model):
-        raise UserError(f"model must be a function rngs -> nnx.Module, got {type(model).__name__}")
+    model = as_factory(model)
     if not callable(loss):
         raise UserError("a model of your own needs loss=: (model, batch, rng) -> (loss, metrics)")
     if data is None:
@@ -103,6 +114,10 @@ def build_workload(
     name = f"{getattr(model, '__module__', '?')}.{getattr(model, '__qualname__', repr(model))}"
     sections = to_dict(config)
     sections["model"] = {"name": "custom", "factory": name}
+    if not config.run.dir and config.run.name == RunConfig().name:
+        # Each program its own runs/<name>: two scripts (or a script and the CLI's default
+        # run) never resume each other's checkpoints.
+        sections["run"]["name"] = _program_name(model)
     config = config_from_dict(sections)
     task = CustomTask(
         loss,
@@ -112,6 +127,39 @@ def build_workload(
         flops_per_example,
     )
     return config, Workload(model, task, optimizer)
+
+
+def as_factory(model: Any) -> Callable:
+    """`model` as a function rngs -> nnx.Module: a factory as it is, an instance copied.
+
+    An instance's weights are the start of the run; the instance itself is not changed.
+    """
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+
+        def copy(rngs: Any) -> Any:
+            return nnx.merge(graphdef, state)
+
+        copy.__name__ = copy.__qualname__ = type(model).__name__
+        copy.__module__ = type(model).__module__
+        return copy
+    if not callable(model):
+        raise UserError(
+            f"model must be an nnx.Module or a function rngs -> nnx.Module, got "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
+def _program_name(model: Callable) -> str:
+    """The running script's name (`python my_run.py`: my_run), else the model's."""
+    script = pathlib.Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is not None and script.suffix == ".py" and script.stem != "__main__":
+        return script.stem
+    name = getattr(model, "__name__", type(model).__name__)
+    return name if name.isidentifier() else "fit"  # a lambda
 
 
 def _run(program: str, work: Callable[[], Any], exit_on_error: bool) -> Any:
@@ -130,29 +178,35 @@ def fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: Callable | None = None,
+    model: Any = None,
     loss: Callable | None = None,
     optimizer: Any = None,
     data: Any = None,
     eval_data: Any = None,
     flops_per_example: float | None = None,
     exit_on_error: bool = True,
-) -> dict[str, Any]:
-    """Trains `model` on `data` with `loss` as the config says; returns the run's summary.
+    raise_on_interrupt: bool = True,
+) -> FitResult:
+    """Trains `model` on `data` with `loss` as the config says; the summary and the model.
 
-    model: `rngs -> nnx.Module` (called abstractly: nothing full-size on one device).
+    model: `rngs -> nnx.Module` (called abstractly: nothing full-size on one device), or
+        an nnx.Module instance whose weights are the start (placed with the shardings).
     loss: `(model, batch, rng) -> (scalar loss, {name: scalar})`, taken in fp32.
     optimizer: an optax GradientTransformation, or a function of the config's lr
         schedule that returns one; default: the config's optim section. Clipping
         (optim.clip_norm), the loss scaler and grad accumulation wrap it either way.
-    data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array
-        or dict of arrays) or batches (a grain IterDataset or a re-iterable of per-process
-        batches); eval_data None: no eval.
+    data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array,
+        a dict or an (x, y) tuple of arrays) or batches (a grain IterDataset or a
+        re-iterable of per-process batches); eval_data None: no eval. Both are checked
+        against the loss before the first step.
     flops_per_example: training FLOPs per example, for MFU (None: MFU not reported).
+    raise_on_interrupt: Ctrl-C saves a checkpoint, then raises KeyboardInterrupt out of
+        fit (so a script stops there); False returns the result as for a finished run.
+    Returns a FitResult: the summary fields, and `.model`, the trained module.
     """
 
-    def work() -> dict[str, Any]:
-        from paisoar_jax.loop import train
+    def work() -> FitResult:
+        from paisoar_jax import loop, trained
 
         resolved = resolve_config(config, overrides)
         distributed.initialize(resolved.distributed, program="paisoar_jax.fit")
@@ -165,9 +219,27 @@ def fit(
             eval_data=eval_data,
             flops_per_example=flops_per_example,
         )
-        return train(resolved, run_workload)
+        finished = loop.run(resolved, run_workload)
+        if raise_on_interrupt and finished.summary.get("stopped_by") == "SIGINT":
+            raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")
+        result = FitResult(finished.summary)
+        if model is not None:
+            result.model = trained.model_with(
+                run_workload.model, finished.state.params, finished.state.model_state
+            )
+        return result
 
     return _run("paisoar_jax.fit", work, exit_on_error)
+
+
+def load(path: str | pathlib.Path, model: Callable, *, exit_on_error: bool = True) -> Any:
+    """The module `model` (rngs -> nnx.Module) builds, holding a run's trained weights.
+
+    `path`: a run directory (its newest checkpoint), a checkpoint step or an export.
+    """
+    from paisoar_jax import trained
+
+    return _run("paisoar_jax.load", lambda: trained.load(path, as_factory(model)), exit_on_error)
 
 
 def plan_fit(

@@ -319,7 +319,14 @@ class Checkpointer:
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = meta["meta"]
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
-        check_compatible(saved_tree, target, step_dir)
+        try:
+            check_compatible(saved_tree, target, step_dir)
+        except UserError as error:  # most often: another model's run in the same directory
+            raise UserError(
+                f"{error}. If that is another run's, give this one its own directory "
+                f"(run.name=... or run.dir=...); checkpoint.resume=never refuses a directory "
+                f"that holds checkpoints instead of resuming from them"
+            ) from None
         # Written before the state had model_state (0.1 checkpoints of models without
         # BatchNorm) or comm (before grad_comm): restore the fields it has, the missing ones
         # are empty here anyway.

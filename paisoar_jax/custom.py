@@ -11,6 +11,7 @@ running statistics) and a fixed key.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -91,21 +92,44 @@ class CustomTask:
         return None
 
     def prepare(self, layout, global_batch: int) -> None:
-        """Checks the batch against train.global_batch and the loss's return, abstractly."""
+        """Checks the batches of data and eval_data against the loss, abstractly.
+
+        Before the first step (and not at the first eval, 50 steps in): the loss is traced
+        on one global batch of each, in train mode and in eval mode, and must return
+        (scalar, {name: scalar}); an error it raises on a batch names that input.
+        """
         batch = self.batch_shape(global_batch)
-        if self.eval_data is not None:
-            self.eval_data.batch_spec(global_batch)
+        eval_batch = None if self.eval_data is None else self.eval_data.batch_spec(global_batch)
 
-        def probe(params, model_state, batch):
+        def probe(params, model_state, batch, key, train):
             model = nnx.merge(layout.graphdef, params, model_state)
-            return self.user_loss(model, jax.tree.map(self.policy.cast_to_compute, batch), _KEY)
+            if not train:
+                model.eval()
+            return self.user_loss(model, jax.tree.map(self.policy.cast_to_compute, batch), key)
 
-        abstract = layout.abstract_state
-        result = jax.eval_shape(probe, abstract.params, abstract.model_state, batch)
-        self.metric_names = _check_loss_result(result)
-
-
-_KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        # The key is a real one (the kind the step passes: raw uint32[2]), traced like the
+        # step's: a loss may hand it to nnx.Dropout or jax.random as it will in training.
+        abstract, key = layout.abstract_state, jax.random.PRNGKey(0)
+        results = {}
+        for name, spec, train in (("data", batch, True), ("eval_data", eval_batch, False)):
+            if spec is None:
+                continue
+            trace = functools.partial(probe, train=train)
+            try:
+                results[name] = jax.eval_shape(
+                    trace, abstract.params, abstract.model_state, spec, key
+                )
+            except UserError:
+                raise
+            except Exception as error:
+                raise UserError(
+                    f"{name}: the loss fails on its batches ({_shapes(spec)}): "
+                    f"{type(error).__name__}: {_first_line(error)}"
+                ) from None
+        self.metric_names = _check_loss_result(results["data"])
+        eval_names = _check_loss_result(results["eval_data"]) if eval_batch else None
+        if eval_names is not None and set(eval_names) != set(self.metric_names):
+            raise UserError("eval_data: the loss returns other metrics on it than on data")
 
 
 def _check_loss_result(result: Any) -> tuple[str, ...]:
@@ -128,6 +152,21 @@ def _check_loss_result(result: Any) -> tuple[str, ...]:
         if not _is_scalar(value):
             raise UserError(f"loss: metric {name!r} must be a scalar, got {_describe(value)}")
     return tuple(metrics)
+
+
+def _shapes(spec: Any) -> str:
+    """A batch's structure in short: `x: float32[16, 8], y: int32[16]`."""
+    flat = jax.tree_util.tree_leaves_with_path(spec)
+    return ", ".join(
+        f"{jax.tree_util.keystr(path).strip('[]').strip(chr(39)) or 'batch'}: "
+        f"{leaf.dtype}{list(leaf.shape)}"
+        for path, leaf in flat
+    )
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _is_scalar(value: Any) -> bool:

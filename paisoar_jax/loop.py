@@ -72,11 +72,25 @@ def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
     return bool(np.any(flags))
 
 
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A run's end: its summary, the final train state and the layout that reads it."""
+
+    summary: dict[str, Any]
+    state: Any
+    layout: StateLayout
+
+
 def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
     """Trains as configured and returns the run's summary (also printed as one line).
 
     `workload`: the model, task and optimizer to train; default: the config's zoo model.
     """
+    return run(config, workload).summary
+
+
+def run(config: Config, workload: Workload | None = None) -> Finished:
+    """Trains as configured; the summary with the final state (what `fit` hands back)."""
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
     train_source, eval_source = task.open_sources()
@@ -105,15 +119,16 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
                     f"{run_dir} already finished {start_step} steps (train.steps="
                     f"{config.train.steps}); raise train.steps to go on, or use another run.dir"
                 )
-            return {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
+            summary = {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
+            return Finished(summary, state, run.layout)
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
         parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source, limit_bytes)
-        summary = _run_loop(parts, checkpointer, stop, state, start_step, batches)
+        summary, state = _run_loop(parts, checkpointer, stop, state, start_step, batches)
     if is_main:
         _print_summary(summary, task)
-    return summary
+    return Finished(summary, state, run.layout)
 
 
 def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -> None:
@@ -178,8 +193,11 @@ class Instruments:
         self.writer.close()
 
 
-def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batches) -> dict:
-    """Compiles the step, then runs it from start_step + 1: log, eval, save, stop."""
+def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batches):
+    """Compiles the step, then runs it from start_step + 1: log, eval, save, stop.
+
+    Returns (summary, final state).
+    """
     train_config, steps = parts.config.train, parts.config.train.steps
     first_batch = next(batches)
     train_step, eval_step = _compile(parts, state, first_batch)
@@ -216,7 +234,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
     summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
     sample = None if stopped_by else parts.task.closing_sample(parts.layout, state, parts.mesh)
-    return summary if sample is None else {**summary, "sample": sample}
+    return (summary if sample is None else {**summary, "sample": sample}), state
 
 
 def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:

@@ -9,6 +9,16 @@ autocast(enabled=False) or custom_fwd do):
 - a function: decorate it with `@fp32_function`; its floating inputs arrive in fp32;
 - a submodule: `force_policy(model.blocks, "fp32")` before training (for a model of one's
   own, in the factory given to fit); every module under it computes in fp32 from then on.
+
+A model of one's own built from flax's layers follows the policy through `follow_policy`:
+each Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Embed and MultiHeadAttention left
+at `dtype=None` computes in the compute dtype (flax casts its inputs, kernel and bias to it),
+and each LayerNorm, RMSNorm, GroupNorm and BatchNorm outputs the compute dtype while flax
+keeps its statistics in fp32. A layer given a dtype of its own keeps it (an Embed's dtype
+equal to its param_dtype counts as flax's default). What stays as the user wrote it: their
+own jnp math (it sees compute-dtype activations and weights), the
+softmax inside MultiHeadAttention (flax's, in the compute dtype after its max-subtraction)
+and the loss (cast its logits to fp32 before a cross-entropy; the returned loss is fp32).
 """
 
 from __future__ import annotations
@@ -80,6 +90,53 @@ def force_policy(module, name: str) -> None:
             continue
         if isinstance(getattr(submodule, "policy", None), Policy | None):
             submodule.policy = policy
+
+
+# flax layers whose `dtype` is the dtype they compute in (matmuls, convolutions, lookups) or,
+# for the norms, the dtype of their output (their statistics are fp32 whatever it is).
+POLICY_LAYERS = (
+    nnx.Linear,
+    nnx.LinearGeneral,
+    nnx.Einsum,
+    nnx.Conv,
+    nnx.ConvTranspose,
+    nnx.Embed,
+    nnx.MultiHeadAttention,
+    nnx.LayerNorm,
+    nnx.RMSNorm,
+    nnx.GroupNorm,
+    nnx.BatchNorm,
+)
+
+
+def follow_policy(model: nnx.Module, policy: Policy) -> int:
+    """Sets the compute dtype on every flax layer of `model` left at dtype=None.
+
+    A layer under a module `force_policy` marked takes that module's policy. Returns how
+    many layers were set (0 under fp32, where None already means fp32 for fp32 inputs).
+    """
+    forced = {
+        path: module.policy
+        for path, module in nnx.iter_modules(model)
+        if isinstance(getattr(module, "policy", None), Policy)
+    }
+    changed = 0
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, POLICY_LAYERS) or not _dtype_left_unset(module):
+            continue
+        owner = next((path[:n] for n in range(len(path), -1, -1) if path[:n] in forced), None)
+        compute = (forced[owner] if owner is not None else policy).compute_dtype
+        if compute != jnp.float32:
+            module.dtype = compute
+            changed += 1
+    return changed
+
+
+def _dtype_left_unset(layer: nnx.Module) -> bool:
+    """Whether a flax layer's dtype is its default (nnx.Embed turns None into param_dtype)."""
+    if isinstance(layer, nnx.Embed):
+        return layer.dtype == layer.param_dtype
+    return layer.dtype is None
 
 
 def float32_island(x: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax import pipeline, remat, sharding
+from paisoar_jax import pipeline, precision, remat, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
@@ -111,6 +111,8 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
                 return workload.model(nnx.Rngs(params=seed))
             model = workload.model(nnx.Rngs(seed))
             remat.remat_blocks(model, config.remat.blocks, policy_name)
+            # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
+            precision.follow_policy(model, precision.get_policy(config.precision.policy))
         if policy_name != "none" and not (built.wrapped or config.remat.blocks):
             raise UserError(
                 f"remat.policy={policy_name} applies to no block of this model: name them with "

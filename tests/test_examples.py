@@ -131,3 +131,5 @@ def test_the_readme_program_runs(tmp_path):
     result = run_python(str(script), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "paisoar_jax: done: 200 steps" in result.stdout
+    # Its own run directory, named after the script: not the CLI's runs/default.
+    assert (tmp_path / "runs" / "readme_program" / "metrics.jsonl").is_file()

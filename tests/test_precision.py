@@ -5,6 +5,8 @@ import subprocess
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from conftest import PYTHON, subprocess_env
 from flax import nnx
@@ -163,3 +165,131 @@ def test_fp16_scale_that_keeps_falling_warns_of_divergence(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert records[-1]["skipped_steps"] >= 5
     assert records[-1]["loss_scale"] <= 2.0**15 / 2**5
+
+
+# Models of one's own, written with plain flax layers and no dtype anywhere: the policy must
+# still decide their arithmetic (issue 30).
+class OwnCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 16, (3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, images, rng=None):
+        x = jax.nn.relu(self.norm(self.conv(images)))
+        x = self.drop(x, rngs=rng) if rng is not None else x
+        return self.head(x.mean(axis=(1, 2)))
+
+
+class OwnMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden, self.out = nnx.Linear(8, 64, rngs=rngs), nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x, rng=None):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+class OwnTransformer(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(4, 16, decode=False, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, tokens, rng=None):
+        x = self.embed(tokens)
+        x = x + self.attention(self.norm(x))
+        x = x + self.fc2(jax.nn.gelu(self.fc1(x)))
+        return self.head(x.mean(axis=1))
+
+
+def own_loss(model, batch, rng):
+    logits = model(batch["x"], rng).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+OWN_DATA = {
+    "cnn": lambda rng: rng.normal(size=(64, 8, 8, 3)).astype(np.float32),
+    "mlp": lambda rng: rng.normal(size=(64, 8)).astype(np.float32),
+    "transformer": lambda rng: rng.integers(0, 32, (64, 6)).astype(np.int32),
+}
+OWN_MODELS = {"cnn": OwnCNN, "mlp": OwnMLP, "transformer": OwnTransformer}
+HEAVY = ("dot_general", "conv_general_dilated")
+# Each model's first kernel split over its output features (tensor parallelism).
+TENSOR_RULES = {
+    "cnn": 'sharding.rules=[["conv\\\\.kernel", [null, null, null, tensor]]]',
+    "mlp": 'sharding.rules=[["hidden\\\\.kernel", [null, tensor]]]',
+    "transformer": 'sharding.rules=[["fc1\\\\.kernel", [null, tensor]]]',
+}
+
+
+def own_step_jaxpr(kind, overrides):
+    from paisoar_jax import api
+    from paisoar_jax.step import jit_train_step
+    from paisoar_jax.workload import setup
+
+    rng = np.random.default_rng(0)
+    data = {"x": OWN_DATA[kind](rng), "y": rng.integers(0, 10, 64).astype(np.int32)}
+    base = ["train.global_batch=16", "run.progress=false", "run.tensorboard=false"]
+    config = api.resolve_config(None, [*base, *overrides])
+    config, workload = api.build_workload(
+        config, model=OWN_MODELS[kind], loss=own_loss, optimizer=optax.adam(1e-3), data=data
+    )
+    run = setup(config, workload, jax.devices())
+    step = jit_train_step(run.layout, run.task, run.schedule, config.train.grad_accum, run.mesh)
+    with jax.set_mesh(run.mesh):
+        return step.trace(run.layout.abstract_state, run.task.batch_shape(16)).jaxpr
+
+
+@pytest.mark.parametrize("kind", OWN_MODELS)
+@pytest.mark.parametrize(
+    "policy, mesh",
+    [
+        ("bf16", ["mesh.data=8"]),
+        ("fp16", ["mesh.data=8", "mesh.zero=3", "sharding.min_split_size=16"]),
+        ("bf16", ["mesh.data=2", "mesh.tensor=4", "rules"]),
+    ],
+    ids=["bf16-data", "fp16-zero3", "bf16-tensor-rules"],
+)
+def test_a_plain_nnx_model_computes_in_the_policy_dtype(kind, policy, mesh):
+    """Every matmul and convolution of the train step (forward and backward) takes operands
+    in the compute dtype, though no layer was given a dtype."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[policy]
+    mesh = [TENSOR_RULES[kind] if override == "rules" else override for override in mesh]
+    eqns = list(equations(own_step_jaxpr(kind, [f"precision.policy={policy}", *mesh]).jaxpr))
+    heavy = [e for e in eqns if e.primitive.name in HEAVY]
+    assert heavy
+    # The one exception, upstream: jax's attention (which nnx.MultiHeadAttention calls)
+    # accumulates the scores in fp32, so their gradient reaches the two score products of
+    # the backward pass in fp32 beside a compute-dtype operand.
+    score_backward = [e for e in heavy if _is_attention_score_backward(e)]
+    assert len(score_backward) == (4 if kind == "transformer" else 0)
+    dtypes = {str(v.aval.dtype) for e in heavy if e not in score_backward for v in e.invars}
+    assert dtypes == {jnp.dtype(dtype).name}, dtypes
+    if kind == "cnn":
+        assert any(e.primitive.name == "conv_general_dilated" for e in heavy)
+    # The norms' statistics stay fp32 (flax's): a mean of squares in fp32.
+    if kind in ("cnn", "transformer"):
+        assert any(
+            e.primitive.name == "rsqrt" and e.outvars[0].aval.dtype == jnp.float32 for e in eqns
+        )
+
+
+def _is_attention_score_backward(eqn) -> bool:
+    stack = str(eqn.source_info.name_stack)
+    return stack.startswith("transpose(") and ("BNTS" in stack)
+
+
+def test_a_layer_forced_to_fp32_or_given_a_dtype_keeps_it():
+    from paisoar_jax.precision import follow_policy
+
+    model = OwnTransformer(nnx.Rngs(0))
+    model.fc2 = nnx.Linear(64, 16, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    force_policy(model.attention, "fp32")
+    assert follow_policy(model, get_policy("bf16")) > 0
+    assert model.fc1.dtype == jnp.bfloat16 and model.embed.dtype == jnp.bfloat16
+    assert model.fc2.dtype == jnp.float32  # the user's own choice
+    assert model.attention.dtype is None and model.attention.query.dtype is None  # forced fp32
+    assert follow_policy(OwnMLP(nnx.Rngs(0)), get_policy("fp32")) == 0

@@ -3,12 +3,14 @@
 Two kinds, told apart by type:
 
     examples   a grain MapDataset, any random-access source (`__len__` + `__getitem__`,
-               e.g. grain's ArrayRecordDataSource), a numpy array or a dict of equally
-               long numpy arrays (rows are examples). They go through the global sampler
-               (`pipeline`): the whole dataset shuffled by the run's seed, anew each
-               epoch, cut into `train.global_batch` examples per step, each process reading
-               its own rows; the same order on any topology.
-    batches    a grain IterDataset or any re-iterable (a list, an object with __iter__) of
+               e.g. grain's ArrayRecordDataSource), a numpy array, or a dict or tuple
+               of equally long numpy arrays (rows are examples; `(x, y)` as in Keras:
+               the loss then gets an (x, y) tuple of batch arrays). They go through the
+               global sampler (`pipeline`): the whole dataset shuffled by the run's seed,
+               anew each epoch, cut into `train.global_batch` examples per step, each
+               process reading its own rows; the same order on any topology.
+    batches    a grain IterDataset or any re-iterable (a list, an object with __iter__, a
+               tuple of dicts) of
                per-process batches: an array or a dict of arrays, each with
                global_batch / readers rows, where `paisoar_jax.input_slot()` gives
                (this process's slot, readers): one slot per process, except that the
@@ -157,7 +159,7 @@ class _ResumableBatches(_Batches):
 
 
 class _Rows(collections.abc.Sequence):
-    """A numpy array or a dict of equally long arrays as a sequence of rows (examples)."""
+    """An array, or a dict or tuple of equally long arrays, as a sequence of rows (examples)."""
 
     def __init__(self, arrays: Any, name: str):
         lengths = {len(array) for array in jax.tree.leaves(arrays)}
@@ -202,9 +204,8 @@ def open_user_data(data: Any, name: str) -> ExampleData | BatchData:
     if isinstance(data, grain.MapDataset):
         return ExampleData(data, name)
     arrays = np.ndarray | jax.Array
-    if isinstance(data, arrays) or (
-        isinstance(data, dict) and data and all(isinstance(v, arrays) for v in data.values())
-    ):
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, tuple) else ()
+    if isinstance(data, arrays) or (values and all(isinstance(v, arrays) for v in values)):
         return ExampleData(_Rows(jax.tree.map(np.asarray, data), name), name)
     if isinstance(data, grain.IterDataset) or (
         isinstance(data, collections.abc.Iterable) and isinstance(data, list | tuple)

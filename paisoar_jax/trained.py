@@ -1,0 +1,95 @@
+"""The trained model as a plain NNX module, for inference in plain Python.
+
+`fit` hands it back as `result.model`; `load(run_dir_or_step, model=factory)` rebuilds the
+same from any run directory (its newest checkpoint), checkpoint step or export:
+
+    result = paisoar_jax.fit(..., model=MyModel, ...)
+    model = result.model                                    # or, later, anywhere:
+    model = paisoar_jax.load("runs/my_run", model=MyModel)
+    model.eval()                                            # dropout off, BatchNorm's averages
+    logits = model(x)
+
+The module is the factory's, built afresh (so it computes as the factory wrote it: fp32
+unless a layer says otherwise; the training run's bf16/fp16 policy is not applied) and
+holding the trained weights (fp32 master weights) and model state (BatchNorm's running
+statistics, rng stream counters), as arrays on the default device.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from paisoar_jax import checkpoint
+from paisoar_jax.errors import UserError
+
+
+def model_with(factory: Callable[[nnx.Rngs], nnx.Module], params: Any, model_state: Any):
+    """The factory's module holding `params` and `model_state` (pure dicts, any placement)."""
+    graphdef, abstract_params, abstract_rest = _abstract(factory)
+    nnx.replace_by_pure_dict(abstract_params, _on_this_host(params))
+    nnx.replace_by_pure_dict(abstract_rest, _on_this_host(model_state))
+    return nnx.merge(graphdef, abstract_params, abstract_rest)
+
+
+def load(path: str | pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
+    """The module `model` builds, with the weights of a run directory, step or export.
+
+    `path`: a run directory (its newest complete checkpoint), a checkpoint step directory
+    (`runs/x/checkpoints/400`) or an export (`python -m paisoar_jax.export`).
+    """
+    if not callable(model):
+        raise UserError(f"model must be a function rngs -> nnx.Module, got {type(model)}")
+    where = _weights_directory(pathlib.Path(path))
+    _, abstract_params, abstract_rest = _abstract(model)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
+    target = types.SimpleNamespace(
+        params=jax.tree.map(place, nnx.to_pure_dict(abstract_params)),
+        model_state=jax.tree.map(place, nnx.to_pure_dict(abstract_rest)),
+    )
+    params, model_state = checkpoint.load_weights(where, target)
+    return model_with(model, params, model_state or {})
+
+
+def _abstract(factory: Callable[[nnx.Rngs], nnx.Module]):
+    """(graphdef, params, other variables) of factory's module, traced, not built."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param, ...)
+
+
+def _on_this_host(tree: Any) -> Any:
+    """Arrays gathered whole onto this process's default device (a sharded run's too)."""
+
+    def whole(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.device_put(leaf, jax.local_devices()[0])
+        return jax.device_put(np.asarray(leaf), jax.local_devices()[0])
+
+    return jax.tree.map(whole, tree)
+
+
+def _weights_directory(path: pathlib.Path) -> pathlib.Path:
+    """The step or export directory `path` names, or its newest complete checkpoint."""
+    if (path / "params").is_dir() or (path / "state").is_dir():
+        return path
+    checkpoints = path / "checkpoints"
+    steps = sorted(
+        int(step.name) for step in checkpoints.glob("*") if step.name.isdigit() and step.is_dir()
+    )
+    if not steps:
+        raise UserError(
+            f"{path} holds no checkpoint: give a run directory with checkpoints/, a "
+            f"checkpoint step directory or an export"
+        )
+    return checkpoints / str(steps[-1])
