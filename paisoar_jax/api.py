@@ -40,14 +40,24 @@ ConfigLike = Config | str | pathlib.Path | None
 
 
 class FitResult(dict):
-    """The run's summary (a dict: steps, loss, eval_loss, run_dir, ...) and `.model`.
+    """The run's summary (a dict: steps, final_loss, eval_loss, run_dir, ...) and `.model`.
 
     `.model` is the trained module as the factory builds it, holding the trained weights,
-    for inference in plain Python (see paisoar_jax/trained.py); None when fit trained a
-    zoo model (there `paisoar_jax.load` or `python -m paisoar_jax.export` serve).
+    for inference in plain Python (paisoar_jax/trained.py). It is built when first read,
+    gathering the weights whole onto one device (under several processes, every process
+    must read it); until then the result holds the sharded weights. None for a zoo model
+    (`python -m paisoar_jax.export` writes its weights).
     """
 
-    model: Any = None
+    _build: Callable[[], Any] | None = None
+    _model: Any = None
+
+    @property
+    def model(self) -> Any:
+        """The trained module (built on first read)."""
+        if self._model is None and self._build is not None:
+            self._model, self._build = self._build(), None
+        return self._model
 
 
 def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> Config:
@@ -156,7 +166,8 @@ def as_factory(model: Any) -> Callable:
 def _program_name(model: Callable) -> str:
     """The running script's name (`python my_run.py`: my_run), else the model's."""
     script = pathlib.Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if script is not None and script.suffix == ".py" and script.stem != "__main__":
+    runners = ("__main__", "ipykernel_launcher")  # python -m ..., a Jupyter kernel
+    if script is not None and script.suffix == ".py" and script.stem not in runners:
         return script.stem
     name = getattr(model, "__name__", type(model).__name__)
     return name if name.isidentifier() else "fit"  # a lambda
@@ -224,9 +235,8 @@ def fit(
             raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")
         result = FitResult(finished.summary)
         if model is not None:
-            result.model = trained.model_with(
-                run_workload.model, finished.state.params, finished.state.model_state
-            )
+            params, model_state = finished.state.params, finished.state.model_state
+            result._build = lambda: trained.model_with(run_workload.model, params, model_state)
         return result
 
     return _run("paisoar_jax.fit", work, exit_on_error)

@@ -121,15 +121,16 @@ class CustomTask:
                 )
             except UserError:
                 raise
-            except Exception as error:
+            except Exception as error:  # the whole traceback stays as the cause
                 raise UserError(
                     f"{name}: the loss fails on its batches ({_shapes(spec)}): "
                     f"{type(error).__name__}: {_first_line(error)}"
-                ) from None
+                ) from error
         self.metric_names = _check_loss_result(results["data"])
-        eval_names = _check_loss_result(results["eval_data"]) if eval_batch else None
-        if eval_names is not None and set(eval_names) != set(self.metric_names):
-            raise UserError("eval_data: the loss returns other metrics on it than on data")
+        if eval_batch is not None:
+            missing = set(self.metric_names) - set(_check_loss_result(results["eval_data"]))
+            if missing:
+                raise UserError(f"eval_data: the loss returns no {sorted(missing)[0]} on it")
 
 
 def _check_loss_result(result: Any) -> tuple[str, ...]:

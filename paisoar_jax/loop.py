@@ -120,6 +120,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
                     f"{config.train.steps}); raise train.steps to go on, or use another run.dir"
                 )
             summary = {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
+            summary |= {"first_loss": None, "final_loss": None, "eval_loss": None}
             return Finished(summary, state, run.layout)
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)

@@ -31,8 +31,14 @@ from paisoar_jax import checkpoint
 from paisoar_jax.errors import UserError
 
 
-def model_with(factory: Callable[[nnx.Rngs], nnx.Module], params: Any, model_state: Any):
-    """The factory's module holding `params` and `model_state` (pure dicts, any placement)."""
+def model_with(
+    factory: Callable[[nnx.Rngs], nnx.Module], params: Any, model_state: Any
+) -> nnx.Module:
+    """The factory's module holding `params` and `model_state` (pure dicts, any placement).
+
+    Every array is gathered whole onto this process's first device: under several
+    processes a collective, so every process must call it.
+    """
     graphdef, abstract_params, abstract_rest = _abstract(factory)
     nnx.replace_by_pure_dict(abstract_params, _on_this_host(params))
     nnx.replace_by_pure_dict(abstract_rest, _on_this_host(model_state))
@@ -56,7 +62,9 @@ def load(path: str | pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> n
         model_state=jax.tree.map(place, nnx.to_pure_dict(abstract_rest)),
     )
     params, model_state = checkpoint.load_weights(where, target)
-    return model_with(model, params, model_state or {})
+    if model_state is None:  # saved without it (load_weights warned): a fresh one
+        model_state = nnx.to_pure_dict(nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
+    return model_with(model, params, model_state)
 
 
 def _abstract(factory: Callable[[nnx.Rngs], nnx.Module]):
@@ -70,11 +78,14 @@ def _on_this_host(tree: Any) -> Any:
     """Arrays gathered whole onto this process's default device (a sharded run's too)."""
 
     def whole(leaf):
+        device = jax.local_devices()[0]
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            # Typed keys (an nnx.Rngs stream) travel as their raw data.
+            data = whole(jax.random.key_data(leaf))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             leaf = multihost_utils.process_allgather(leaf, tiled=True)
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            return jax.device_put(leaf, jax.local_devices()[0])
-        return jax.device_put(np.asarray(leaf), jax.local_devices()[0])
+        return jax.device_put(np.asarray(leaf), device)
 
     return jax.tree.map(whole, tree)
 
