@@ -257,7 +257,8 @@ def _say_compiled(parts: RunParts, compile_s: float, start_step: int) -> None:
         return
     resumed = f", resumed from step {start_step}" if start_step else ""
     output.note(
-        f"{parts.layout.param_count / 1e6:.2f}M params, mesh {sharding.mesh_sizes(parts.mesh)}, "
+        f"{output.describe_params(parts.layout.param_count)}, "
+        f"mesh {sharding.mesh_sizes(parts.mesh)}, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"compiled in {compile_s:.1f}s{resumed}"
     )

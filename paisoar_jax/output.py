@@ -63,6 +63,11 @@ def result(text: str) -> None:
     print(text, flush=True)
 
 
+def describe_params(count: int) -> str:
+    """A parameter count as a run reports it: `0.12M params`, or `8,386 params` when small."""
+    return f"{count:,} params" if count < 10_000 else f"{count / 1e6:.2f}M params"
+
+
 def _write(level: str, message: str, program: str, stream) -> None:
     current = mode()
     if current == "quiet" and level == "note":

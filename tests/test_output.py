@@ -80,3 +80,12 @@ def test_a_bad_input_is_one_json_error_line(tmp_path):
             "message": "train.steps must be >= 1, got 0",
         }
     ]
+
+
+def test_a_small_model_is_counted_in_params_not_zero_millions():
+    """Before: a 8,386-parameter model printed `0.00M params`."""
+    from paisoar_jax.output import describe_params
+
+    assert describe_params(8_386) == "8,386 params"
+    assert describe_params(120_384) == "0.12M params"
+    assert describe_params(124_439_808) == "124.44M params"

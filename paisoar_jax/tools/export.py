@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from paisoar_jax.errors import UserError
-from paisoar_jax.output import note
+from paisoar_jax.output import describe_params, note
 from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.export"
@@ -37,7 +37,7 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     export_weights(params, model_state or {}, output)
     (output / "config.yaml").write_text(dump_yaml(config))
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-    note(f"{count / 1e6:.2f}M params of step {step} -> {output}/params", program=PROGRAM)
+    note(f"{describe_params(count)} of step {step} -> {output}/params", program=PROGRAM)
     return step
 
 

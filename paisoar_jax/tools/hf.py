@@ -29,6 +29,7 @@ import numpy as np
 
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.errors import UserError
+from paisoar_jax.output import describe_params
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 FAMILY = {"gpt2": "gpt", "llama": "llama"}  # HF model_type -> model.name
@@ -344,7 +345,7 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
         if (source / name).is_file():
             shutil.copyfile(source / name, output / name)
     count = sum(array.size for array in params.values())
-    return f"imported {count / 1e6:.2f}M params of a {model.name} model -> {output}/params"
+    return f"imported {describe_params(count)} of a {model.name} model -> {output}/params"
 
 
 def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
