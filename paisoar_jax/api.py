@@ -248,8 +248,13 @@ def load(path: str | pathlib.Path, model: Callable, *, exit_on_error: bool = Tru
     `path`: a run directory (its newest checkpoint), a checkpoint step or an export.
     """
     from paisoar_jax import trained
+    from paisoar_jax.tools.export import weights_source
 
-    return _run("paisoar_jax.load", lambda: trained.load(path, as_factory(model)), exit_on_error)
+    def work() -> Any:
+        _, where, _ = weights_source(pathlib.Path(path))  # as hf-export and generate find it
+        return trained.load(where, as_factory(model))
+
+    return _run("paisoar_jax.load", work, exit_on_error)
 
 
 def plan_fit(

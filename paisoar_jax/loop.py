@@ -74,11 +74,10 @@ def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A run's end: its summary, the final train state and the layout that reads it."""
+    """A run's end: its summary and the final train state."""
 
     summary: dict[str, Any]
     state: Any
-    layout: StateLayout
 
 
 def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
@@ -121,7 +120,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
                 )
             summary = {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
             summary |= {"first_loss": None, "final_loss": None, "eval_loss": None}
-            return Finished(summary, state, run.layout)
+            return Finished(summary, state)
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
@@ -129,7 +128,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         summary, state = _run_loop(parts, checkpointer, stop, state, start_step, batches)
     if is_main:
         _print_summary(summary, task)
-    return Finished(summary, state, run.layout)
+    return Finished(summary, state)
 
 
 def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -> None:

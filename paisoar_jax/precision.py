@@ -115,21 +115,34 @@ def follow_policy(model: nnx.Module, policy: Policy) -> int:
     A layer under a module `force_policy` marked takes that module's policy. Returns how
     many layers were set (0 under fp32, where None already means fp32 for fp32 inputs).
     """
+    policy_at = policy_lookup(model, policy)
+    changed = 0
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, POLICY_LAYERS) or not _dtype_left_unset(module):
+            continue
+        compute = policy_at(path).compute_dtype
+        if compute != jnp.float32:
+            module.dtype = compute
+            changed += 1
+    return changed
+
+
+def policy_lookup(model: nnx.Module, default: Policy) -> Callable[[tuple], Policy]:
+    """A function of a module path: the policy `force_policy` set nearest at or above it.
+
+    `default` where none is; paths are tuples of attribute names and indices.
+    """
     forced = {
         path: module.policy
         for path, module in nnx.iter_modules(model)
         if isinstance(getattr(module, "policy", None), Policy)
     }
-    changed = 0
-    for path, module in nnx.iter_modules(model):
-        if not isinstance(module, POLICY_LAYERS) or not _dtype_left_unset(module):
-            continue
+
+    def policy_at(path: tuple) -> Policy:
         owner = next((path[:n] for n in range(len(path), -1, -1) if path[:n] in forced), None)
-        compute = (forced[owner] if owner is not None else policy).compute_dtype
-        if compute != jnp.float32:
-            module.dtype = compute
-            changed += 1
-    return changed
+        return default if owner is None else forced[owner]
+
+    return policy_at
 
 
 def _dtype_left_unset(layer: nnx.Module) -> bool:

@@ -23,7 +23,7 @@ from paisoar_jax import grad_comm, rules, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
 from paisoar_jax.pipeline import Pipeline, from_config
-from paisoar_jax.precision import Policy, get_policy
+from paisoar_jax.precision import Policy, get_policy, policy_lookup
 
 
 @struct.dataclass
@@ -184,17 +184,11 @@ def compute_casts(graphdef, abstract_variables, abstract_model_variables, policy
     None for the whole tree when no weight would change dtype.
     """
     model = nnx.merge(graphdef, abstract_variables, abstract_model_variables)
-    forced = {
-        path: module.policy
-        for path, module in nnx.iter_modules(model)
-        if isinstance(getattr(module, "policy", None), Policy)
-    }
+    policy_at = policy_lookup(model, policy)
     abstract_params = nnx.to_pure_dict(abstract_variables)
 
     def dtype_of(path, value, cast: bool):
-        keys = tuple(getattr(key, "key", key) for key in path)
-        owner = next((keys[:n] for n in range(len(keys), -1, -1) if keys[:n] in forced), None)
-        compute = forced[owner].compute_dtype if owner is not None else policy.compute_dtype
+        compute = policy_at(tuple(getattr(key, "key", key) for key in path)).compute_dtype
         floating = jnp.issubdtype(value.dtype, jnp.floating)
         return compute if cast and floating and compute != value.dtype else None
 

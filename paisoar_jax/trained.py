@@ -28,7 +28,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from paisoar_jax import checkpoint
-from paisoar_jax.errors import UserError
 
 
 def model_with(
@@ -45,15 +44,12 @@ def model_with(
     return nnx.merge(graphdef, abstract_params, abstract_rest)
 
 
-def load(path: str | pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
-    """The module `model` builds, with the weights of a run directory, step or export.
+def load(where: pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
+    """The module `model` builds, with the weights of a checkpoint step or an export.
 
-    `path`: a run directory (its newest complete checkpoint), a checkpoint step directory
-    (`runs/x/checkpoints/400`) or an export (`python -m paisoar_jax.export`).
+    `where` holds them (`runs/x/checkpoints/400`, an export); `paisoar_jax.load` finds it
+    for a run directory too. Their shapes are checked against the module's.
     """
-    if not callable(model):
-        raise UserError(f"model must be a function rngs -> nnx.Module, got {type(model)}")
-    where = _weights_directory(pathlib.Path(path))
     _, abstract_params, abstract_rest = _abstract(model)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
@@ -88,19 +84,3 @@ def _on_this_host(tree: Any) -> Any:
         return jax.device_put(np.asarray(leaf), device)
 
     return jax.tree.map(whole, tree)
-
-
-def _weights_directory(path: pathlib.Path) -> pathlib.Path:
-    """The step or export directory `path` names, or its newest complete checkpoint."""
-    if (path / "params").is_dir() or (path / "state").is_dir():
-        return path
-    checkpoints = path / "checkpoints"
-    steps = sorted(
-        int(step.name) for step in checkpoints.glob("*") if step.name.isdigit() and step.is_dir()
-    )
-    if not steps:
-        raise UserError(
-            f"{path} holds no checkpoint: give a run directory with checkpoints/, a "
-            f"checkpoint step directory or an export"
-        )
-    return checkpoints / str(steps[-1])
