@@ -191,7 +191,7 @@ def test_resume_settings(tmp_path):
         int(p.name) for p in (run_dir / "checkpoints").iterdir()
     ) == [2, 4]
     done = train(run_config(run_dir))  # resume=auto: nothing left to do
-    assert done["resumed_from"] == 4 and "final_loss" not in done
+    assert done["resumed_from"] == 4 and done["final_loss"] is None  # no step was taken
     with pytest.raises(UserError, match="resume=never but"):
         train(run_config(run_dir, "checkpoint.resume=never"))
     with pytest.raises(UserError, match=r"no such step .*steps: \[2, 4\]"):
