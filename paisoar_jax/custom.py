@@ -6,7 +6,7 @@ arrays with floating ones cast to the compute dtype, and rng a key that differs 
 micro-batch. The loss and each metric must be scalars; they are taken in fp32. `setup`
 checks that once, abstractly, before anything compiles (`prepare`). Eval runs the same
 loss with the model switched to eval mode (`model.eval()`: dropout off, BatchNorm on its
-running statistics) and a fixed key.
+running statistics) and a fixed key, row by row (`eval_rows`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paisoar_jax import pipeline
 from paisoar_jax.data.user_data import BatchData, ExampleData
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy
@@ -76,11 +77,25 @@ class CustomTask:
         as_float32 = lambda value: jnp.asarray(value).astype(jnp.float32)
         return as_float32(loss), {name: as_float32(metrics[name]) for name in self.metric_names}
 
-    def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
-        """{"loss", *metrics} of the model in eval mode on one held-out batch."""
-        model.eval()
-        loss, metrics = self.loss(model, batch, jax.random.PRNGKey(0))
-        return {"loss": loss, **metrics}
+    def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+        """{"loss", *metrics} of the model in eval mode, one value per row of the batch.
+
+        The loss is vmapped over the rows, each a batch of one: the same ops batched, so
+        the partial last batch of an eval counts its real rows alone. A pipelined model
+        splits its batch into micro-batches, which a row cannot be: there each row gets
+        the batch's value (an eval's wrapped-round rows then weigh in its last batch).
+        """
+        model.eval()  # outside the vmap: NNX refuses a module changed in another trace
+
+        def metrics_of(rows: Any) -> dict[str, jax.Array]:
+            loss, metrics = self.loss(model, rows, jax.random.PRNGKey(0))
+            return {"loss": loss, **metrics}
+
+        if pipeline.is_active():
+            rows = len(jax.tree.leaves(batch)[0])
+            return jax.tree.map(lambda value: jnp.full((rows,), value), metrics_of(batch))
+        add_row_axis = lambda row: jax.tree.map(lambda leaf: leaf[None], row)
+        return jax.vmap(lambda row: metrics_of(add_row_axis(row)))(batch)
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""
@@ -96,7 +111,8 @@ class CustomTask:
 
         Before the first step (and not at the first eval, 50 steps in): the loss is traced
         on one global batch of each, in train mode and in eval mode, and must return
-        (scalar, {name: scalar}); an error it raises on a batch names that input.
+        (scalar, {name: scalar}); then the eval step's row-by-row form (`eval_rows`) is
+        traced on eval_data. An error the loss raises on a batch names that input.
         """
         batch = self.batch_shape(global_batch)
         eval_batch = None if self.eval_data is None else self.eval_data.batch_spec(global_batch)
@@ -107,18 +123,16 @@ class CustomTask:
                 model.eval()
             return self.user_loss(model, jax.tree.map(self.policy.cast_to_compute, batch), key)
 
+        def probe_rows(params, model_state, batch, key):
+            return self.eval_rows(nnx.merge(layout.graphdef, params, model_state), batch)
+
         # The key is a real one (the kind the step passes: raw uint32[2]), traced like the
         # step's: a loss may hand it to nnx.Dropout or jax.random as it will in training.
         abstract, key = layout.abstract_state, jax.random.PRNGKey(0)
-        results = {}
-        for name, spec, train in (("data", batch, True), ("eval_data", eval_batch, False)):
-            if spec is None:
-                continue
-            trace = functools.partial(probe, train=train)
+
+        def trace(name: str, function: Callable, spec: Any) -> Any:
             try:
-                results[name] = jax.eval_shape(
-                    trace, abstract.params, abstract.model_state, spec, key
-                )
+                return jax.eval_shape(function, abstract.params, abstract.model_state, spec, key)
             except UserError:
                 raise
             except Exception as error:  # the whole traceback stays as the cause
@@ -126,11 +140,16 @@ class CustomTask:
                     f"{name}: the loss fails on its batches ({_shapes(spec)}): "
                     f"{type(error).__name__}: {_first_line(error)}"
                 ) from error
-        self.metric_names = _check_loss_result(results["data"])
+
+        self.metric_names = _check_loss_result(
+            trace("data", functools.partial(probe, train=True), batch)
+        )
         if eval_batch is not None:
-            missing = set(self.metric_names) - set(_check_loss_result(results["eval_data"]))
+            result = trace("eval_data", functools.partial(probe, train=False), eval_batch)
+            missing = set(self.metric_names) - set(_check_loss_result(result))
             if missing:
                 raise UserError(f"eval_data: the loss returns no {sorted(missing)[0]} on it")
+            trace("eval_data", probe_rows, eval_batch)
 
 
 def _check_loss_result(result: Any) -> tuple[str, ...]:

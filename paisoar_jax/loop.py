@@ -20,8 +20,9 @@ from tqdm import tqdm
 from paisoar_jax import heartbeat, oom, output, sharding
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
-from paisoar_jax.data.prefetch import DevicePrefetcher, global_batch
+from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import DivergenceError, UserError
+from paisoar_jax.evaluation import evaluate
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.preemption import StopRequest
@@ -33,29 +34,6 @@ from paisoar_jax.workload import Task, Workload, setup
 from paisoar_jax.zoo import zoo_workload
 
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
-
-
-def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[str, float]:
-    """Mean eval metrics (loss, ...) over the first train.eval_batches held-out batches."""
-    batches = _host_batches(task, eval_source, config, train=False)
-    results = []
-    for _ in range(config.train.eval_batches):
-        batch = global_batch(sharding.batch_sharding(mesh), next(batches))
-        results.append(eval_step(state.params, state.model_state, batch))
-    results = jax.device_get(results)
-    return {name: float(np.mean([result[name] for result in results])) for name in results[0]}
-
-
-def _host_batches(task: Task, source, config: Config, *, train: bool):
-    """The rows of each global batch of `source` that this process reads (train: with workers)."""
-    batches = task.host_batches(
-        source,
-        global_batch=config.train.global_batch,
-        seed=config.train.seed,
-        train=train,
-        workers=config.data.workers if train else 0,
-    )
-    return iter(batches)
 
 
 def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
@@ -142,7 +120,16 @@ def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -
 
 def _open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
     """The batches this process trains on, moved to the checkpoint's position, on the devices."""
-    host_iterator = _host_batches(task, train_source, config, train=True)
+    train = config.train
+    host_iterator = iter(
+        task.host_batches(
+            train_source,
+            global_batch=train.global_batch,
+            seed=train.seed,
+            train=True,
+            workers=config.data.workers,
+        )
+    )
     if restored is not None:
         note = resume_input(host_iterator, restored, config)
         if note and jax.process_index() == 0:
@@ -175,6 +162,7 @@ class History:
     losses: list[float] = dataclasses.field(default_factory=list)
     scales: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
+    eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
 
 
 @dataclasses.dataclass
@@ -346,9 +334,11 @@ def _log_record(parts, step: int, metrics, train_step, instruments, history) -> 
 
 def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
     """The eval metrics of this step, prefixed eval_, shown above the progress bar."""
+    start = time.perf_counter()
     history.eval_results = evaluate(
         eval_step, state, parts.eval_source, parts.task, parts.config, parts.mesh
     )
+    history.eval_s += time.perf_counter() - start
     shown = {f"eval_{name}": value for name, value in history.eval_results.items()}
     if jax.process_index() == 0:
         line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
@@ -394,8 +384,11 @@ def _summary(parts, history, timer, step: int, start_step: int, train_s: float) 
         "final_loss": history.losses[-1] if history.losses else None,
         "eval_loss": history.eval_results.get("loss"),
         **{f"eval_{k}": v for k, v in history.eval_results.items() if k != "loss"},
-        timer.throughput_key: timer.units_per_step * (step - start_step) / train_s,
+        timer.throughput_key: timer.units_per_step
+        * (step - start_step)
+        / max(train_s - history.eval_s, 1e-9),
         "train_s": train_s,
+        "eval_s": history.eval_s,
         "run_dir": str(parts.config.run_dir),
         "resumed_from": start_step,
         "param_count": parts.layout.param_count,
@@ -409,15 +402,17 @@ def _print_summary(summary: dict[str, Any], task: Task) -> None:
     eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
     eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
     for key, value in summary.items():
-        if key.startswith("eval_") and key != "eval_loss":
+        if key.startswith("eval_") and key not in ("eval_loss", "eval_s"):
             eval_text += f", {key} {value:.4f}"
+    eval_time = f" (eval {summary['eval_s']:.1f}s)" if summary["eval_s"] else ""
     loss_text = (
         f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
         if first_loss is not None
         else "no loss logged"
     )
     output.note(
-        f"done: {summary['steps']} steps in {summary['train_s']:.1f}s, {loss_text}{eval_text}, "
+        f"done: {summary['steps']} steps in {summary['train_s']:.1f}s{eval_time}, "
+        f"{loss_text}{eval_text}, "
         f"{summary[f'{task.unit}_per_s']:,.0f} {task.unit}/s, "
         f"compile {summary['compile_s']:.1f}s, run dir {summary['run_dir']}"
     )

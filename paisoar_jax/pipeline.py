@@ -130,6 +130,11 @@ def active(
         _ACTIVE.reset(token)
 
 
+def is_active() -> bool:
+    """Whether a pipelined step is being traced (its stack splits the batch into micro-batches)."""
+    return _ACTIVE.get() is not None
+
+
 def check_used(context: _Active | None, model_name: str) -> None:
     """Raises UserError when a pipelined run's model ran no stack through `scan_layers`."""
     if context is not None and context.stacks == 0:

@@ -282,12 +282,21 @@ def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[s
     return {} if injected is None else {"lr": jnp.asarray(injected, jnp.float32)}
 
 
-def eval_step(params, model_state, batch, *, layout: StateLayout, task) -> dict[str, jax.Array]:
-    """The task's eval metrics (mean loss, accuracy, ...) on one held-out batch."""
+def eval_step(
+    params, model_state, batch, real_B: jax.Array, *, layout: StateLayout, task
+) -> dict[str, jax.Array]:
+    """The task's eval metrics summed over the batch's real rows, with "rows": their count.
+
+    `real_B` marks the rows that are the eval set's (False: the rows that fill the last
+    batch's shape); the caller divides the sums of all batches by the rows of all batches.
+    """
     compute_params = params_for_compute(params, layout)
     model = nnx.merge(layout.graphdef, compute_params, model_state)
     with pipeline.active(layout.pipeline, type(model).__name__):
-        return task.eval_metrics(model, batch)
+        per_row = task.eval_rows(model, batch)
+    weights_B = real_B.astype(jnp.float32)
+    sums = {name: jnp.sum(values_B * weights_B) for name, values_B in per_row.items()}
+    return sums | {"rows": jnp.sum(weights_B)}
 
 
 def jit_train_step(
@@ -312,6 +321,7 @@ def jit_eval_step(layout: StateLayout, task, mesh: Mesh) -> jax.stages.Wrapped:
         in_shardings=(
             layout.shardings.params,
             layout.shardings.model_state,
+            sharding.batch_sharding(mesh),
             sharding.batch_sharding(mesh),
         ),
         out_shardings=NamedSharding(mesh, PartitionSpec()),

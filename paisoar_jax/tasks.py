@@ -23,7 +23,7 @@ from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.data import images as image_data
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
-from paisoar_jax.data.small_images import SyntheticImages, open_digits
+from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import resolve_model_config
@@ -77,17 +77,11 @@ class LanguageModelling:
     def loss(self, model, tokens_BxT1: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (fp32) and no extra metrics."""
         del key  # no randomness (no dropout)
-        # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are
-        # never normalised in bf16.
-        logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1]))
-        losses_BxT = optax.softmax_cross_entropy_with_integer_labels(
-            logits_BxTxV, tokens_BxT1[:, 1:]
-        )
-        return losses_BxT.mean(), {}
+        return _token_losses(model, tokens_BxT1).mean(), {}
 
-    def eval_metrics(self, model, tokens_BxT1: jax.Array) -> dict[str, jax.Array]:
-        """{"loss"} on a held-out batch."""
-        return {"loss": self.loss(model, tokens_BxT1, jax.random.PRNGKey(0))[0]}
+    def eval_rows(self, model, tokens_BxT1: jax.Array) -> dict[str, jax.Array]:
+        """{"loss": (B,)}: each held-out sequence's mean next-token cross-entropy."""
+        return {"loss": _token_losses(model, tokens_BxT1).mean(axis=1)}
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""
@@ -138,11 +132,10 @@ class ImageClassification:
         elif data.source == "digits":
             train, held_out = open_digits(data.eval_fraction)
         elif data.source == "synthetic":
+            shape = (model.image_size, model.channels, model.num_classes)
             seed = self.config.train.seed
-            train, held_out = (
-                SyntheticImages(model.image_size, model.channels, model.num_classes, seed + offset)
-                for offset in (0, 1)
-            )
+            train = SyntheticImages(*shape, seed)
+            held_out = SyntheticImages(*shape, seed + 1, length=SYNTHETIC_EVAL_LENGTH)
         else:
             raise UserError(
                 f"data.source={data.source!r}: model.name={model.name} reads images: use "
@@ -202,14 +195,15 @@ class ImageClassification:
         loss = optax.softmax_cross_entropy(logits_BxN, targets_BxN).mean()
         return loss, {"accuracy": _accuracy(logits_BxN, batch["label"])}
 
-    def eval_metrics(self, model, batch: dict) -> dict[str, jax.Array]:
-        """{"loss", "accuracy"} with the running BatchNorm statistics and hard labels."""
+    def eval_rows(self, model, batch: dict) -> dict[str, jax.Array]:
+        """{"loss", "accuracy"} per image (B,), on running BatchNorm statistics, hard labels."""
         images = image_data.normalize_on_device(
             batch["image"], self.mean, self.std, self.compute_dtype
         )
-        logits_BxN = model(images, train=False)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxN, batch["label"])
-        return {"loss": losses.mean(), "accuracy": _accuracy(logits_BxN, batch["label"])}
+        logits_BxN = float32_island(model(images, train=False))
+        losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BxN, batch["label"])
+        correct_B = (logits_BxN.argmax(axis=-1) == batch["label"]).astype(jnp.float32)
+        return {"loss": losses_B, "accuracy": correct_B}
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""
@@ -233,6 +227,14 @@ def _warn_of_skipped_files(*sources) -> None:
                 f"skipped {len(skipped)} unreadable image file(s) in "
                 f"{folder.directory} (the first: {skipped[0]})"
             )
+
+
+def _token_losses(model, tokens_BxT1: jax.Array) -> jax.Array:
+    """(B, T) fp32 next-token cross-entropies of windows of T + 1 tokens."""
+    # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
+    # normalised in bf16.
+    logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1]))
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
 
 
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:

@@ -58,8 +58,8 @@ class Task(Protocol):
     def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
         """(fp32 scalar loss, {name: fp32 scalar}) of the model on one batch."""
 
-    def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
-        """{"loss", ...} on one held-out batch."""
+    def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+        """{"loss", ...} on one held-out batch: fp32 arrays of one value per row, (B,)."""
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""

@@ -96,7 +96,7 @@ def test_sections_are_frozen():
         (["optim.lr_scaling=linear"], "needs optim.base_batch >= 1"),
         (["data.eval_fraction=0"], "data.eval_fraction=0 leaves no eval data"),
         (["train.eval_every=-1"], "train.eval_every must be >= 0"),
-        (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
+        (["train.eval_batches=-1"], "train.eval_batches must be >= 0"),
         (["optim.warmup_steps=-5"], "optim.warmup_steps must be >= 0"),
         (["data.workers=-1"], "data.workers must be >= 0"),
         (["optim.clip_norm=-1"], "optim.clip_norm must be a finite number >= 0"),

@@ -420,7 +420,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables eval
-    eval_batches: int = 4
+    eval_batches: int = 0  # 0: every eval reads the whole eval set; n: its first n batches
     sample_bytes: int = 160  # length of the text sample generated at the end (0: none)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 looks the device kind up
     # [start, end]: a jax.profiler trace of steps start..end into run.dir/profile (TensorBoard's
@@ -447,7 +447,7 @@ class TrainConfig:
                 f"train.profile_steps={list(profile)} ends after the last step "
                 f"(train.steps={self.steps})"
             )
-        _check_at_least("train", self, {"eval_every": 0, "eval_batches": 1, "sample_bytes": 0})
+        _check_at_least("train", self, {"eval_every": 0, "eval_batches": 0, "sample_bytes": 0})
         _check_finite_non_negative("train", self, ("memory_limit_gb", "peak_tflops"))
         if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
             raise UserError(

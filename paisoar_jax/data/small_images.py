@@ -20,6 +20,7 @@ DIGITS_CLASSES = 10
 DIGITS_LEVELS = 16  # the images hold grey levels 0..16
 SYNTHETIC_POOL = 64  # distinct random images a synthetic source cycles through
 SYNTHETIC_LENGTH = 1 << 20  # items per epoch of a synthetic source
+SYNTHETIC_EVAL_LENGTH = 256  # a synthetic eval set is finite: every eval reads all of it
 
 
 class Digits:
@@ -64,7 +65,15 @@ class SyntheticImages:
 
     augment = False
 
-    def __init__(self, image_size: int, channels: int, num_classes: int, seed: int):
+    def __init__(
+        self,
+        image_size: int,
+        channels: int,
+        num_classes: int,
+        seed: int,
+        length: int = SYNTHETIC_LENGTH,
+    ):
+        self.length = length
         rng = np.random.default_rng(seed)
         shape = (SYNTHETIC_POOL, image_size, image_size, channels)
         self.pool = rng.integers(0, 256, shape, dtype=np.uint8)
@@ -72,7 +81,7 @@ class SyntheticImages:
         self.classes = [str(label) for label in range(num_classes)]
 
     def __len__(self) -> int:
-        return SYNTHETIC_LENGTH
+        return self.length
 
     def __getitem__(self, index: int) -> dict:
         return {"image": self.pool[index % SYNTHETIC_POOL], "label": index % self.num_classes}

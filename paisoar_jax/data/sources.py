@@ -2,7 +2,9 @@
 
 `embedded` reads the Python standard library's own source files byte-level (vocab 256): a
 real corpus of about 11 MB on every machine, with nothing to download. Files are assigned to
-the train or eval split by a hash of their path, so the split is stable. `synthetic` makes
+the train or eval split by a hash of their path, so the split is stable; eval reads the first
+EMBEDDED_EVAL_BYTES of its files (every eval reads all of its split: a few seconds on a
+laptop's CPU, not the half-minute the whole 5% would take each time). `synthetic` makes
 random tokens at full speed, for benchmarks. `arrayrecord:<dir or glob>` reads a dataset
 written by `python -m paisoar_jax.convert text`, packed into windows with no padding; its
 last `data.eval_fraction` of windows is held out for eval.
@@ -24,6 +26,8 @@ from paisoar_jax.errors import UserError
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
 SYNTHETIC_WINDOWS = 1 << 30
+EMBEDDED_EVAL_BYTES = 96 * 1024  # about 750 windows of the default 128 tokens
+SYNTHETIC_EVAL_WINDOWS = 256  # a synthetic eval set is finite: every eval reads all of it
 
 
 def embedded_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +43,8 @@ def embedded_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
         relative = path.relative_to(root)
         bucket = zlib.crc32(relative.as_posix().encode()) % 10_000
         parts["eval" if bucket < eval_fraction * 10_000 else "train"].append(path.read_bytes())
-    return tuple(np.frombuffer(b"".join(parts[s]), dtype=np.uint8) for s in ("train", "eval"))
+    train, held_out = b"".join(parts["train"]), b"".join(parts["eval"])[:EMBEDDED_EVAL_BYTES]
+    return tuple(np.frombuffer(text, dtype=np.uint8) for text in (train, held_out))
 
 
 class TokenWindows:
@@ -64,11 +69,12 @@ class TokenWindows:
 class SyntheticWindows:
     """Uniformly random token windows, reproducible per index."""
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, length: int = SYNTHETIC_WINDOWS):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.length = length
 
     def __len__(self) -> int:
-        return SYNTHETIC_WINDOWS
+        return self.length
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.read_batch(np.array([index]))[0]
@@ -153,7 +159,9 @@ def open_source(
     if data_config.source == "synthetic":
         return (
             SyntheticWindows(model_config.vocab_size, model_config.seq_len, seed),
-            SyntheticWindows(model_config.vocab_size, model_config.seq_len, seed + 1),
+            SyntheticWindows(
+                model_config.vocab_size, model_config.seq_len, seed + 1, SYNTHETIC_EVAL_WINDOWS
+            ),
         )
     if data_config.source != "embedded":
         raise UserError(

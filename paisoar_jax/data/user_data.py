@@ -26,6 +26,7 @@ save, so a resumed run says in one line that its input restarts.
 from __future__ import annotations
 
 import collections.abc
+from collections.abc import Iterator
 from typing import Any
 
 import grain
@@ -100,6 +101,12 @@ class BatchData:
             return _ResumableBatches(self.source, rows, self.name)
         return _Batches(self.source, rows, self.name)
 
+    def one_pass(self, global_batch: int) -> Iterator:
+        """The source's batches once (an eval reads each batch once), rows checked."""
+        rows = global_batch // input_slot()[1]
+        for index, batch in enumerate(self.source, 1):
+            yield _checked(batch, rows, self.name, index, epoch=0)
+
     def batch_spec(self, global_batch: int) -> Any:
         """The shape and dtype of one global batch; UserError when the rows do not add up."""
         processes = input_slot()[1]
@@ -136,12 +143,7 @@ class _Batches:
             self.iterator = iter(self.source)
             batch = next(self.iterator)
         self.index += 1
-        if _rows(batch, self.name) != self.rows:
-            raise UserError(
-                f"{self.name}: batch {self.index} of epoch {self.epoch} has "
-                f"{_rows(batch, self.name)} rows, not {self.rows} (drop an incomplete last batch)"
-            )
-        return batch
+        return _checked(batch, self.rows, self.name, self.index, self.epoch)
 
 
 class _ResumableBatches(_Batches):
@@ -176,6 +178,16 @@ class _Rows(collections.abc.Sequence):
     def read_batch(self, indices: np.ndarray):
         """The rows at `indices`, stacked (one gather per array)."""
         return jax.tree.map(lambda array: array[indices], self.arrays)
+
+
+def _checked(batch: Any, rows: int, name: str, index: int, epoch: int) -> Any:
+    """`batch` itself, once it holds `rows` rows; else UserError naming it."""
+    if _rows(batch, name) != rows:
+        raise UserError(
+            f"{name}: batch {index} of epoch {epoch} has {_rows(batch, name)} rows, not "
+            f"{rows} (drop an incomplete last batch)"
+        )
+    return batch
 
 
 def _dtype(x: Any) -> np.dtype:

@@ -1,0 +1,76 @@
+"""Eval over the whole held-out set: the exact mean over its rows, whatever the batch size.
+
+The eval source is read in order, as ceil(N / B) global batches of B = train.global_batch
+rows; the last one wraps round to the set's first rows to fill its shape. Each process marks
+which of its rows are the set's own (`real_B`), the eval step sums every metric over those
+rows alone, and the result is the sums of all batches over the rows of all batches: the mean
+over the N rows, on any batch size, device or process count. `train.eval_batches` caps the
+batches read (the first ones, the same at every eval; 0: no cap). Ready batches without a
+length (fit's eval_data as a re-iterable) are read for one pass, every row their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from paisoar_jax import sharding
+from paisoar_jax.config import Config
+from paisoar_jax.data.prefetch import global_batch
+
+# Eval batches dispatched before the host waits for their sums: enough to keep the device
+# busy, few enough that a long eval does not queue hundreds of executions (on XLA's CPU
+# devices a deep queue starves the threads a collective waits for).
+IN_FLIGHT = 8
+
+
+def eval_batch_count(size: int, global_batch: int, cap: int) -> int:
+    """Global batches one eval reads of a set of `size` rows: all of them, at most `cap`."""
+    whole = -(-size // global_batch)
+    return min(whole, cap) if cap else whole
+
+
+def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[str, float]:
+    """Each eval metric's mean over the eval set's rows (see the module docstring)."""
+    batch_sharding = sharding.batch_sharding(mesh)
+    totals: dict[str, np.float64] = {}
+    pending = []
+    for host_batch, real_rows in _marked_batches(task, eval_source, config):
+        batch, real_B = global_batch(batch_sharding, (host_batch, real_rows))
+        pending.append(eval_step(state.params, state.model_state, batch, real_B))
+        if len(pending) == IN_FLIGHT:
+            _add(totals, pending)
+    _add(totals, pending)
+    rows = totals.pop("rows")
+    return {name: float(total / rows) for name, total in totals.items()}
+
+
+def _add(totals: dict[str, np.float64], pending: list) -> None:
+    """Adds the sums of the batches in flight to `totals` (in float64), and empties `pending`."""
+    for result in jax.device_get(pending):
+        for name, value in result.items():
+            totals[name] = totals.get(name, np.float64(0)) + np.float64(value)
+    pending.clear()
+
+
+def _marked_batches(task, source: Any, config: Config) -> Iterator[tuple[Any, np.ndarray]]:
+    """Per eval batch: the rows this process reads, and which of them are the set's own."""
+    train = config.train
+    slot, slots = sharding.input_slot()
+    rows = train.global_batch // slots
+    if not hasattr(source, "__len__"):  # ready batches: one pass, all rows real
+        passes = source.one_pass(train.global_batch)
+        for batch in itertools.islice(passes, train.eval_batches or None):
+            yield batch, np.ones(rows, dtype=bool)
+        return
+    size = len(source)
+    batches = iter(
+        task.host_batches(source, global_batch=train.global_batch, seed=train.seed, train=False)
+    )
+    mine = slot * rows + np.arange(rows)  # this process's rows within each global batch
+    for index in range(eval_batch_count(size, train.global_batch, train.eval_batches)):
+        yield next(batches), index * train.global_batch + mine < size

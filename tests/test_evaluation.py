@@ -1,0 +1,99 @@
+"""Eval covers the whole eval set: the exact per-row mean, the last partial batch weighted
+by its real rows; `train.eval_batches` caps it; ready batches are read for one pass."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import FIT_BASE
+from flax import nnx
+
+import paisoar_jax
+from paisoar_jax.evaluation import eval_batch_count
+
+
+def examples(count, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 8)).astype(np.float32)
+    return {"x": x, "y": (x[:, :4].argmax(-1)).astype(np.int32)}
+
+
+class Net(nnx.Module):
+    """BatchNorm (eval: running statistics) and a Dropout keyed by the loss's rng."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.down = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.norm(self.up(x)))))
+
+
+def loss(model, batch, rng):
+    logits = model(batch["x"]).astype(np.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def exact_means(model, data):
+    """The mean loss and accuracy over every row, computed in one batch."""
+    model.eval()
+    logits = np.asarray(model(data["x"]), np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    losses = -log_probs[np.arange(len(data["y"])), data["y"]]
+    return losses.mean(), (logits.argmax(-1) == data["y"]).mean()
+
+
+def fit(tmp_path, eval_data, *overrides):
+    return paisoar_jax.fit(
+        None,
+        [
+            *FIT_BASE,
+            "train.global_batch=64",
+            "train.steps=2",
+            "train.eval_every=2",
+            f"run.dir={tmp_path}/run",
+            *overrides,
+        ],
+        model=Net,
+        loss=loss,
+        data=examples(256, seed=1),
+        eval_data=eval_data,
+        optimizer=optax.adam(1e-2),
+    )
+
+
+def test_eval_is_the_exact_mean_over_1000_rows_with_a_batch_of_64(tmp_path):
+    """Before: eval scored train.eval_batches=4 batches, 256 of the 1,000 rows. Now 16
+    batches, the last with 40 real rows (24 wrapped round to fill it and not counted)."""
+    held_out = examples(1000, seed=2)
+    result = fit(tmp_path, held_out, "mesh.data=8")
+    loss_mean, accuracy = exact_means(result.model, held_out)
+    np.testing.assert_allclose(result["eval_loss"], loss_mean, rtol=1e-5)
+    np.testing.assert_allclose(result["eval_accuracy"], accuracy, rtol=1e-6)
+
+
+def test_eval_batches_caps_an_eval_at_its_first_batches(tmp_path):
+    held_out = examples(1000, seed=2)
+    result = fit(tmp_path, held_out, "train.eval_batches=2")
+    first_rows = {name: values[:128] for name, values in held_out.items()}
+    np.testing.assert_allclose(result["eval_loss"], exact_means(result.model, first_rows)[0], 1e-5)
+
+
+def test_ready_batches_are_evaluated_for_one_pass(tmp_path):
+    held_out = examples(192, seed=3)
+    batches = [
+        {name: values[i : i + 64] for name, values in held_out.items()} for i in (0, 64, 128)
+    ]
+    result = fit(tmp_path, batches)
+    np.testing.assert_allclose(result["eval_loss"], exact_means(result.model, held_out)[0], 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("size", "batch", "cap", "count"),
+    [(1000, 64, 0, 16), (1024, 64, 0, 16), (10, 64, 0, 1), (1000, 64, 4, 4), (100, 64, 4, 2)],
+)
+def test_eval_batch_count(size, batch, cap, count):
+    assert eval_batch_count(size, batch, cap) == count
