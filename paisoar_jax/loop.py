@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
 from paisoar_jax import heartbeat, oom, output, sharding
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
+from paisoar_jax.data.pipeline import check_same_everywhere
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.evaluation import evaluate
@@ -71,7 +71,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
     train_source, eval_source = task.open_sources()
-    _check_split_sizes(task, train_source, eval_source, config.train.eval_every)
+    _check_splits(task, train_source, eval_source, config)
     run = setup(config, workload)
     run_dir, is_main = config.run_dir, jax.process_index() == 0
 
@@ -109,13 +109,25 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     return Finished(summary, state)
 
 
-def _check_split_sizes(task: Task, train_source, eval_source, eval_every: int) -> None:
-    """Every split the run reads holds at least one example (sources of known length)."""
+def _check_splits(task: Task, train_source, eval_source, config: Config) -> None:
+    """Train holds a global batch at least, eval an example; every process has the same data.
+
+    (Sources of known length; ready batches are the user's own per process.)
+    """
+    batch = config.train.global_batch
     for split, source in (("train", train_source), ("eval", eval_source)):
-        if split == "eval" and (not eval_every or source is None):
+        if split == "eval" and (not config.train.eval_every or source is None):
             continue
-        if hasattr(source, "__len__") and len(source) == 0:
+        check_same_everywhere(source, f"{split} data")
+        size = len(source) if hasattr(source, "__len__") else None
+        if size == 0:
             raise UserError(f"the {split} split has no {task.unit_of_data}")
+        if split == "train" and size is not None and size < batch:
+            raise UserError(
+                f"the train split has {size} {task.unit_of_data}, fewer than one global batch "
+                f"(train.global_batch={batch}): each step would repeat some of them; set "
+                f"train.global_batch to {size} or less"
+            )
 
 
 def _open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
@@ -160,7 +172,8 @@ class History:
     """What the loop has seen so far: the logged losses, the loss scales, the last eval."""
 
     losses: list[float] = dataclasses.field(default_factory=list)
-    scales: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    # (step, loss scale, skipped steps) of the log steps (unscaled: those with a finite loss)
+    scales: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
     eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
 
@@ -204,12 +217,15 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
         # An eval step is also a log step: its eval results join that step's record.
         is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
         if is_log_step:
+            _check_input(batches, start_step, checkpointer)  # before the loss is judged
             record = _log_record(parts, step, metrics, train_step, instruments, history)
             if is_eval_step:  # after the timings: eval time is not step time
                 record |= _evaluate(parts, eval_step, state, step, history)
             _write_record(record, parts.task, instruments)
         stop_now = _stop_agreed(stop, step, is_log_step)
         if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
+            if not is_log_step:  # no save holds what a batch of nan made
+                _check_input(batches, start_step, checkpointer)
             _timed_save(checkpointer, step, state, batches, parts, instruments.timer)
         if stop_now:
             stopped_by = stop.signal_name or "a stop signal on another process"
@@ -261,12 +277,11 @@ def _instruments(parts: RunParts, start_step: int) -> Instruments:
         peak_tflops=device_peak_tflops(train_config.peak_tflops),
         unit=task.unit,
     )
-    progress = tqdm(
+    progress = output.progress_bar(
         total=train_config.steps,
         initial=start_step,
         desc="train",
         disable=not (config.run.progress and output.shows_progress() and jax.process_index() == 0),
-        mininterval=1.0,
     )
     return Instruments(
         timer=timer,
@@ -322,9 +337,17 @@ def _log_record(parts, step: int, metrics, train_step, instruments, history) -> 
         layout = parts.layout
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
-    scaled = parts.config.precision.loss_scale_mode()[0] != "none"
+        # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
+        record["lr_source"] = "config" if parts.schedule is not None else "optimizer"
+        if record["lr"] is None and jax.process_index() == 0:
+            output.note(
+                "lr is not logged: your optimizer's learning rate cannot be read; build it "
+                "with optax.inject_hyperparams to log it"
+            )
+    # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
+    lower_lr = "lower optim.lr" if parts.schedule is not None else "lower your optimizer's lr"
     try:
-        check_health(record, scaled, history.scales)
+        check_health(record, parts.config.precision, history.scales, lower_lr)
     except DivergenceError:
         instruments.writer.write(record)  # the record that shows the divergence is kept
         raise
@@ -352,6 +375,33 @@ def _write_record(record: dict[str, Any], task: Task, instruments: Instruments) 
     rate = f"{record[instruments.timer.throughput_key]:,.0f}"
     instruments.progress.set_postfix({"loss": f"{record['loss']:.3f}", task.rate_name: rate})
     instruments.timer.restart(record["step"])
+
+
+def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> None:
+    """Stops once a batch holding nan or inf was trained on: the data is the cause.
+
+    Called at log and save steps, so a non-finite loss is blamed on the data rather than the
+    learning rate, and no checkpoint holds what such a batch did. Each process looks at its
+    own rows; several agree on the first step any of them saw (every process must stop).
+    """
+    first = batches.first_nonfinite  # (its number among the batches handed out, what)
+    bad_step, what = (start_step + first[0], first[1]) if first else (0, "")
+    if jax.process_count() > 1:  # (int32: jax gathers without x64)
+        steps = np.asarray(multihost_utils.process_allgather(np.array(bad_step, np.int32)))
+        if not steps.any():
+            return
+        process = int(np.where(steps > 0, steps, np.iinfo(np.int32).max).argmin())
+        if process != jax.process_index():
+            bad_step, what = int(steps[process]), f"in the rows process {process} reads"
+    if not bad_step:
+        return
+    kept = (
+        f"; the checkpoints before it are kept in {checkpointer.directory}" if checkpointer else ""
+    )
+    raise UserError(
+        f"the batch of step {bad_step} holds non-finite values ({what}): the data is the "
+        f"cause, not the learning rate; drop or repair those examples{kept}"
+    )
 
 
 def _is_save_step(config: Config, step: int, stop_now: bool) -> bool:

@@ -27,10 +27,12 @@ import jax
 import numpy as np
 
 from paisoar_jax import output
+from paisoar_jax.config import PrecisionConfig
 from paisoar_jax.errors import DivergenceError
 from paisoar_jax.metrics import mfu
 
 FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
+SKIPPED_IN_A_ROW = 20  # stop after this many skipped steps in a row (whole log intervals)
 
 
 class IntervalTimer:
@@ -74,21 +76,41 @@ class IntervalTimer:
         }
 
 
-def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> None:
-    """Stops on a non-finite loss (unscaled runs); warns when the loss scale keeps falling.
+def check_health(record: dict[str, Any], precision: PrecisionConfig, history: list, lower_lr: str):
+    """Stops on a non-finite loss (unscaled runs) or on steps the loss scale cannot rescue.
 
-    With a loss scaler, an occasional overflow only halves the scale; a scale that falls at
-    every log step means the gradients themselves blow up: a real divergence.
+    With a loss scaler an occasional overflow only halves the scale (a warning when it falls
+    at every log step). The run stops when the scale is at its floor and steps still
+    overflow (skipped since a log step that found it there), or when SKIPPED_IN_A_ROW steps
+    in a row were skipped: nothing trains then.
+    `history`: (step, scale, skipped steps) of the earlier log steps; `lower_lr`: how this
+    run's learning rate is lowered (optim.lr, or the user's own optimizer).
     """
     step, loss = record["step"], record["loss"]
-    if not loss_scaled:  # history: the log steps with a finite loss
+    scale, skipped = record["loss_scale"], record["skipped_steps"]
+    mode = precision.loss_scale_mode()[0]
+    if mode == "none":  # history: the log steps with a finite loss
         if not np.isfinite(loss):
             last = f" (last finite at step {history[-1][0]})" if history else ""
             raise DivergenceError(f"the loss is {loss} at step {step}{last}: training diverged")
-        history.append((step, record["loss_scale"]))
+        history.append((step, scale, skipped))
         return
-    # With a scaler, history: the scale at every log step (a skipped step has a nan loss).
-    history.append((step, record["loss_scale"]))
+    # With a scaler, history: every log step (a skipped step has a nan loss).
+    previous = history[-1] if history else None
+    history.append((step, scale, skipped))
+    if previous is not None and skipped > previous[2]:
+        if mode == "dynamic" and max(scale, previous[1]) <= precision.min_scale:
+            raise DivergenceError(
+                f"steps overflow with the loss scale at its floor ({scale:g}, "
+                f"precision.min_scale): the gradients are not finite at any scale; "
+                f"{lower_lr}, or use precision.policy=bf16"
+            )
+        in_a_row = _skipped_in_a_row(history)
+        if in_a_row >= SKIPPED_IN_A_ROW:
+            raise DivergenceError(
+                f"the last {in_a_row} steps (to step {step}) were all skipped: their gradients "
+                f"overflow at loss scale {scale:g}; {lower_lr}, or use precision.policy=bf16"
+            )
     recent = history[-(FALLING_SCALE_LOGS + 1) :]
     falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
         later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
@@ -97,8 +119,20 @@ def check_health(record: dict[str, Any], loss_scaled: bool, history: list) -> No
         output.warning(
             f"the loss scale fell at each of the last {FALLING_SCALE_LOGS} log steps "
             f"({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
-            f"{step}): the gradients are diverging, not just overflowing; lower optim.lr"
+            f"{step}): the gradients are diverging, not just overflowing; {lower_lr}"
         )
+
+
+def _skipped_in_a_row(history: list) -> int:
+    """Steps skipped in a row up to the last log step: the log intervals skipped whole."""
+    in_a_row = 0
+    for (earlier_step, _, earlier), (step, _, skipped) in zip(
+        reversed(history[:-1]), reversed(history[1:]), strict=True
+    ):
+        if skipped - earlier != step - earlier_step:
+            break
+        in_a_row += step - earlier_step
+    return in_a_row
 
 
 def device_memory() -> dict[str, int | None]:

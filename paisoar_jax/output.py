@@ -37,6 +37,34 @@ def shows_progress() -> bool:
     return mode() == "text"
 
 
+def progress_bar(**settings) -> tqdm:
+    """A tqdm bar on stderr, or off (`disable`) outside text mode.
+
+    On a terminal it redraws in place every second; into a file or a pipe (a launcher's log,
+    nohup, a scheduler's output) every 30 seconds, each time on a line of its own, where
+    carriage-return redraws would join into one endless line.
+    """
+    if sys.stderr.isatty():
+        return tqdm(mininterval=1.0, **settings)
+    return tqdm(file=_LinePerRedraw(sys.stderr), mininterval=30.0, ascii=True, **settings)
+
+
+class _LinePerRedraw:
+    """A stream for tqdm that writes each redraw as one line (no carriage returns)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def note(
     message: str, *, program: str = PROGRAM, stderr: bool = False, prefixed: bool = True
 ) -> None:

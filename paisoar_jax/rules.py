@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import sharding
+from paisoar_jax import output, sharding
 from paisoar_jax.config import ShardingConfig
 from paisoar_jax.errors import UserError
 
@@ -54,10 +54,15 @@ def parameter_shardings(
     # The default splits params and optimizer state on the same dimension (no reshard
     # between them): the one the larger shard count, the optimizer state's, divides.
     param_fsdp, state_fsdp = (table["fsdp"] for table in tables)
-    for_params, for_state = [], []
+    shards = max(_split(param_fsdp, mesh)[1], _split(state_fsdp, mesh)[1])
+    for_params, for_state, whole = [], [], []
     for (path, value), logical in zip(leaves, specs, strict=True):
         name = dotted_path(path)
         index = next((i for i, pattern in enumerate(patterns) if pattern.search(name)), None)
+        defaulted = index is None and not any(axis is not None for axis in logical)
+        dim = _default_dim(value.shape, mesh, (state_fsdp, param_fsdp)) if defaulted else None
+        if defaulted and dim is None and math.prod(value.shape) >= settings.min_split_size:
+            whole.append((name, value))
         pair = []
         for table in tables:
             if index is not None:
@@ -73,7 +78,6 @@ def parameter_shardings(
                 pair.append(sharding.logical_to_sharding(logical, value.shape, mesh, table, name))
                 continue
             else:
-                dim = _default_dim(value.shape, mesh, (state_fsdp, param_fsdp))
                 axes = (table["fsdp"], param_fsdp)  # the state falls back to the params' split
                 spec = _default_spec(value.shape, mesh, axes, settings.min_split_size, dim)
             pair.append(NamedSharding(mesh, spec))
@@ -81,6 +85,8 @@ def parameter_shardings(
             used[index] = True
         for_params.append(pair[0])
         for_state.append(pair[1])
+    if whole and shards > 1:
+        _warn_left_whole(whole, shards, abstract_params)
     for (pattern, _), was_used in zip(settings.rules, used, strict=True):
         if not was_used:
             names = ", ".join(dotted_path(path) for path, _ in leaves[:6])
@@ -89,6 +95,22 @@ def parameter_shardings(
                 f"{names}{', ...' if len(leaves) > 6 else ''})"
             )
     return treedef.unflatten(for_params), treedef.unflatten(for_state)
+
+
+def _warn_left_whole(whole: list, shards: int, abstract_params: Any) -> None:
+    """One warning naming the parameters FSDP/ZeRO leaves whole (no dimension divides)."""
+    if jax.process_index() != 0:
+        return
+    size = lambda value: math.prod(value.shape) * value.dtype.itemsize
+    total = sum(size(value) for value in jax.tree.leaves(abstract_params))
+    whole = sorted(whole, key=lambda item: -size(item[1]))
+    named = ", ".join(f"{name} {tuple(value.shape)}" for name, value in whole[:4])
+    output.warning(
+        f"FSDP/ZeRO over {shards} devices leaves {len(whole)} parameter(s) whole, as no "
+        f"dimension divides by {shards}: {named}{', ...' if len(whole) > 4 else ''} "
+        f"({sum(size(value) for _, value in whole) / total:.0%} of the parameter bytes); "
+        f"give them a sharding.rules entry, or sizes {shards} divides"
+    )
 
 
 def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:

@@ -218,7 +218,7 @@ def train_step(
         "loss": loss,
         **task_metrics,
         "grad_norm": optax.tree.norm(grads) / scale,
-        **_learning_rate(schedule, state),
+        **_learning_rate(schedule, state.step, opt_state),
         **loss_scale.scale_metrics(opt_state),
     }
     if jax.tree.leaves((model_state, comm)):
@@ -271,15 +271,20 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
     return losses, grads, metrics, state.model_state
 
 
-def _learning_rate(schedule: optax.Schedule | None, state: TrainState) -> dict[str, jax.Array]:
-    """{"lr": ...} from the schedule, or from a user optimizer's injected hyperparameters."""
+def _learning_rate(schedule: optax.Schedule | None, step, opt_state) -> dict[str, jax.Array]:
+    """{"lr": ...} that this step used: the schedule's, or a user optimizer's injected one.
+
+    `step` is the count before the update; `opt_state` the optimizer state after it, whose
+    injected hyperparameters are the ones the update just used.
+    """
     if schedule is not None:
-        return {"lr": schedule(state.step)}
-    try:
-        injected = optax.tree_utils.tree_get(state.opt_state, "learning_rate", None)
-    except KeyError:  # several (optax.multi_transform of injected optimizers): none is "the" lr
-        injected = None
-    return {} if injected is None else {"lr": jnp.asarray(injected, jnp.float32)}
+        return {"lr": schedule(step)}
+    # optax.inject_hyperparams keeps the value in its hyperparams (and, for a schedule, the
+    # schedule's own state under the same name: not a value). Several values (a
+    # multi_transform of injected optimizers): none of them is "the" lr.
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+    values = [value for _, value in found if isinstance(value, jax.Array)]
+    return {"lr": jnp.asarray(values[0], jnp.float32)} if len(values) == 1 else {}
 
 
 def eval_step(

@@ -443,7 +443,8 @@ def test_a_plain_iterable_says_its_input_restarts_on_resume(tmp_path, capsys):
 
 def test_remat_blocks_on_a_zoo_model_is_refused(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        paisoar_jax.fit(None, [*BASE, f"run.dir={tmp_path}", "remat.blocks=[blocks]"])
+        overrides = [*BASE, f"run.dir={tmp_path}", "remat.policy=full", "remat.blocks=[blocks]"]
+        paisoar_jax.fit(None, overrides)
     assert "remat.blocks is for a model of your own" in capsys.readouterr().err
 
 
@@ -561,3 +562,56 @@ def test_a_keras_style_tuple_of_arrays_is_examples(tmp_path):
     )  # fmt: skip
     assert result["steps"] == 2 and "eval_loss" in result
     assert seen[0] == ((16, 16), (16,))
+
+
+class Odd(nnx.Module):
+    """Sizes that 8 divides nowhere: FSDP over 8 devices cannot split its large kernel."""
+
+    def __init__(self, rngs):
+        self.wide = nnx.Linear(16, 1031, rngs=rngs)  # 16 x 1031: 16 divides, so it splits
+        self.odd = nnx.Linear(1031, 131, rngs=rngs)  # 135,061 elements, no dimension divides
+        self.head = nnx.Linear(131, 6, rngs=rngs)  # small: whole by design, not named
+
+    def __call__(self, x):
+        return self.head(self.odd(self.wide(x)))
+
+
+def test_fsdp_names_the_parameters_it_leaves_whole(devices, capsys):
+    """Before: mesh.fsdp=8 on a model with no divisible dimension left it whole, silently."""
+    prepared(["mesh.data=1", "mesh.fsdp=8"], devices, model=Odd)
+    warning = capsys.readouterr().err
+    assert "FSDP/ZeRO over 8 devices leaves 1 parameter(s) whole" in warning
+    assert "odd.kernel (1031, 131)" in warning and "wide.kernel" not in warning
+    assert "head" not in warning  # under sharding.min_split_size: whole on purpose
+
+
+def test_fewer_rows_than_one_global_batch_are_refused(tmp_path):
+    """Before: 10 rows with a global batch of 16 trained, each step repeating 6 of them."""
+    with pytest.raises(UserError, match="the train split has 10 examples, fewer than one global"):
+        paisoar_jax.fit(
+            None,
+            [*BASE, "train.steps=2", f"run.dir={tmp_path}"],
+            model=Net,
+            loss=net_loss,
+            data=examples(10),
+            exit_on_error=False,
+        )
+
+
+def test_the_lr_of_an_optax_schedule_is_logged_when_injected(tmp_path, capsys):
+    """Before: lr was null for any optax optimizer with its own schedule, injected or not."""
+    schedule = optax.cosine_decay_schedule(1e-2, 10)
+    optimizers = {
+        "injected": optax.inject_hyperparams(optax.adam)(learning_rate=schedule),
+        "plain": optax.adam(schedule),
+    }
+    logged = {}
+    for name, optimizer in optimizers.items():
+        overrides = [*BASE, "train.steps=3", f"run.dir={tmp_path}/{name}"]
+        paisoar_jax.fit(
+            None, overrides, model=Net, loss=net_loss, data=examples(), optimizer=optimizer
+        )
+        logged[name] = [record["lr"] for record in run_records(tmp_path / name)]
+    np.testing.assert_allclose(logged["injected"], [schedule(step) for step in range(3)], 1e-6)
+    assert logged["plain"] == [None] * 3  # unreadable: said once, not guessed
+    assert capsys.readouterr().out.count("lr is not logged: your optimizer's learning rate") == 1

@@ -97,6 +97,7 @@ def test_sections_are_frozen():
         (["data.eval_fraction=0"], "data.eval_fraction=0 leaves no eval data"),
         (["train.eval_every=-1"], "train.eval_every must be >= 0"),
         (["train.eval_batches=-1"], "train.eval_batches must be >= 0"),
+        (["remat.blocks=[blocks]"], "remat.policy=none checkpoints nothing: set remat.policy="),
         (["optim.warmup_steps=-5"], "optim.warmup_steps must be >= 0"),
         (["data.workers=-1"], "data.workers must be >= 0"),
         (["optim.clip_norm=-1"], "optim.clip_norm must be a finite number >= 0"),
@@ -133,6 +134,22 @@ def test_bad_yaml_types(tmp_path):
         load_config(str(path))
     path.write_text("bogus:\n  a: 1\n")
     with pytest.raises(UserError, match="unknown config section 'bogus'"):
+        load_config(str(path))
+
+
+def test_errors_in_a_yaml_file_name_its_line(tmp_path):
+    """Before: the YAML parser's line was dropped, and a bad value named no line."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  name: gpt\ntrain:\n  steps: 10\n  stepz: 5\n")
+    with pytest.raises(UserError, match=r"unknown config key train.stepz .*\(.*bad.yaml:5\)$"):
+        load_config(str(path))
+    path.write_text("model:\n  width: 100\n  heads: 3\n")
+    with pytest.raises(UserError, match=r"not divisible by model.heads=3 \(.*bad.yaml:2\)$"):
+        load_config(str(path))
+    with pytest.raises(UserError, match=r"^model.width: expected int, got 'x'$"):
+        load_config(str(path), ["model.width=x"])  # the override's fault, not the file's
+    path.write_text("train:\n  steps: 10\n    seed: 3\n")
+    with pytest.raises(UserError, match=r"bad.yaml:3: not valid YAML \(mapping values"):
         load_config(str(path))
 
 

@@ -530,3 +530,51 @@ def test_scope_dcn_keeps_the_exchange_inside_each_host_in_fp32(tmp_path):
     train_one(tmp_path / "one", "mesh.data=8", "train.steps=3")
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert two == pytest.approx(one, rel=1e-3)
+
+
+TWO_PROCESS_SCRIPT = """
+import os, sys
+import numpy as np, optax, paisoar_jax
+from flax import nnx
+
+rank = int(os.environ["PAISOAR_PROCESS_ID"])
+seed = rank if os.environ["CASE"] == "different" else 0  # different: each process its own!
+x = np.random.default_rng(seed).normal(size=(64, 8)).astype(np.float32)
+x[7, 3] = np.nan if os.environ["CASE"] == "nan" else x[7, 3]
+y = (x[:, 0] > 0).astype(np.int32)
+
+def loss(model, batch, rng):
+    logits = model(batch["x"]).astype(np.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+paisoar_jax.fit(None, sys.argv[1:], model=lambda rngs: nnx.Linear(8, 2, rngs=rngs), loss=loss,
+                data={"x": x, "y": y}, optimizer=optax.adam(1e-2))
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("different", "the processes were given different train data: process 1's has 64"),
+        ("nan", "holds non-finite values ("),  # one process reads the row; both stop
+    ],
+)
+def test_bad_data_on_two_processes_stops_both_with_one_line(case, expected, tmp_path):
+    """Before: two processes handed different arrays each trained on their rows of their
+    own; a nan row was a divergence (or, under fp16, skipped steps) on every process."""
+    script = tmp_path / "script.py"
+    script.write_text(TWO_PROCESS_SCRIPT)
+    arguments = ["--nproc", "2", "--devices-per-proc", "1", "--grace", "5", "--", "python"]
+    arguments += [str(script), "train.steps=8", "train.global_batch=8", "train.log_every=4"]
+    result = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.launch", *arguments, f"run.dir={tmp_path}/run"],
+        env={**subprocess_env(), "CASE": case},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    for rank in (0, 1):  # each process stops with its own line, none hangs
+        assert f"[rank {rank}] paisoar_jax.fit: error: " in output, output[-3000:]
+    assert expected in output

@@ -89,3 +89,14 @@ def test_a_small_model_is_counted_in_params_not_zero_millions():
     assert describe_params(8_386) == "8,386 params"
     assert describe_params(120_384) == "0.12M params"
     assert describe_params(124_439_808) == "124.44M params"
+
+
+def test_a_progress_bar_into_a_file_draws_lines_not_carriage_returns(capsys):
+    """Before: output redirected to a file got one huge `\\r`-joined progress line."""
+    bar = output.progress_bar(total=3, desc="train")
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines()[-1].startswith("train: 100%|")
+    assert len(err.splitlines()) <= 3  # the start, the end (30 s apart at most in between)

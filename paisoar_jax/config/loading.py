@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import typing
 from typing import Any, Literal
 
@@ -185,18 +186,45 @@ def _parse_override(text: str) -> tuple[str, str, str]:
 
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Loads a YAML config (or the defaults when `path` is None) and applies overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        config_path = resolve_config_path(path)
-        try:
-            raw = yaml.safe_load(config_path.read_text()) or {}
-        except yaml.YAMLError as error:
-            first_line = str(error).splitlines()[0]
-            raise UserError(f"{config_path}: not valid YAML ({first_line})") from None
-        if not isinstance(raw, dict):
-            raise UserError(f"{config_path}: expected a mapping of sections at the top level")
-        raw.setdefault("run", {}).setdefault("name", config_path.stem)
-    return config_from_dict(raw, overrides)
+    if path is None:
+        return config_from_dict({}, overrides)
+    config_path = resolve_config_path(path)
+    text = config_path.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{config_path}:{mark.line + 1}" if mark is not None else str(config_path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise UserError(f"{where}: not valid YAML ({problem})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{config_path}: expected a mapping of sections at the top level")
+    raw.setdefault("run", {}).setdefault("name", config_path.stem)
+    try:
+        return config_from_dict(raw, overrides)
+    except UserError as error:  # the line of the file's key it names, if any
+        overridden = {text.partition("=")[0].strip() for text in overrides}
+        line = _line_of_key_named(str(error), text, overridden)
+        if line is None:
+            raise
+        raise UserError(f"{error} ({config_path}:{line})") from None
+
+
+def _line_of_key_named(message: str, text: str, overridden: set[str]) -> int | None:
+    """The line (from 1) of the first `section.key` of a YAML config that `message` names.
+
+    None when there is none, or when the first it names was overridden (the override is
+    the culprit, not the file).
+    """
+    root = yaml.compose(text)
+    lines = {}
+    for section, values in root.value if isinstance(root, yaml.MappingNode) else ():
+        lines.setdefault(section.value, section.start_mark.line + 1)
+        for key, _ in values.value if isinstance(values, yaml.MappingNode) else ():
+            lines.setdefault(f"{section.value}.{key.value}", key.start_mark.line + 1)
+    named = [m.group(0) for m in re.finditer(r"\b[a-z_]+\.[a-z_0-9]+\b", message)]
+    key = next((key for key in named if key in lines or key in overridden), None)
+    return None if key is None or key in overridden else lines[key]
 
 
 def config_from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:

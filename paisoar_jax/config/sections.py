@@ -377,6 +377,11 @@ class RematConfig:
     def __post_init__(self):
         for pattern in self.blocks:
             _check_regex(pattern, "remat.blocks")
+        if self.blocks and self.policy == "none":
+            raise UserError(
+                "remat.blocks names blocks, but remat.policy=none checkpoints nothing: set "
+                "remat.policy=full (or dots, minimal, ...)"
+            )
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from paisoar_jax.errors import UserError
 from paisoar_jax.sharding import input_slot
@@ -71,6 +72,31 @@ def dataset_identity(source: Any) -> dict[str, Any]:
         for leaf in jax.tree.leaves(source[index]):
             digest.update(leaf if isinstance(leaf, bytes) else np.asarray(leaf).tobytes())
     return {"size": size, "fingerprint": digest.hexdigest()}
+
+
+def check_same_everywhere(source: Any, name: str) -> None:
+    """Refuses processes given different datasets: each reads its own rows of the same one.
+
+    Two processes handed different files or arrays would each train on their rows of their
+    own data, silently; their identities (`dataset_identity`) are compared at start.
+    """
+    if jax.process_count() == 1 or not hasattr(source, "__len__"):
+        return
+    identity = dataset_identity(source)
+    # int32: jax gathers without x64 (a size past 2**31 compares modulo that)
+    digest = hashlib.blake2b(identity["fingerprint"].encode(), digest_size=3).digest()
+    mine = np.array([identity["size"] % 2**31, int.from_bytes(digest, "little")], np.int32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    other = next(
+        (p for p, seen in enumerate(everyone) if not np.array_equal(seen, everyone[0])), None
+    )
+    if other is not None:
+        raise UserError(
+            f"the processes were given different {name}: process {other}'s has "
+            f"{everyone[other][0]} examples (fingerprint {everyone[other][1]:x}), process 0's "
+            f"{everyone[0][0]} ({everyone[0][1]:x}); give every process the same dataset "
+            f"(each reads its own rows of it)"
+        )
 
 
 class PerExampleReads:

@@ -8,6 +8,10 @@ the training loop only waits when input is truly behind.
 The host iterator runs ahead of the step by up to `depth` batches, so its own get_state()
 is not where a resumed run must start: each queued batch carries the iterator state taken
 right after it was read, and `consumed_state()` returns the one of the last batch handed out.
+
+The thread also looks for nan and inf in each batch's floating arrays (a pass over the host
+copy, off the step's path): `first_nonfinite` is the first such batch handed out, so a loss
+that turns non-finite can be blamed on the data rather than the learning rate.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -30,6 +36,20 @@ def global_batch(sharding: NamedSharding, host_batch):
     )
 
 
+def nonfinite_values(host_batch: Any) -> str | None:
+    """What the floating arrays of a batch hold that is not finite (`batch['x']: 3 nan`)."""
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(host_batch):
+        values = np.asarray(leaf)
+        if not jnp.issubdtype(values.dtype, jnp.floating) or np.isfinite(values).all():
+            continue
+        nan = int(np.isnan(values).sum())
+        inf = int(np.isinf(values).sum())
+        counts = ", ".join(f"{n} {kind}" for n, kind in ((nan, "nan"), (inf, "inf")) if n)
+        found.append(f"batch{jax.tree_util.keystr(path)}: {counts}")
+    return "; ".join(found) or None
+
+
 class DevicePrefetcher:
     """Iterates global device arrays built from a host iterator, `depth` batches ahead."""
 
@@ -39,6 +59,10 @@ class DevicePrefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         get_state = getattr(host_batches, "get_state", None)
         self._consumed_state = get_state() if get_state else None
+        self.handed_out = 0  # batches handed out so far
+        # (its number among those handed out, from 1; what it holds) of the first batch
+        # with nan or inf, or None
+        self.first_nonfinite: tuple[int, str] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="device-prefetch", daemon=True)
         self._thread.start()
@@ -49,7 +73,8 @@ class DevicePrefetcher:
         try:
             for host_batch in self._host_batches:
                 array = global_batch(self._sharding, host_batch)
-                if not self._put((array, get_state() if get_state else None)):
+                state = get_state() if get_state else None
+                if not self._put((array, state, nonfinite_values(host_batch))):
                     return
             self._put(_DONE)
         except BaseException as error:  # re-raised in the consumer's thread
@@ -74,7 +99,10 @@ class DevicePrefetcher:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        array, self._consumed_state = item
+        array, self._consumed_state, nonfinite = item
+        self.handed_out += 1
+        if nonfinite and self.first_nonfinite is None:
+            self.first_nonfinite = (self.handed_out, nonfinite)
         return array
 
     def consumed_state(self) -> dict | None:

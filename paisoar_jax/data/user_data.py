@@ -54,6 +54,9 @@ class ExampleData:
     def __len__(self) -> int:
         return len(self.source)
 
+    def __getitem__(self, index: int) -> Any:
+        return self.source[index]
+
     def batches(self, global_batch: int, seed: int, shuffle: bool, workers: int):
         """The rows of endless global batches this process reads (get_state/set_state)."""
         return batch_dataset(

@@ -80,6 +80,19 @@ def _loss_scale_mode(config: Config) -> str:
     return config.precision.loss_scale_mode()[0]
 
 
+def _own_optimizer(run: Run) -> bool:
+    """Whether the run's optimizer was the user's own (fit's optimizer=): optim.* is unused."""
+    return bool(run.records) and run.records[0].get("lr_source") == "optimizer"
+
+
+def _lower_lr(run: Run, why: str = "") -> str:
+    """The fix that lowers the learning rate: optim.lr, or the user's own optimizer's."""
+    if _own_optimizer(run):
+        return f"a lower learning rate in the optimizer given to fit{why} (optim.lr is not used)"
+    lr = run.config.optim.lr
+    return f"`optim.lr={lr / 10:g}`{why or f' (now {lr:g})'}"
+
+
 def _larger_batch(config: Config, why: str) -> str:
     """The fix `train.global_batch` x 2, with the learning-rate scaling that goes with it."""
     batch = config.train.global_batch
@@ -341,7 +354,7 @@ def loss_scale_collapse(run: Run) -> Finding | None:
         return None
     (first_step, first), (last_step, last) = scales[0], scales[-1]
     config = run.config
-    fixes = [f"`optim.lr={config.optim.lr / 10:g}` (now {config.optim.lr:g})"]
+    fixes = [_lower_lr(run)]
     if config.optim.clip_norm == 0:
         fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
     fixes.append(_no_loss_scale(config))
@@ -377,9 +390,7 @@ def skipped_steps(run: Run) -> Finding | None:
             "less often (each growth that overflows skips a step)"
         )
     fixes.append(_no_loss_scale(run.config))
-    fixes.append(
-        f"`optim.lr={run.config.optim.lr / 10:g}` if the skips go on: the gradients blow up"
-    )
+    fixes.append(_lower_lr(run, " if the skips go on: the gradients blow up"))
     evidence = (
         f"{count} of {last_step} steps skipped ({_percent(count / last_step)}, over "
         f"{SKIPPED_LIMIT:.0%}); {skipped[0][1]} of them by the first log step ({skipped[0][0]})"
@@ -393,11 +404,12 @@ def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
 
     config = run.config
     optim = config.optim
-    fixes = [f"`optim.lr={optim.lr / 10:g}` (now {optim.lr:g})"]
+    fixes = [_lower_lr(run)]
     if optim.clip_norm == 0:
         fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
-    warmup = max(100, 2 * optim.warmup_steps)
-    fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
+    if not _own_optimizer(run):  # its warm-up is its own too
+        warmup = max(100, 2 * optim.warmup_steps)
+        fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
     if config.precision.policy == "fp16":
         fixes.append("`precision.policy=bf16`: fp32's range")
     saved = checkpoint_directory(config.checkpoint, run.directory)
