@@ -164,6 +164,15 @@ def _verify(state: Any, saved: list[int] | None, step_dir: pathlib.Path) -> None
             raise ValueError(f"{step_dir}: {name} does not match its checksum (corrupted data)")
 
 
+def _tree_metadata(item: pathlib.Path) -> Any:
+    """The tree of array metadata of a saved item (a step's state, an export's params).
+
+    Read by the handler: a Checkpointer would also look for step metadata, which a step's
+    item directory does not hold, and log a warning a user cannot act on.
+    """
+    return _saved_tree(ocp.PyTreeCheckpointHandler().metadata(item))
+
+
 def _saved_tree(metadata: Any) -> Any:
     """The tree of array metadata inside whatever wrapper this Orbax version returns."""
     metadata = getattr(metadata, "item_metadata", metadata)
@@ -457,7 +466,7 @@ def abstract_weights(path: pathlib.Path, sharding: jax.sharding.Sharding) -> Any
     Read from the checkpoint's metadata: a target for `load_weights` with no model built.
     """
     item = _params_item(path.absolute())
-    saved = _saved_tree(ocp.PyTreeCheckpointer().metadata(item))
+    saved = _tree_metadata(item)
     place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     return types.SimpleNamespace(
         params=jax.tree.map(place, saved["params"]),
@@ -474,7 +483,7 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
     """
     item = _params_item(path.absolute())
     checkpointer = ocp.PyTreeCheckpointer()
-    saved_tree = _saved_tree(checkpointer.metadata(item))
+    saved_tree = _tree_metadata(item)
     target = {"params": abstract_state.params}
     if jax.tree.leaves(abstract_state.model_state):
         # A step of a model with no model state (a bf16 GPT for an fp8 run) holds it empty.

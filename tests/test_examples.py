@@ -41,6 +41,25 @@ def test_own_mlp_learns_the_spirals(tmp_path):
 
 
 @pytest.mark.slow
+def test_own_cnn_in_bf16_and_fp16_is_within_2_points_of_fp32_and_loads_for_inference(tmp_path):
+    """BatchNorm, and Dropout keyed by the loss's rng; then paisoar_jax.load in plain Python."""
+    accuracy = {}
+    for policy in ("fp32", "bf16", "fp16"):
+        result = run_example(
+            "own_cnn.py", f"precision.policy={policy}", f"run.name={policy}", cwd=tmp_path
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        accuracy[policy] = float(result.stdout.split("eval accuracy")[-1].split()[0])
+        loaded = float(result.stdout.split("loaded model:")[-1].split()[0])
+        # The module loaded back computes in fp32 what the run evaluated in its policy.
+        assert abs(loaded - accuracy[policy]) <= 0.01, result.stdout
+        assert "Metadata file does not exist" not in result.stderr
+    assert accuracy["fp32"] > 0.93
+    for policy in ("bf16", "fp16"):
+        assert accuracy[policy] >= accuracy["fp32"] - 0.02, accuracy
+
+
+@pytest.mark.slow
 def test_own_transformer_runs_on_fsdp_and_tensor(tmp_path):
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)  # the example asks for its own 4 simulated devices
@@ -113,7 +132,8 @@ def test_sigterm_then_resume_continues_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["own_mlp.py", "own_transformer.py", "fine_tune.py", "own_grain_pipeline.py"]
+    "name",
+    ["own_mlp.py", "own_cnn.py", "own_transformer.py", "fine_tune.py", "own_grain_pipeline.py"],
 )
 def test_every_example_has_a_docstring_with_its_command(name):
     text = (EXAMPLES / name).read_text()
