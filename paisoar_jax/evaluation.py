@@ -12,6 +12,7 @@ length (fit's eval_data as a re-iterable) are read for one pass, every row their
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from paisoar_jax.data.prefetch import global_batch
 # busy, few enough that a long eval does not queue hundreds of executions (on XLA's CPU
 # devices a deep queue starves the threads a collective waits for).
 IN_FLIGHT = 8
+MAX_LOG_PERPLEXITY = 700.0  # exp() of more overflows a float: the perplexity is then inf
 
 
 def eval_batch_count(size: int, global_batch: int, cap: int) -> int:
@@ -46,7 +48,11 @@ def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[
             _add(totals, pending)
     _add(totals, pending)
     rows = totals.pop("rows")
-    return {name: float(total / rows) for name, total in totals.items()}
+    means = {name: float(total / rows) for name, total in totals.items()}
+    if getattr(task, "reports_perplexity", False):  # of the mean loss per token, not per row
+        loss = means["loss"]
+        means["perplexity"] = math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf
+    return means
 
 
 def _add(totals: dict[str, np.float64], pending: list) -> None:

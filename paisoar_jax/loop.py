@@ -2,11 +2,12 @@
 
 mesh -> sharded state -> grain batches prefetched to the devices -> the compiled step, with
 explicit `if step % k == 0` actions for logging and eval. The host reads device values only
-at log and eval steps, so the step loop never stalls on a device sync otherwise.
+at log and eval steps; otherwise it only waits for a step STEPS_IN_FLIGHT steps back.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -34,6 +35,10 @@ from paisoar_jax.workload import Task, Workload, setup
 from paisoar_jax.zoo import zoo_workload
 
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
+# Steps the host may dispatch ahead of the device. Plenty to keep an accelerator busy; a
+# deeper queue (a whole log interval) only holds memory, and on XLA's simulated CPU
+# devices starves the threads a collective waits for (a 40 s rendezvous abort).
+STEPS_IN_FLIGHT = 8
 
 
 def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
@@ -207,10 +212,14 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
     stopped_by, step = None, start_step
     train_start = time.perf_counter()
     instruments.timer.restart(step=start_step)
+    in_flight: collections.deque = collections.deque()
     for step in range(start_step + 1, steps + 1):
         is_first = step == start_step + 1
         batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
         state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
+        in_flight.append(metrics["loss"])
+        if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one
+            in_flight.popleft().block_until_ready()
         heartbeat.progress.step = step  # what the launcher names if this process stalls
         is_last = step == steps
         is_eval_step = bool(parts.eval_every) and (step % parts.eval_every == 0 or is_last)

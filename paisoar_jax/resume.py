@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from paisoar_jax import __version__
+from paisoar_jax import __version__, output
 from paisoar_jax.checkpoint import (
     Checkpointer,
     Restored,
@@ -76,6 +76,11 @@ def starting_point(
             pathlib.Path(config.checkpoint.init_from), layout.abstract_state
         )
         state = state.replace(params=params, model_state=model_state or state.model_state)
+        if jax.process_index() == 0:
+            output.note(
+                f"starting from the weights of {config.checkpoint.init_from} "
+                f"(checkpoint.init_from), with a fresh optimizer"
+            )
     return state, 0, None
 
 

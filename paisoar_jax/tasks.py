@@ -39,6 +39,7 @@ class LanguageModelling:
     unit = "tokens"
     rate_name = "tok_s"
     unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
+    reports_perplexity = True  # eval adds exp(eval_loss), the perplexity per token
     metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
 
     def __init__(self, config: Config, model_class: type):

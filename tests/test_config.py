@@ -157,3 +157,22 @@ def test_missing_config_file():
     with pytest.raises(UserError, match="config file not found: nowhere.yaml"):
         resolve_config_path("nowhere.yaml")
     assert resolve_config_path("gpt2_124m") == CONFIG_DIR / "gpt2_124m.yaml"
+
+
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    """Before: `train --help` listed no config key (the schedule was found in a config.yaml)."""
+    import dataclasses
+
+    from paisoar_jax import train
+    from paisoar_jax.config import keys
+
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    for section, classes in keys.SECTIONS.items():
+        for owner in classes:
+            for field in dataclasses.fields(owner):
+                assert f"  {section}.{field.name}=" in text, field.name
+    line = next(line for line in text.splitlines() if line.startswith("  train.eval_batches=0 "))
+    assert "0: every eval reads the whole eval set" in line
+    assert "  optim.schedule=cosine" in text and "  mesh.zero=0 " in text

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,7 +71,10 @@ def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     model, ours = imported[name]
     tokens = ",".join(map(str, PROMPT))
     result = run_module(
-        "generate", ours, "--tokens", tokens, "--max-new", "10", "--greedy", "--json", cwd=tmp_path
+        "generate",
+        ours,
+        *("--tokens", tokens, "--max-new", "10", "--greedy", "--json", "--ignore-eos"),
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {
@@ -141,6 +145,8 @@ BAD_REQUESTS = [
     (["--tokens", "1,x"], "--tokens '1,x' is not a comma-separated list of token ids"),
     (["--tokens", "1,2", "--max-new", "40"], "need 41 positions, more than the model's 32"),
     (["--tokens", "1,2", "--max-new", "4", "--top-k", "97"], "--top-k 97 is more than"),
+    (["--tokens", ",".join(["1"] * 33), "--max-new", "1"], "the prompt has 33 tokens, more than"),
+    (["--tokens", "1,2", "--top-p", "0"], "--top-p in (0, 1]"),
 ]
 
 
@@ -176,3 +182,52 @@ def test_a_run_over_more_devices_is_placed_whole_here():
 def test_a_missing_source_is_refused(tmp_path):
     with pytest.raises(UserError, match="no such run, checkpoint step or export directory"):
         Model(tmp_path / "nowhere")
+
+
+def test_generation_stops_at_the_end_of_sequence_token_as_transformers_does(imported, devices):
+    """Before: greedy output ran past the end-of-sequence token transformers stops at."""
+    import shutil
+
+    model, ours = imported["gpt2"]
+    copy = ours.parent / "gpt2_eos"
+    if not copy.exists():
+        shutil.copytree(ours, copy)
+    going_on = Model(ours, devices[:1]).generate(PROMPT, 10)  # no stop ids given: all 10
+    end = going_on[2]
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": end}))
+    stopping = Model(copy, devices[:1])
+    assert stopping.end_ids == (end,)
+    expected = going_on[: going_on.index(end) + 1]  # the end token itself is the last
+    assert stopping.generate(PROMPT, 10, stop_at=stopping.end_ids) == expected
+    model.generation_config.eos_token_id = end
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+    assert out[0, len(PROMPT) :].tolist() == expected
+    # --temperature 0 is greedy (it was refused).
+    assert stopping.generate(PROMPT, 5, greedy=False, temperature=0.0) == going_on[:5]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 5, 1.0), (1.0, 0, 0.8), (0.5, 10, 0.9), (1.3, 0, 0.3)]
+)
+def test_sampling_filters_give_transformers_probabilities(temperature, top_k, top_p):
+    """top-k, top-p and temperature leave the probabilities transformers' warpers leave."""
+    from transformers.generation import logits_process as warpers
+
+    from paisoar_jax.tools.generate import filtered_logits
+
+    logits = np.random.default_rng(1).normal(size=(3, 96)).astype(np.float32) * 3
+    ours = np.asarray(
+        jax.nn.softmax(filtered_logits(jnp.asarray(logits), temperature, top_k, top_p))
+    )
+    scores = torch.tensor(logits)
+    chain = [warpers.TemperatureLogitsWarper(temperature)]
+    chain += [warpers.TopKLogitsWarper(top_k)] if top_k else []
+    chain += [warpers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    for warper in chain:
+        scores = warper(None, scores)
+    theirs = torch.softmax(scores, dim=-1).numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
+    assert ((ours > 0) == (theirs > 0)).all()

@@ -293,3 +293,131 @@ def test_a_sharded_checkpoint_imports_as_one_file_does(imported, devices, tmp_pa
     _, sharded = our_logits(tmp_path / "ours", devices[:1])
     for before, after in zip(jax.tree.leaves(one), jax.tree.leaves(sharded), strict=True):
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+
+
+def readme_fine_tuning_commands():
+    """The fine-tuning sequence of the README's Hugging Face section, one argv per line."""
+    import shlex
+
+    from conftest import REPO
+
+    blocks = (REPO / "README.md").read_text().split("\n\n")
+    block = next(block for block in blocks if "hf-import --input HF_MODEL_DIR" in block)
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("python -m paisoar_jax.")]
+
+
+def test_the_readme_fine_tuning_sequence_runs_as_written(tmp_path):
+    """Import, convert JSONL with the model's tokenizer, fine-tune, export, generate.
+
+    Before: the README's train line (no data.source) trained the imported BPE model on the
+    byte-level corpus without a word and died at the end in sample.py (exit 1); the import
+    pinned no tokenizer; the export wrote the training window as the model's positions and
+    a tokenizer without its special tokens.
+    """
+    import tokenizers
+
+    words = ["<eos>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far"]
+    vocabulary = {word: index for index, word in enumerate(words)}
+    vocabulary |= {f"w{index}": index for index in range(len(words), 96)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    llama().save_pretrained(tmp_path / "hf")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    fast.save_pretrained(tmp_path / "hf")
+    (tmp_path / "my_texts").mkdir()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words[1:], 6)) for _ in range(300)]
+    text = "".join(json.dumps({"text": line}) + "\n" for line in lines)
+    (tmp_path / "my_texts" / "stories.jsonl").write_text(text)
+    small = ["train.steps=4", "train.global_batch=8", "model.seq_len=16", "train.eval_every=2"]
+    small += ["run.progress=false", "mesh.data=1"]
+    commands = readme_fine_tuning_commands()
+    assert [command[2] for command in commands] == [
+        "paisoar_jax.convert",
+        "paisoar_jax.convert",
+        "paisoar_jax.train",
+        "paisoar_jax.convert",
+        "paisoar_jax.generate",
+    ]
+    env = {**subprocess_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    outputs = []
+    for command in commands:
+        command = [PYTHON, *command[1:]]
+        command = [str(tmp_path / "hf") if part == "HF_MODEL_DIR" else part for part in command]
+        if "paisoar_jax.train" in command:
+            command += small
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
+        outputs.append(result.stdout + result.stderr)
+    assert "starting from the weights of" in outputs[2] and "eval_perplexity" in outputs[2]
+    assert not any("Metadata file does not exist" in text for text in outputs)  # absl's
+    exported = json.loads((tmp_path / "tuned_hf" / "config.json").read_text())
+    assert exported["max_position_embeddings"] == 64  # the model's, not the window of 16
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned_hf")
+    assert (loaded.eos_token, loaded.pad_token) == ("<eos>", "<eos>")
+    # The byte-level corpus (the README's old train line) is refused for this model.
+    refused = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.train", "--config", "imported/config.yaml", "run.dir=x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert "data.source=embedded is byte-level text, but this model reads the tokens of" in (
+        refused.stderr
+    )
+
+
+def test_gpt2_with_256_positions_trains_on_32_and_exports_256(tmp_path):
+    """Before: the learned table was sized by the window (an imported GPT-2 could not train
+    on shorter windows), and the export wrote the window as the model's positions."""
+    from paisoar_jax.loop import train
+
+    model = gpt2()
+    model.config.n_positions = 256
+    model = transformers.GPT2LMHeadModel(model.config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    overrides = ["model.seq_len=32", "data.source=synthetic", "train.steps=2", "mesh.data=8"]
+    overrides += ["train.global_batch=8", "train.eval_every=0", f"run.dir={tmp_path}/run"]
+    config = load_config(str(tmp_path / "ours" / "config.yaml"), overrides)
+    assert (config.model.seq_len, config.model.max_positions) == (32, 256)
+    train(config)
+    hf.hf_export(tmp_path / "run", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["n_positions"] == 256
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert loaded.transformer.wpe.weight.shape == (256, 64)
+    with pytest.raises(UserError, match="model.seq_len=512 is longer than the model's"):
+        load_config(str(tmp_path / "ours" / "config.yaml"), ["model.seq_len=512"])
+
+
+def test_data_of_another_tokenizer_is_refused_for_an_import(imported, tmp_path):
+    """Before: the import pinned no tokenizer, so bytes trained the model as its token ids."""
+    import shutil
+
+    import tokenizers
+
+    from paisoar_jax.tools import convert
+
+    shutil.copytree(imported["llama"][1], tmp_path / "hf")
+    vocabulary = {"<eos>": 0, "the": 1, "cat": 2}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<eos>"))
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    config = load_config(str(tmp_path / "ours" / "config.yaml"))
+    assert config.data.tokenizer == str((tmp_path / "ours" / "tokenizer.json").absolute())
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n" * 200)
+    output = tmp_path / "bytes"  # converted with the default --tokenizer byte
+    assert (
+        convert.main(["text", "--input", str(tmp_path / "text.txt"), "--output", str(output)]) == 0
+    )
+    config = load_config(
+        str(tmp_path / "ours" / "config.yaml"), [f"data.source=arrayrecord:{output}"]
+    )
+    with pytest.raises(UserError, match=r"was tokenized with byte: convert the text again with"):
+        zoo_workload(config).task.open_sources()

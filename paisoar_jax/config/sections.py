@@ -111,7 +111,10 @@ class LanguageModelConfig:
 
     name: Literal["gpt", "llama"] = "gpt"
     vocab_size: int = 256  # the embedded corpus is read byte-level
-    seq_len: int = 128
+    seq_len: int = 128  # the training window, in tokens
+    # Positions the model holds (0: seq_len): the learned table's rows, the export's
+    # n_positions / max_position_embeddings, the longest generation; at least seq_len.
+    max_positions: int = 0
     layers: int = 4
     width: int = 128
     heads: int = 4
@@ -153,6 +156,12 @@ class LanguageModelConfig:
         if self.position == "rotary" and (self.width // self.heads) % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
         _check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
+        _check_at_least("model", self, {"max_positions": 0})
+        if self.max_positions and self.seq_len > self.max_positions:
+            raise UserError(
+                f"model.seq_len={self.seq_len} is longer than the model's "
+                f"model.max_positions={self.max_positions} positions"
+            )
         if self.heads % self.key_value_heads:
             raise UserError(
                 f"model.heads={self.heads} is not divisible by model.kv_heads={self.kv_heads}"
@@ -166,6 +175,11 @@ class LanguageModelConfig:
                 f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be above "
                 f"model.rope_low_freq_factor={self.rope_low_freq_factor}"
             )
+
+    @property
+    def positions(self) -> int:
+        """The positions the model holds: max_positions, or seq_len when it is 0."""
+        return self.max_positions or self.seq_len
 
     @property
     def key_value_heads(self) -> int:
@@ -265,7 +279,10 @@ class DataConfig:
     # gpt: embedded | synthetic | arrayrecord:<dir or glob>;
     # image models: images:<dir> | digits (scikit-learn's, no download) | synthetic
     source: str = "embedded"
-    tokenizer: str = ""  # when set, must match the tokenizer of an arrayrecord dataset
+    # The model's tokenizer: byte, a tokenizer.json (or a directory with one; hf-import pins
+    # its copy here) or a tokenizer's name. When set, an arrayrecord dataset must have been
+    # converted with it (the file's sha256), and the byte-level embedded corpus is refused.
+    tokenizer: str = ""
     workers: int = 0  # grain worker processes (0: read in the main process)
     prefetch: int = 2  # global batches in flight on the devices
     eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)

@@ -172,6 +172,7 @@ class TokenRecords(ShardedRecords):
         self.vocab_size: int = self.manifest["vocab_size"]
         self.eos_id: int = self.manifest["eos_id"]
         self.tokenizer: str = self.manifest["tokenizer"]
+        self.tokenizer_sha256: str | None = self.manifest.get("tokenizer_sha256")
         self.record_tokens: int = self.manifest["record_tokens"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         expected = -(-self.token_count // self.record_tokens)

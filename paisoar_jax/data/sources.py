@@ -21,7 +21,7 @@ import zlib
 import numpy as np
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig
-from paisoar_jax.data.records import PackedWindows, TokenRecords
+from paisoar_jax.data.records import PackedWindows, TokenRecords, file_sha256
 from paisoar_jax.errors import UserError
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
@@ -115,15 +115,31 @@ def dataset_directory(pattern: str) -> pathlib.Path:
     return directories[0]
 
 
+def _same_tokenizer(wanted: str, records: TokenRecords) -> bool:
+    """Whether a dataset was tokenized by data.tokenizer.
+
+    `byte`; a tokenizer file, or a directory holding tokenizer.json (its bytes must be those
+    the dataset was converted with); or a tokenizer's name as the manifest records it.
+    """
+    path = pathlib.Path(wanted)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if wanted != "byte" and path.is_file():
+        return file_sha256(path) == records.tokenizer_sha256
+    return wanted == records.tokenizer
+
+
 def open_token_records(
     pattern: str, data_config: DataConfig, model_config: LanguageModelConfig
 ) -> tuple[PackedWindows, PackedWindows]:
     """(train, eval) packed windows of a converted dataset, checked against the model."""
     records = TokenRecords(dataset_directory(pattern))
-    if data_config.tokenizer and data_config.tokenizer != records.tokenizer:
+    if data_config.tokenizer and not _same_tokenizer(data_config.tokenizer, records):
         raise UserError(
             f"data.tokenizer={data_config.tokenizer} but {records.directory} was tokenized "
             f"with {records.tokenizer}"
+            f"{f' (sha256 {records.tokenizer_sha256[:12]})' if records.tokenizer_sha256 else ''}"
+            f": convert the text again with --tokenizer {data_config.tokenizer}"
         )
     if records.vocab_size > model_config.vocab_size:
         raise UserError(
@@ -167,6 +183,13 @@ def open_source(
         raise UserError(
             f"data.source={data_config.source!r} is not one of embedded, synthetic, "
             f"arrayrecord:<dir>, images:<dir>"
+        )
+    if data_config.tokenizer not in ("", "byte"):
+        raise UserError(
+            f"data.source=embedded is byte-level text, but this model reads the tokens of "
+            f"data.tokenizer={data_config.tokenizer}: convert your text with `python -m "
+            f"paisoar_jax.convert text --input ... --output DIR --tokenizer "
+            f"{data_config.tokenizer}` and train with data.source=arrayrecord:DIR"
         )
     if model_config.vocab_size < 256:
         raise UserError(

@@ -269,7 +269,8 @@ class GPT(Decoder):
         D, V = config.width, config.vocab_size
         self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
         if config.position == "learned":
-            self.position_embedding = param(rngs, normal, (config.seq_len, D), ("length", "embed"))
+            table = (config.positions, D)  # every position the model holds, not the window
+            self.position_embedding = param(rngs, normal, table, ("length", "embed"))
         self.blocks = build_blocks(
             lambda rngs: Block(config, policy, rngs), config.layers, config.scan_layers, rngs
         )

@@ -8,12 +8,18 @@ from collections.abc import Callable, Sequence
 
 from paisoar_jax import distributed, output
 from paisoar_jax.config import Config, load_config
+from paisoar_jax.config.keys import keys_help
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, DivergenceError, UserError
 
 
 def config_parser(program: str, description: str) -> argparse.ArgumentParser:
-    """A parser for `[--config FILE.yaml] [section.key=value ...]`."""
-    parser = argparse.ArgumentParser(prog=program, description=description)
+    """A parser for `[--config FILE.yaml] [section.key=value ...]`; --help lists the keys."""
+    parser = argparse.ArgumentParser(
+        prog=program,
+        description=description,
+        epilog=keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config",
         default=None,

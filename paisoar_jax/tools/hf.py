@@ -128,7 +128,18 @@ GPT2 = (
 )
 # The special token ids HF keeps in config.json: carried through an import to the export.
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The training window (model.seq_len) an import starts with, at most; the model keeps all
+# its positions (model.max_positions), which the export writes back.
+MAX_TRAINING_WINDOW = 2048
 TOKEN_IDS_FILE = "hf_token_ids.json"
+# Files an import keeps beside the weights and an export writes back (the tokenizer as
+# transformers saves it: its special tokens live in tokenizer_config.json).
+KEPT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 TENSORS = {"gpt": GPT2, "llama": LLAMA}
 
 
@@ -154,7 +165,8 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         return LanguageModelConfig(
             name="gpt",
             vocab_size=hf["vocab_size"],
-            seq_len=hf["n_positions"],
+            seq_len=min(hf["n_positions"], MAX_TRAINING_WINDOW),
+            max_positions=hf["n_positions"],
             layers=hf["n_layer"],
             width=hf["n_embd"],
             heads=hf["n_head"],
@@ -189,7 +201,8 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     return LanguageModelConfig(
         name="llama",
         vocab_size=hf["vocab_size"],
-        seq_len=min(hf.get("max_position_embeddings", 2048), 2048),  # a training length
+        seq_len=min(hf.get("max_position_embeddings", 2048), MAX_TRAINING_WINDOW),
+        max_positions=hf.get("max_position_embeddings", 2048),
         layers=hf["num_hidden_layers"],
         width=width,
         heads=heads,
@@ -213,7 +226,7 @@ def hf_config(model: LanguageModelConfig) -> dict:
             "architectures": [ARCHITECTURES["gpt2"]],
             "model_type": "gpt2",
             "vocab_size": model.vocab_size,
-            "n_positions": model.seq_len,
+            "n_positions": model.positions,
             "n_embd": model.width,
             "n_layer": model.layers,
             "n_head": model.heads,
@@ -236,9 +249,9 @@ def hf_config(model: LanguageModelConfig) -> dict:
         "model_type": "llama",
         "vocab_size": model.vocab_size,
         "max_position_embeddings": (
-            model.seq_len
+            model.positions
             if model.rope_scaling == "none"
-            else max(model.seq_len, model.rope_original_length)
+            else max(model.positions, model.rope_original_length)
         ),
         "hidden_size": model.width,
         "intermediate_size": model.mlp_width or 4 * model.width,
@@ -336,16 +349,31 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
         return ""
     token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
     (output / TOKEN_IDS_FILE).write_text(json.dumps(token_ids) + "\n")
-    config = Config(model=model)
-    config = dataclasses.replace(
-        config, checkpoint=dataclasses.replace(config.checkpoint, init_from=str(output.absolute()))
-    )
-    (output / "config.yaml").write_text(dump_yaml(config))
-    for name in ("tokenizer.json", "generation_config.json"):
+    for name in KEPT_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, output / name)
+    (output / "config.yaml").write_text(dump_yaml(imported_config(model, output)))
     count = sum(array.size for array in params.values())
     return f"imported {describe_params(count)} of a {model.name} model -> {output}/params"
+
+
+def imported_config(model: LanguageModelConfig, output: pathlib.Path) -> Config:
+    """The config.yaml of an import: its model, its weights as the start, its tokenizer."""
+    config = Config(model=model)
+    # Fine-tuning settings, not the embedded corpus's pretraining ones (lr 3e-3, decay 0.1):
+    # a small lr with a short warm-up, no weight decay, no byte-level closing sample.
+    optim = dataclasses.replace(config.optim, lr=1e-4, warmup_steps=20, weight_decay=0.0)
+    config = dataclasses.replace(
+        config, optim=optim, train=dataclasses.replace(config.train, sample_bytes=0)
+    )
+    tokenizer = output / "tokenizer.json"
+    # Pinned: data converted with another tokenizer (or the byte-level embedded corpus) is
+    # refused, rather than trained on as ids that mean other tokens.
+    data = dataclasses.replace(
+        config.data, tokenizer=str(tokenizer.absolute()) if tokenizer.is_file() else ""
+    )
+    start = dataclasses.replace(config.checkpoint, init_from=str(output.absolute()))
+    return dataclasses.replace(config, data=data, checkpoint=start)
 
 
 def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
@@ -378,11 +406,46 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("tokenizer.json", "generation_config.json"):
+    for name in KEPT_FILES:
         found = kept_file(name, config, source)
         if found is not None:
             shutil.copyfile(found, output / name)
+    if (output / "tokenizer.json").is_file():
+        _complete_tokenizer_config(output, token_ids)
     return f"exported {where} as a Hugging Face {ARCHITECTURES[_hf_type(model)]} -> {output}"
+
+
+def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
+    """tokenizer_config.json as transformers saves it, with the special tokens it lacks.
+
+    A model imported with a bare tokenizer.json (or an HF one without a pad token) would
+    load in AutoTokenizer with no eos or pad: they are named from the model's token ids
+    (config.json's), the eos from the usual end-of-text names where none is given, and
+    pad falls back to eos (what fine-tuning scripts set, as no token of ours is padding).
+    """
+    from paisoar_jax.tools.convert import EOS_NAMES  # (convert imports this module)
+
+    path = output / "tokenizer_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    tokenizer = json.loads((output / "tokenizer.json").read_text())
+    vocabulary = dict(tokenizer.get("model", {}).get("vocab") or {})
+    vocabulary |= {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+    names = {token_id: name for name, token_id in vocabulary.items()}
+    eos_id = token_ids.get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    named = settings.get("eos_token")  # the tokenizer's own word first (maybe an AddedToken)
+    eos = named.get("content") if isinstance(named, dict) else named
+    eos = eos or names.get(eos_id) or next((name for name in EOS_NAMES if name in vocabulary), None)
+    wanted = {
+        "bos_token": names.get(token_ids.get("bos_token_id")),
+        "eos_token": eos,
+        "pad_token": names.get(token_ids.get("pad_token_id")) or eos,
+    }
+    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    for key, value in wanted.items():
+        if value is not None and not settings.get(key):
+            settings[key] = value
+    path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def kept_file(name: str, config: Config, *directories: pathlib.Path) -> pathlib.Path | None:
