@@ -24,8 +24,8 @@ from paisoar_jax.data.user_data import BatchData, ExampleData
 from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy
 
-# Names the loop's records use for its own fields: a user's metric may not take them.
-RESERVED_METRICS = ("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step")
+# Names the loop's records (and the eval step's row count) use: a user's metric may not.
+RESERVED_METRICS = ("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step", "rows")
 Loss = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
