@@ -382,7 +382,8 @@ def _write_record(record: dict[str, Any], task: Task, instruments: Instruments) 
     """Writes the record, shows its loss and rate on the bar, and starts the next interval."""
     instruments.writer.write(record)
     rate = f"{record[instruments.timer.throughput_key]:,.0f}"
-    instruments.progress.set_postfix({"loss": f"{record['loss']:.3f}", task.rate_name: rate})
+    postfix = {"loss": f"{record['loss']:.3f}", task.rate_name: rate}
+    instruments.progress.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace
     instruments.timer.restart(record["step"])
 
 
