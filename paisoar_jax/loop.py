@@ -151,7 +151,10 @@ def _open_input(config: Config, mesh, task: Task, train_source, restored) -> Dev
         note = resume_input(host_iterator, restored, config)
         if note and jax.process_index() == 0:
             output.note(note)
-    return DevicePrefetcher(host_iterator, sharding.batch_sharding(mesh), config.data.prefetch)
+    data = config.data
+    return DevicePrefetcher(
+        host_iterator, sharding.batch_sharding(mesh), data.prefetch, data.check_finite
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +413,8 @@ def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> No
     )
     raise UserError(
         f"the batch of step {bad_step} holds non-finite values ({what}): the data is the "
-        f"cause, not the learning rate; drop or repair those examples{kept}"
+        f"cause, not the learning rate; drop or repair those examples (or set "
+        f"data.check_finite=false if your loss masks them){kept}"
     )
 
 

@@ -76,7 +76,9 @@ class IntervalTimer:
         }
 
 
-def check_health(record: dict[str, Any], precision: PrecisionConfig, history: list, lower_lr: str):
+def check_health(
+    record: dict[str, Any], precision: PrecisionConfig, history: list, lower_lr: str
+) -> None:
     """Stops on a non-finite loss (unscaled runs) or on steps the loss scale cannot rescue.
 
     With a loss scaler an occasional overflow only halves the scale (a warning when it falls

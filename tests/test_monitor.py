@@ -6,6 +6,7 @@ import io
 import json
 import math
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -150,6 +151,18 @@ def test_a_batch_holding_nan_stops_the_run_naming_its_step_and_the_data(policy, 
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
         (tmp_path / "run" / "checkpoints").iterdir()
     )  # nothing saved after it
+
+
+def test_a_loss_that_masks_nan_may_turn_the_check_off(tmp_path):
+    def masked(model, batch, rng):
+        x = jax.numpy.nan_to_num(batch["x"])  # its own handling of missing values
+        return cross_entropy(model, {**batch, "x": x}, rng)
+
+    overrides = [*FIT_BASE, "train.steps=4", "data.check_finite=false", f"run.dir={tmp_path}"]
+    result = paisoar_jax.fit(
+        None, overrides, model=Linear, loss=masked, data=batches(nan_at=2), exit_on_error=False
+    )
+    assert result["steps"] == 4 and np.isfinite(result["final_loss"])
 
 
 def test_fp16_overflowing_at_the_scale_floor_stops_and_the_doctor_names_your_optimizer(tmp_path):

@@ -285,6 +285,8 @@ class DataConfig:
     tokenizer: str = ""
     workers: int = 0  # grain worker processes (0: read in the main process)
     prefetch: int = 2  # global batches in flight on the devices
+    # Stop at a batch whose floating arrays hold nan or inf (false: a loss that masks them)
+    check_finite: bool = True
     eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)
     min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
     mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off

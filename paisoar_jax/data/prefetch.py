@@ -9,9 +9,9 @@ The host iterator runs ahead of the step by up to `depth` batches, so its own ge
 is not where a resumed run must start: each queued batch carries the iterator state taken
 right after it was read, and `consumed_state()` returns the one of the last batch handed out.
 
-The thread also looks for nan and inf in each batch's floating arrays (a pass over the host
-copy, off the step's path): `first_nonfinite` is the first such batch handed out, so a loss
-that turns non-finite can be blamed on the data rather than the learning rate.
+With `check_finite` the thread also looks for nan and inf in each batch's floating arrays (a
+pass over the host copy, off the step's path): `first_nonfinite` is the first such batch
+handed out, so a loss that turns non-finite can be blamed on the data, not the learning rate.
 """
 
 from __future__ import annotations
@@ -53,8 +53,15 @@ def nonfinite_values(host_batch: Any) -> str | None:
 class DevicePrefetcher:
     """Iterates global device arrays built from a host iterator, `depth` batches ahead."""
 
-    def __init__(self, host_batches: Iterator[np.ndarray], sharding: NamedSharding, depth: int):
+    def __init__(
+        self,
+        host_batches: Iterator[np.ndarray],
+        sharding: NamedSharding,
+        depth: int,
+        check_finite: bool = False,
+    ):
         self._host_batches = host_batches
+        self._check_finite = check_finite
         self._sharding = sharding
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         get_state = getattr(host_batches, "get_state", None)
@@ -74,7 +81,8 @@ class DevicePrefetcher:
             for host_batch in self._host_batches:
                 array = global_batch(self._sharding, host_batch)
                 state = get_state() if get_state else None
-                if not self._put((array, state, nonfinite_values(host_batch))):
+                nonfinite = nonfinite_values(host_batch) if self._check_finite else None
+                if not self._put((array, state, nonfinite)):
                     return
             self._put(_DONE)
         except BaseException as error:  # re-raised in the consumer's thread
