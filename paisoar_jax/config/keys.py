@@ -68,7 +68,10 @@ def _field_comments() -> dict[tuple[str, str], str]:
 
     The comment on the field's own line, else the block of comment lines just above it.
     """
-    source = inspect.getsource(sections)
+    try:
+        source = inspect.getsource(sections)
+    except OSError:  # installed without sources (.pyc only): the keys, without meanings
+        return {}
     lines = source.splitlines()
     comments = {}
     for node in ast.parse(source).body:
