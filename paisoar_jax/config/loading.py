@@ -203,7 +203,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     try:
         return config_from_dict(raw, overrides)
     except UserError as error:  # the line of the file's key it names, if any
-        overridden = {text.partition("=")[0].strip() for text in overrides}
+        overridden = {override.partition("=")[0].strip() for override in overrides}
         line = _line_of_key_named(str(error), text, overridden)
         if line is None:
             raise

@@ -29,6 +29,7 @@ import pathlib
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,12 +83,17 @@ def load_tokenizer(spec: str) -> Tokenizer:
         model = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:
         raise UserError(f"{path} is not a tokenizers JSON file: {error}") from None
-    eos_ids = [model.token_to_id(name) for name in EOS_NAMES]
-    eos_id = next((token for token in eos_ids if token is not None), None)
+    eos_id = end_of_text_id(model)
     if eos_id is None:
         raise UserError(f"{path} has no end-of-document token (one of {', '.join(EOS_NAMES)})")
     sha256 = records.file_sha256(path)
     return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model)
+
+
+def end_of_text_id(model: Any) -> int | None:
+    """The id of a `tokenizers` model's end-of-text token (the first of EOS_NAMES it has)."""
+    ids = (model.token_to_id(name) for name in EOS_NAMES)
+    return next((token for token in ids if token is not None), None)
 
 
 def tokenize(tokenizer: Tokenizer, data: bytes, where: str) -> np.ndarray:

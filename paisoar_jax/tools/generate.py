@@ -38,7 +38,7 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.convert import EOS_NAMES
+from paisoar_jax.tools.convert import end_of_text_id
 from paisoar_jax.tools.export import weights_source
 from paisoar_jax.tools.hf import TOKEN_IDS_FILE, kept_file
 from paisoar_jax.workload import setup
@@ -72,14 +72,15 @@ def placement(config, count: int) -> list[str]:
     return [*overrides, f"train.global_batch={count}", "train.grad_accum=1"]
 
 
-def end_of_sequence_ids(config, *places) -> tuple[int, ...]:
+def end_of_sequence_ids(
+    config, directories: Sequence[pathlib.Path], tokenizer_file: pathlib.Path | None
+) -> tuple[int, ...]:
     """The ids generation stops at, as transformers finds them.
 
     generation_config.json's eos_token_id (an id or a list), else config.json's (the
-    import's hf_token_ids.json), else the tokenizer's end-of-text token; `places` are the
-    weights' directory, the source and the tokenizer file. None for a byte-level model.
+    import's hf_token_ids.json), both looked for in `directories` (and beside the import a
+    run started from), else the tokenizer's end-of-text token. None for a byte-level model.
     """
-    *directories, tokenizer_file = places
     for name in ("generation_config.json", TOKEN_IDS_FILE):
         found = kept_file(name, config, *directories)
         value = json.loads(found.read_text()).get("eos_token_id") if found else None
@@ -91,9 +92,8 @@ def end_of_sequence_ids(config, *places) -> tuple[int, ...]:
         return ()
     if tokenizer_file is None:
         return ()
-    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-    ids = (tokenizer.token_to_id(name) for name in EOS_NAMES)
-    return tuple(token for token in ids if token is not None)[:1]
+    end = end_of_text_id(tokenizers.Tokenizer.from_file(str(tokenizer_file)))
+    return () if end is None else (end,)
 
 
 class Model:
@@ -112,7 +112,7 @@ class Model:
         with jax.set_mesh(self.mesh):
             self.params, model_state = load_weights(path, self.layout.abstract_state)
         self.model_state = model_state or {}
-        self.end_ids = end_of_sequence_ids(config, path, source, self.tokenizer_file)
+        self.end_ids = end_of_sequence_ids(config, (path, source), self.tokenizer_file)
 
     def generate(
         self,
