@@ -14,6 +14,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     scan_layers(step, x, stacked)          run a stack of identical blocks (pipelined when
                                            mesh.stage > 1, else jax.lax.scan)
     input_slot()                           (this process's share of each batch, shares)
+    token_windows(dir, seq_len, ...)       (train, eval) examples of a converted dataset:
+                                           windows, loss masks, packed documents
     force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
     UserError                              bad input (one line, exit status 2 from the CLI)
 
@@ -37,6 +39,7 @@ _EXPORTS = {
     "remat_block": "paisoar_jax.remat",
     "scan_layers": "paisoar_jax.pipeline",
     "input_slot": "paisoar_jax.sharding",
+    "token_windows": "paisoar_jax.data.sources",
     "force_policy": "paisoar_jax.precision",
     "fp32_function": "paisoar_jax.precision",
     "UserError": "paisoar_jax.errors",

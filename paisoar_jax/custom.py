@@ -25,7 +25,9 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.precision import Policy
 
 # Names the loop's records (and the eval step's row count) use: a user's metric may not.
-RESERVED_METRICS = ("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step", "rows")
+RESERVED_METRICS = (
+    *("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step", "rows", "weight"),
+)
 Loss = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 

@@ -105,6 +105,7 @@ def loss_and_grads(
     gradient_shardings=None,
     key: jax.Array | None = None,
     layout: StateLayout | None = None,
+    total_weight: jax.Array | None = None,
 ):
     """(loss, grads, metrics, model_state) of `scale` x loss of the batch, over micro-batches.
 
@@ -114,8 +115,17 @@ def loss_and_grads(
     each micro-batch's gradients are reduce-scattered into it rather than all-reduced, and
     each device holds only its slice of the sum. Micro-batch j draws from fold_in(key, j).
     With `layout`, weights are cast where they are stored first (`params_for_compute`).
+
+    A task whose loss is a mean over a varying number of targets (`task.loss_weight`: a
+    language model's learned tokens) has each micro-batch's loss weighed by its share of
+    them, so the result is the mean over the whole batch's targets, not a mean of means;
+    `total_weight` (per data shard: the whole batch's targets over the shards) sets the
+    whole.
     """
     key = jax.random.PRNGKey(0) if key is None else key
+    weigh = getattr(task, "loss_weight", lambda batch: None)
+    if weigh(batch) is not None and total_weight is None:
+        total_weight = weigh(batch)
 
     def scaled_loss(params, model_state, micro_batch, micro_key):
         compute_params = params if layout is None else params_for_compute(params, layout)
@@ -123,6 +133,8 @@ def loss_and_grads(
         loss, aux = loss_fn(
             compute_params, model_state, graphdef, micro_batch, task, micro_key, schedule
         )
+        if total_weight is not None:  # this micro-batch's share of the targets, x grad_accum
+            loss = loss * (grad_accum * weigh(micro_batch) / jnp.maximum(total_weight, 1))
         return loss * scale, (loss, aux)
 
     # fp8 scaling state (fp8.Fp8Meta) is differentiated too: its "gradient" is its next value.
@@ -251,6 +263,10 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
     forward pass updates (grad_comm.check_model_state).
     """
     shards = layout.exchange.shards
+    # A masked loss: each shard's mean weighed by its share of the batch's learned targets.
+    weigh = getattr(task, "loss_weight", lambda batch: None)
+    total = weigh(batch)
+    total_weight = None if total is None else total / shards
 
     def one_shard(shard_batch, index):
         with sharding.batch_vmapped(sharding.BATCH_AXES[1:]):
@@ -264,6 +280,7 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
                 scale=scale,
                 key=jax.random.fold_in(key, index),
                 layout=layout,
+                total_weight=total_weight,
             )
 
     per_shard = jax.vmap(one_shard, spmd_axis_name=grad_comm.DATA_AXIS)
@@ -299,7 +316,8 @@ def eval_step(
     model = nnx.merge(layout.graphdef, compute_params, model_state)
     with pipeline.active(layout.pipeline, type(model).__name__):
         per_row = task.eval_rows(model, batch)
-    weights_B = real_B.astype(jnp.float32)
+    # A task's "weight" per row (a language model's learned targets) weighs its metrics.
+    weights_B = real_B.astype(jnp.float32) * per_row.pop("weight", 1.0)
     sums = {name: jnp.sum(values_B * weights_B) for name, values_B in per_row.items()}
     return sums | {"rows": jnp.sum(weights_B)}
 

@@ -5,7 +5,9 @@ and `plan` stay one code path: the sources and host pipeline, the shape of a bat
 and its metrics, what eval reports, the throughput unit (tokens or examples) and its FLOPs.
 
     task                 batch (per process, from grain)                      unit
-    LanguageModelling    int32 tokens (B, seq_len + 1)                        tokens
+    LanguageModelling    int32 tokens (B, seq_len + 1), or with data.packing  tokens
+                         or data.loss_on set, {"tokens", "loss_mask",
+                         ["segments", "positions"]} (data/documents.py)
     ImageClassification  {"image": uint8 (B, size, size, C), "label": int32}  examples
 
 Images reach the device as uint8 and are normalised there, inside the jitted step.
@@ -63,9 +65,17 @@ class LanguageModelling:
             in_memory=not self.config.data.source.startswith("arrayrecord:"),
         )
 
-    def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct:
-        """The shape and dtype of one global batch."""
-        return jax.ShapeDtypeStruct((global_batch, self.config.model.seq_len + 1), jnp.int32)
+    def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct | dict:
+        """The shape and dtype of one global batch (a dict for masked or packed documents)."""
+        T, data = self.config.model.seq_len, self.config.data
+        tokens = jax.ShapeDtypeStruct((global_batch, T + 1), jnp.int32)
+        if data.packing == "stream" and data.loss_on == "all":
+            return tokens
+        shape = {"tokens": tokens, "loss_mask": jax.ShapeDtypeStruct((global_batch, T), bool)}
+        if data.packing == "documents":
+            for name in ("segments", "positions"):
+                shape[name] = jax.ShapeDtypeStruct((global_batch, T), jnp.int32)
+        return shape
 
     def units_per_example(self) -> int:
         """Tokens per sequence."""
@@ -75,18 +85,34 @@ class LanguageModelling:
         """Training FLOPs per token (6 N plus attention)."""
         return self.model_class.flops_per_token(self.config.model, param_count)
 
-    def loss(self, model, tokens_BxT1: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (fp32) and no extra metrics."""
+    def loss(self, model, batch, key: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy (fp32) over the learned targets; no extra metrics."""
         del key  # no randomness (no dropout)
-        return _token_losses(model, tokens_BxT1).mean(), {}
+        losses_BxT, learned_BxT = _token_losses(model, batch)
+        return jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1), {}
 
-    def eval_rows(self, model, tokens_BxT1: jax.Array) -> dict[str, jax.Array]:
-        """{"loss": (B,)}: each held-out sequence's mean next-token cross-entropy."""
-        return {"loss": _token_losses(model, tokens_BxT1).mean(axis=1)}
+    def loss_weight(self, batch) -> jax.Array | None:
+        """The learned targets of a masked batch (the step weighs micro-batches by it)."""
+        return batch["loss_mask"].sum(dtype=jnp.float32) if isinstance(batch, dict) else None
+
+    def eval_rows(self, model, batch) -> dict[str, jax.Array]:
+        """{"loss", "weight"} per held-out sequence: its mean loss and its learned targets.
+
+        The eval step weighs each row by its "weight", so eval_loss is the mean per learned
+        token (what perplexity is of), however the targets spread over the rows.
+        """
+        losses_BxT, learned_BxT = _token_losses(model, batch)
+        weight_B = learned_BxT.sum(axis=1)
+        loss_B = jnp.sum(losses_BxT * learned_BxT, axis=1) / jnp.maximum(weight_B, 1)
+        return {"loss": loss_B, "weight": weight_B}
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""
-        return {"seq_len": self.config.model.seq_len}
+        data = self.config.data
+        signature = {"seq_len": self.config.model.seq_len}
+        if data.packing != "stream" or data.loss_on != "all":  # kept out of older ones
+            signature |= {"packing": data.packing, "loss_on": data.loss_on}
+        return signature
 
     def prepare(self, layout, global_batch: int) -> None:
         """Nothing to check: the zoo's model and loss are known."""
@@ -230,12 +256,22 @@ def _warn_of_skipped_files(*sources) -> None:
             )
 
 
-def _token_losses(model, tokens_BxT1: jax.Array) -> jax.Array:
-    """(B, T) fp32 next-token cross-entropies of windows of T + 1 tokens."""
+def _token_losses(model, batch) -> tuple[jax.Array, jax.Array]:
+    """(B, T) fp32 next-token cross-entropies of windows of T + 1 tokens, and their weights.
+
+    The weights are 1 for a learned target, 0 for one the loss skips (data/documents.py).
+    """
+    tokens_BxT1 = batch["tokens"] if isinstance(batch, dict) else batch
+    documents = {}
+    if isinstance(batch, dict) and "segments" in batch:
+        documents = {"segments_BxT": batch["segments"], "positions_BxT": batch["positions"]}
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.
-    logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1]))
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
+    logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1], **documents))
+    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
+    if isinstance(batch, dict):
+        return losses_BxT, batch["loss_mask"].astype(jnp.float32)
+    return losses_BxT, jnp.ones_like(losses_BxT)
 
 
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:

@@ -305,3 +305,57 @@ def assert_steps_match(actual, expected, rtol: float = 0.1) -> None:
             got, want, rtol=0, atol=rtol * step, err_msg=f"params{jax.tree_util.keystr(path)}"
         )
     assert moved_any, "the steps moved no parameter: the comparison would be vacuous"
+
+
+# ChatML, its assistant text inside {% generation %} tags (transformers' assistant masks)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>\n"
+    "{% endgeneration %}{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = "the cat sat on a mat dog ran far what is two plus three five hello how are you".split()
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer with ChatML's special tokens and template, as HF saves it."""
+    import numpy as np
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(WORDS, 12)) for _ in range(300)]
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    directory = tmp_path_factory.mktemp("chat") / "tokenizer"
+    fast.save_pretrained(directory)
+    return directory
+
+
+def random_chats(count, seed=0):
+    """`count` chats of 1 to 3 user and assistant turns, every other one with a system turn."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    chats = []
+    for index in range(count):
+        messages = [{"role": "system", "content": "be brief"}] if index % 2 else []
+        for _ in range(rng.integers(1, 4)):
+            messages.append({"role": "user", "content": " ".join(rng.choice(WORDS, 4))})
+            messages.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, 3))})
+        chats.append({"messages": messages})
+    return chats

@@ -153,3 +153,14 @@ def test_the_readme_program_runs(tmp_path):
     assert "paisoar_jax: done: 200 steps" in result.stdout
     # Its own run directory, named after the script: not the CLI's runs/default.
     assert (tmp_path / "runs" / "readme_program" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_supervised_fine_tuning_of_an_imported_model_answers_in_transformers(tmp_path):
+    """Import a random Llama, fine-tune it on sums with the prompts masked, export it: in
+    transformers it answers the sums (at random it would get about 1 in 20)."""
+    result = run_example("sft_instructions.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "data.loss_on=response" in result.stdout
+    accuracy = int(result.stdout.split("transformers answers ")[1].split("%")[0])
+    assert accuracy >= 90, result.stdout[-2000:]

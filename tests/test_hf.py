@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch  # the [test] extra's reference implementation (never imported by the library)
 import transformers
-from conftest import PYTHON, subprocess_env
+from conftest import PYTHON, random_chats, subprocess_env
 from flax import nnx
 
 from paisoar_jax.checkpoint import load_weights
@@ -28,10 +28,10 @@ ROPE |= {"original_max_position_embeddings": 64, "rope_type": "llama3"}
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 24))
 
 
-def llama(tied=False):
+def llama(tied=False, vocab_size=96):
     """A 2-layer Llama with grouped-query attention (4 query heads over 2) and Llama-3 rope."""
     config = transformers.LlamaConfig(
-        vocab_size=96,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -307,6 +307,7 @@ def readme_fine_tuning_commands():
     return [shlex.split(line) for line in lines if line.startswith("python -m paisoar_jax.")]
 
 
+@pytest.mark.slow  # five commands, each starting jax: half a minute
 def test_the_readme_fine_tuning_sequence_runs_as_written(tmp_path):
     """Import, convert JSONL with the model's tokenizer, fine-tune, export, generate.
 
@@ -421,3 +422,50 @@ def test_data_of_another_tokenizer_is_refused_for_an_import(imported, tmp_path):
     )
     with pytest.raises(UserError, match=r"was tokenized with byte: convert the text again with"):
         zoo_workload(config).task.open_sources()
+
+
+def readme_supervised_fine_tuning_commands():
+    """The two command lines of the README's supervised fine-tuning block, as argv lists."""
+    import shlex
+
+    from conftest import REPO
+
+    blocks = (REPO / "README.md").read_text().split("\n\n")
+    block = next(block for block in blocks if "--format chat" in block)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if "python -m paisoar_jax." in line]
+
+
+@pytest.mark.slow
+def test_the_readme_supervised_fine_tuning_commands_run_as_written(chat_tokenizer, tmp_path):
+    """Chats converted with the imported model's template, trained on the responses alone
+    (packed documents), exported, and loaded by transformers."""
+    llama(vocab_size=300).save_pretrained(tmp_path / "hf")  # the tokenizer's vocabulary
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "hf" / name).write_bytes((chat_tokenizer / name).read_bytes())
+    chats = random_chats(200)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    env = {**subprocess_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    small = ["train.steps=6", "train.global_batch=8", "model.seq_len=64", "train.eval_every=3"]
+    small += ["run.progress=false", "mesh.data=2"]
+    imported = ["-m", "paisoar_jax.convert", "hf-import", "--input", "hf", "--output", "imported"]
+    commands = [imported, *(command[1:] for command in readme_supervised_fine_tuning_commands())]
+    commands.append(["-m", "paisoar_jax.convert", "hf-export", "runs/sft", "--output", "sft_hf"])
+    outputs = []
+    for command in commands:
+        command = [PYTHON, *command] + (small if "paisoar_jax.train" in command else [])
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
+        outputs.append(result.stdout + result.stderr)
+    assert "of them to learn" in outputs[1] and "eval_perplexity" in outputs[2]
+    records = [json.loads(line) for line in (tmp_path / "runs/sft/metrics.jsonl").open()]
+    assert records[-1]["loss"] < records[0]["loss"]
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft_hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "sft_hf")
+    prompt = tokenizer.apply_chat_template(
+        chats[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    generated = tuned.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert generated.shape[1] > prompt.shape[1]

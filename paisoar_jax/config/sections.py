@@ -283,6 +283,13 @@ class DataConfig:
     # its copy here) or a tokenizer's name. When set, an arrayrecord dataset must have been
     # converted with it (the file's sha256), and the byte-level embedded corpus is refused.
     tokenizer: str = ""
+    # How a converted dataset's documents become windows (data/documents.py): stream (cut
+    # anywhere, as pre-training reads), documents (whole ones packed, attention and positions
+    # per document) or padding (one per window)
+    packing: Literal["stream", "documents", "padding"] = "stream"
+    # The targets the loss learns: all, or response (those `convert text --format
+    # instruction|chat` marked: the prompt is context); the loss averages over them alone
+    loss_on: Literal["all", "response"] = "all"
     workers: int = 0  # grain worker processes (0: read in the main process)
     prefetch: int = 2  # global batches in flight on the devices
     # Stop at a batch whose floating arrays hold nan or inf (false: a loss that masks them)

@@ -9,7 +9,12 @@ without its open file handles, so grain's worker processes can each reopen the s
 
 Tokens: one stream of all documents, each followed by `eos_id`, cut into records of exactly
 `record_tokens` tokens (only the last may be shorter), so token i lives in record
-i // record_tokens. Images: each record is a little-endian int32 label followed by the
+i // record_tokens. A dataset converted from instructions or chats (`loss_mask` in the
+manifest) follows each record's tokens with one byte per token, 1 where the token is one to
+learn (a response's) and 0 where it is context (a prompt's). `documents.npy` holds where
+each document starts in the stream (int64), for packing whole documents into windows.
+
+Images: each record is a little-endian int32 label followed by the
 original encoded file bytes. `ImageFolder` reads an unconverted folder with the same class
 and skip rules, in the same order, so both give identical items.
 """
@@ -158,8 +163,15 @@ class ShardedRecords:
 
     def verify(self) -> None:
         """Checks every shard's sha256 against the manifest; UserError names a corrupt shard."""
-        for shard, path in zip(self.manifest["shards"], self.shard_paths, strict=True):
-            if file_sha256(path) != shard["sha256"]:
+        files = [
+            (shard["sha256"], path)
+            for shard, path in zip(self.manifest["shards"], self.shard_paths, strict=True)
+        ]
+        index = self.manifest.get("document_index")
+        if index is not None:
+            files.append((index["sha256"], self.directory / index["path"]))
+        for sha256, path in files:
+            if not path.is_file() or file_sha256(path) != sha256:
                 raise UserError(f"{path} is corrupt: its sha256 differs from the manifest")
 
 
@@ -175,6 +187,7 @@ class TokenRecords(ShardedRecords):
         self.tokenizer_sha256: str | None = self.manifest.get("tokenizer_sha256")
         self.record_tokens: int = self.manifest["record_tokens"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self.has_loss_mask: bool = bool(self.manifest.get("loss_mask", False))
         expected = -(-self.token_count // self.record_tokens)
         if len(self) != expected:
             raise UserError(
@@ -184,24 +197,52 @@ class TokenRecords(ShardedRecords):
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, in the stored dtype."""
+        return self.read_with_mask(start, stop)[0]
+
+    def read_with_mask(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, loss mask or None) of positions [start, stop) of the stream."""
         if not 0 <= start <= stop <= self.token_count:
             raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.token_count})")
         if start == stop:
-            return np.zeros(0, self.dtype)
+            return np.zeros(0, self.dtype), (np.zeros(0, bool) if self.has_loss_mask else None)
         first, last = start // self.record_tokens, (stop - 1) // self.record_tokens
-        records = self.read_records(first, last + 1)
-        for offset, record in enumerate(records):
+        bytes_per_token = self.dtype.itemsize + self.has_loss_mask
+        token_parts, mask_parts = [], []
+        for offset, record in enumerate(self.read_records(first, last + 1)):
             index = first + offset
             size = min(self.record_tokens, self.token_count - index * self.record_tokens)
-            if len(record) != size * self.dtype.itemsize:
+            if len(record) != size * bytes_per_token:
                 shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
                 raise UserError(
                     f"{self.shard_paths[shard]} is corrupt: record {index} has {len(record)} "
-                    f"bytes, expected {size * self.dtype.itemsize}"
+                    f"bytes, expected {size * bytes_per_token}"
                 )
-        tokens = np.frombuffer(b"".join(records), self.dtype)
+            token_parts.append(record[: size * self.dtype.itemsize])
+            mask_parts.append(record[size * self.dtype.itemsize :])
         offset = start - first * self.record_tokens
-        return tokens[offset : offset + stop - start]
+        window = slice(offset, offset + stop - start)
+        tokens = np.frombuffer(b"".join(token_parts), self.dtype)[window]
+        if not self.has_loss_mask:
+            return tokens, None
+        return tokens, np.frombuffer(b"".join(mask_parts), np.uint8)[window].astype(bool)
+
+    def document_starts(self) -> np.ndarray:
+        """Where each document starts in the stream (int64), checked against the manifest."""
+        entry = self.manifest.get("document_index")
+        if entry is None:
+            raise UserError(
+                f"{self.directory} has no document index (converted by an older paisoar_jax): "
+                f"convert the text again to pack whole documents"
+            )
+        path = self.directory / entry["path"]
+        try:
+            starts = np.load(path)
+        except (OSError, ValueError) as error:
+            raise UserError(f"{path} is not a readable document index: {error}") from None
+        last = starts[-1] if len(starts) else self.token_count
+        if len(starts) != entry["documents"] or starts[0] != 0 or last >= self.token_count:
+            raise UserError(f"{path} does not match the manifest: convert the text again")
+        return starts.astype(np.int64)
 
 
 class PackedWindows:

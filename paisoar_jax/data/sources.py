@@ -17,10 +17,12 @@ import os
 import pathlib
 import sysconfig
 import zlib
+from typing import Any
 
 import numpy as np
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig
+from paisoar_jax.data import documents
 from paisoar_jax.data.records import PackedWindows, TokenRecords, file_sha256
 from paisoar_jax.errors import UserError
 
@@ -130,9 +132,12 @@ def _same_tokenizer(wanted: str, records: TokenRecords) -> bool:
 
 
 def open_token_records(
-    pattern: str, data_config: DataConfig, model_config: LanguageModelConfig
-) -> tuple[PackedWindows, PackedWindows]:
-    """(train, eval) packed windows of a converted dataset, checked against the model."""
+    pattern: str, data_config: DataConfig, seq_len: int, vocab_size: int | None
+) -> tuple[Any, Any]:
+    """(train, eval) windows of a converted dataset, checked against the model's vocab.
+
+    data.packing and data.loss_on choose the windows (data/documents.py).
+    """
     records = TokenRecords(dataset_directory(pattern))
     if data_config.tokenizer and not _same_tokenizer(data_config.tokenizer, records):
         raise UserError(
@@ -141,22 +146,34 @@ def open_token_records(
             f"{f' (sha256 {records.tokenizer_sha256[:12]})' if records.tokenizer_sha256 else ''}"
             f": convert the text again with --tokenizer {data_config.tokenizer}"
         )
-    if records.vocab_size > model_config.vocab_size:
+    if vocab_size is not None and records.vocab_size > vocab_size:
         raise UserError(
             f"{records.directory} has vocab size {records.vocab_size} ({records.tokenizer}) "
-            f"but model.vocab_size={model_config.vocab_size}: token ids would overflow"
+            f"but model.vocab_size={vocab_size}: token ids would overflow"
         )
-    windows = len(PackedWindows(records, model_config.seq_len))  # checks seq_len fits
+    packing = data_config.packing
+    documents.check_loss_mask(records, data_config.loss_on)
+    plan = None
+    if packing == "stream":
+        windows = len(PackedWindows(records, seq_len))  # checks seq_len fits
+    else:
+        plan = documents.DocumentWindows.plan_for(records, seq_len, packing)
+        windows = len(plan) - 1
     eval_windows = round(windows * data_config.eval_fraction)
     if data_config.eval_fraction > 0 and (eval_windows == 0 or eval_windows == windows):
         raise UserError(
             f"data.eval_fraction={data_config.eval_fraction} of {windows} windows of "
             f"{records.directory} leaves an empty train or eval split"
         )
-    return (
-        PackedWindows(records, model_config.seq_len, 0, windows - eval_windows),
-        PackedWindows(records, model_config.seq_len, windows - eval_windows, windows),
-    )
+    splits = ((0, windows - eval_windows), (windows - eval_windows, windows))
+    if plan is not None:
+        return tuple(
+            documents.DocumentWindows(records, seq_len, packing, data_config.loss_on, plan, *split)
+            for split in splits
+        )
+    if data_config.loss_on == "response":
+        return tuple(documents.MaskedStreamWindows(records, seq_len, *split) for split in splits)
+    return tuple(PackedWindows(records, seq_len, *split) for split in splits)
 
 
 def open_source(
@@ -165,7 +182,20 @@ def open_source(
     """The (train, eval) window sources named by data.source."""
     if data_config.source.startswith("arrayrecord:"):
         return open_token_records(
-            data_config.source.removeprefix("arrayrecord:"), data_config, model_config
+            data_config.source.removeprefix("arrayrecord:"),
+            data_config,
+            model_config.seq_len,
+            model_config.vocab_size,
+        )
+    if data_config.packing != "stream" or data_config.loss_on != "all":
+        setting = (
+            f"data.packing={data_config.packing}"
+            if data_config.packing != "stream"
+            else f"data.loss_on={data_config.loss_on}"
+        )
+        raise UserError(
+            f"{setting} reads the documents of a converted dataset (data.source=arrayrecord:"
+            f"DIR), and data.source={data_config.source} has none"
         )
     if data_config.source.startswith("images:"):
         raise UserError(
@@ -208,3 +238,38 @@ def open_source(
                 f"split ({len(source.tokens)} tokens)"
             )
     return sources
+
+
+def token_windows(
+    directory: str,
+    seq_len: int,
+    *,
+    packing: str = "documents",
+    loss_on: str = "response",
+    eval_fraction: float = 0.05,
+    tokenizer: str = "",
+) -> tuple[Any, Any]:
+    """(train, eval) windows of a converted dataset, for a model of one's own.
+
+    What `data.source=arrayrecord:DIR` gives a zoo model, as examples for `fit(data=...,
+    eval_data=...)`: with packing documents or padding, or loss_on response, each example is
+    a dict of tokens (seq_len + 1), loss_mask, and for documents segments and positions
+    (paisoar_jax/data/documents.py says what each holds); else an int32 window. `tokenizer`,
+    when given, must be the one the dataset was converted with. The held-out eval set is the
+    last `eval_fraction` of the windows (0: none, and eval is None).
+    """
+    for name, value, allowed in (
+        ("packing", packing, ("stream", "documents", "padding")),
+        ("loss_on", loss_on, ("all", "response")),
+    ):
+        if value not in allowed:
+            raise UserError(f"token_windows: {name}={value!r} is not one of {', '.join(allowed)}")
+    data_config = DataConfig(
+        source=f"arrayrecord:{directory}",
+        packing=packing,
+        loss_on=loss_on,
+        eval_fraction=eval_fraction,
+        tokenizer=tokenizer,
+    )
+    train, held_out = open_token_records(str(directory), data_config, seq_len, None)
+    return train, held_out if eval_fraction > 0 else None

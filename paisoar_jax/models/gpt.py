@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +51,9 @@ def mlp_width(config: LanguageModelConfig) -> int:
 def rotary_tables(
     positions_T: jax.Array, head_width: int, theta: float = 10000.0
 ) -> tuple[jax.Array, jax.Array]:
-    """Sine and cosine tables (T x E/2) for rotary position embeddings at `positions_T`."""
+    """Sine and cosine tables (T x E/2, or B x T x E/2 for positions per row) at `positions_T`."""
     inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
-    angles_TxE2 = positions_T[:, None] * inverse_frequency[None, :]
+    angles_TxE2 = positions_T[..., None] * inverse_frequency
     return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
 
 
@@ -59,22 +61,34 @@ def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array)
     """Rotates pairs of features by position-dependent angles (computed in fp32)."""
     x = float32_island(x_BxTxHxE)
     even, odd = x[..., 0::2], x[..., 1::2]
-    sin, cos = sin_TxE2[None, :, None, :], cos_TxE2[None, :, None, :]
+    sin, cos = sin_TxE2[..., None, :], cos_TxE2[..., None, :]  # over the heads
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return rotated.reshape(x.shape).astype(x_BxTxHxE.dtype)
 
 
-def attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str) -> jax.Array:
+def attention(
+    q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str, segments_BxT: jax.Array | None = None
+) -> jax.Array:
     """Causal attention via jax.nn.dot_product_attention; logits and softmax in fp32.
 
-    XLA on CPU has no fp16 matmul with fp32 accumulation, which jax's fp16 attention asks
-    for, so fp16 attention on CPU runs in fp32 (GPUs keep fp16).
+    With `segments_BxT` (packed documents), a token attends only to the tokens of its own
+    segment (cuDNN takes the mask as a dense bias). XLA on CPU has no fp16 matmul with
+    fp32 accumulation, which jax's fp16 attention asks for, so fp16 attention on CPU runs
+    in fp32 (GPUs keep fp16).
     """
     dtype = q_BxTxHxE.dtype
     if dtype == jnp.float16 and jax.default_backend() == "cpu":
         q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = map(float32_island, (q_BxTxHxE, k_BxTxHxE, v_BxTxHxE))
+    mask_Bx1xTxT = None
+    if segments_BxT is not None:
+        mask_Bx1xTxT = (segments_BxT[:, :, None] == segments_BxT[:, None, :])[:, None]
     out_BxTxHxE = jax.nn.dot_product_attention(
-        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, is_causal=True, implementation=implementation
+        q_BxTxHxE,
+        k_BxTxHxE,
+        v_BxTxHxE,
+        mask=mask_Bx1xTxT,
+        is_causal=True,
+        implementation=implementation,
     )
     return out_BxTxHxE.astype(dtype)
 
@@ -145,11 +159,18 @@ class DecoderBlock(nnx.Module):
     attention (`_after_attention`).
     """
 
-    def __call__(self, x_BxTxD: jax.Array, rotary: tuple | None) -> jax.Array:
-        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions."""
+    def __call__(
+        self, x_BxTxD: jax.Array, rotary: tuple | None, segments_BxT: jax.Array | None = None
+    ) -> jax.Array:
+        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions.
+
+        `segments_BxT`: packed documents, each attending only within itself.
+        """
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
-        attention_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl)
+        attention_BxTxHxE = attention(
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT
+        )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
     def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
@@ -230,10 +251,29 @@ class Decoder(nnx.Module):
     says in `_embed` how tokens at given positions enter the stream.
     """
 
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        """Next-token logits for each position of `tokens_BxT`."""
-        x_BxTxD, rotary = self._embed(tokens_BxT, 0)
-        x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        segments_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
+    ) -> jax.Array:
+        """Next-token logits for each position of `tokens_BxT`.
+
+        Packed documents (data/documents.py): token t is of document `segments_BxT[:, t]`
+        and attends within it alone, at position `positions_BxT[:, t]` of it.
+        """
+        if segments_BxT is None:
+            x_BxTxD, rotary = self._embed(tokens_BxT, 0)
+            x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+        else:
+            x_BxTxD, _ = self._embed(tokens_BxT, 0, positions_BxT)
+            rows = PackedRows(x_BxTxD, segments_BxT, positions_BxT)
+            # Each block makes its rotary tables from the rows' positions (a function, not
+            # tables, crosses into the scan: per-row tables would ride in every layer's carry).
+            rows = run_blocks(
+                self.blocks, rows, self.rotary_function(), self.remat_policy, self.config
+            )
+            x_BxTxD = rows.stream
         return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
 
     def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array) -> tuple:
@@ -243,7 +283,13 @@ class Decoder(nnx.Module):
         x_BxTxD, cache = decode_blocks(self.blocks, x_BxTxD, rotary, cache, index, scanned)
         return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD))), cache
 
-    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple | None]:
+    def _embed(
+        self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple | None]:
+        raise NotImplementedError
+
+    def rotary_function(self) -> Callable | None:
+        """Maps positions to their (sin, cos) rotary tables; None for learned positions."""
         raise NotImplementedError
 
     @staticmethod
@@ -278,22 +324,38 @@ class GPT(Decoder):
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
-    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple | None]:
-        """The tokens' embeddings at positions start.., and the rotary tables (or None)."""
+    def _embed(
+        self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple | None]:
+        """The tokens' embeddings at positions start.. (or `positions_BxT`), and rotary tables.
+
+        The tables are those of positions start.. (None for learned positions).
+        """
         cast = self.policy.cast_to_compute
         T = tokens_BxT.shape[1]
         # Gather the (cast) table whole before the lookup: a lookup into a table split over
         # vocab and embed makes XLA replicate it the slow way (SPMD full rematerialization).
         table_VxD = constrain(cast(self.token_embedding[...]), (None, None))
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
-        rotary = None
         if self.config.position == "learned":
-            positions_TxD = jax.lax.dynamic_slice_in_dim(self.position_embedding[...], start, T)
-            x_BxTxD = x_BxTxD + cast(positions_TxD)
-        else:
-            head_width = self.config.width // self.config.heads
-            rotary = rotary_tables(start + jnp.arange(T), head_width, self.config.rope_theta)
+            if positions_BxT is None:
+                table_TxD = jax.lax.dynamic_slice_in_dim(self.position_embedding[...], start, T)
+            else:
+                # Whole before the lookup, as the token table above (here in fp32: the table
+                # is small, and a cast first would put the rounding before the gather).
+                whole_PxD = constrain(self.position_embedding[...], (None, None))
+                table_TxD = jnp.take(whole_PxD, positions_BxT, axis=0)
+            x_BxTxD = x_BxTxD + cast(table_TxD)
+        rotary_of = self.rotary_function()
+        rotary = None if rotary_of is None else rotary_of(start + jnp.arange(T))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
+
+    def rotary_function(self) -> Callable | None:
+        """Maps positions to their (sin, cos) rotary tables; None for learned positions."""
+        if self.config.position == "learned":
+            return None
+        head_width = self.config.width // self.config.heads
+        return functools.partial(rotary_tables, head_width=head_width, theta=self.config.rope_theta)
 
 
 def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
@@ -307,8 +369,8 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
 
-def run_blocks(blocks, x_BxTxD: jax.Array, rotary, remat_policy: str, config) -> jax.Array:
-    """The stream through every block: one scanned block, or each of the list in turn."""
+def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, config):
+    """The stream (or PackedRows) through every block: one scanned block, or each in turn."""
     scanned = config.scan_layers
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
@@ -322,7 +384,28 @@ def run_blocks(blocks, x_BxTxD: jax.Array, rotary, remat_policy: str, config) ->
     return x_BxTxD
 
 
-def _block_step(graphdef, rotary, x_BxTxD, block_state):
-    """One block as a pure function of its state, shaped for jax.lax.scan (carry, output)."""
+class PackedRows(NamedTuple):
+    """The stream of packed documents through the blocks, with what attention needs per row.
+
+    One carry, so a pipeline (which splits its input into micro-batches) splits the
+    documents' segments and positions with their rows.
+    """
+
+    stream: jax.Array  # B x T x D
+    segments: jax.Array  # B x T int32: each token's document
+    positions: jax.Array  # B x T int32: each token's position in its document
+
+
+def _block_step(graphdef, rotary, x, block_state):
+    """One block as a pure function of its state, shaped for jax.lax.scan (carry, output).
+
+    `x`: the stream, with `rotary` its tables (or None); or PackedRows, with `rotary` the
+    function of positions that makes the tables.
+    """
+    block = nnx.merge(graphdef, block_state)
     # Back to the stream's dtype: a block forced to another policy stays a drop-in.
-    return nnx.merge(graphdef, block_state)(x_BxTxD, rotary).astype(x_BxTxD.dtype), None
+    if isinstance(x, PackedRows):
+        tables = None if rotary is None else rotary(x.positions)
+        out_BxTxD = block(x.stream, tables, x.segments)
+        return x._replace(stream=out_BxTxD.astype(x.stream.dtype)), None
+    return block(x, rotary).astype(x.dtype), None

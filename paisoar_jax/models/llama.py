@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +72,8 @@ def inverse_frequencies(config: LanguageModelConfig) -> jax.Array:
 
 
 def rotary_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
-    """(sin, cos), each T x E/2, at the given positions."""
-    angles_TxE2 = positions_T[:, None].astype(jnp.float32) * inverse_frequencies(config)[None]
+    """(sin, cos), each T x E/2 (B x T x E/2 for positions per row), at the positions."""
+    angles_TxE2 = positions_T[..., None].astype(jnp.float32) * inverse_frequencies(config)
     return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
 
 
@@ -80,7 +81,7 @@ def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> ja
     """Rotary positions, HF's convention: the first and second half of a head form the pairs."""
     x = float32_island(x_BxTxHxE)
     first, second = jnp.split(x, 2, axis=-1)
-    sin, cos = sin_TxE2[None, :, None, :], cos_TxE2[None, :, None, :]
+    sin, cos = sin_TxE2[..., None, :], cos_TxE2[..., None, :]  # over the heads
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x_BxTxHxE.dtype)
 
@@ -149,12 +150,19 @@ class Llama(Decoder):
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
 
-    def _embed(self, tokens_BxT: jax.Array, start) -> tuple[jax.Array, tuple]:
+    def _embed(
+        self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple]:
         """The tokens' embeddings, and the rotary tables of positions start.."""
+        del positions_BxT  # rotary positions only: the blocks make them (rotary_function)
         table_VxD = constrain(self.policy.cast_to_compute(self.token_embedding[...]), (None, None))
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)  # the whole table, as GPT's lookup
         rotary = rotary_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
+
+    def rotary_function(self) -> Callable:
+        """Maps positions to their (sin, cos) rotary tables (HF's, with the scaling)."""
+        return functools.partial(rotary_tables, self.config)
 
 
 def _check_tensor_split(config: LanguageModelConfig) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from paisoar_jax import output
 from paisoar_jax.data import records
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import hf
+from paisoar_jax.tools import conversations, hf
 from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.convert"
@@ -47,6 +47,7 @@ TOKEN_WRITER_OPTIONS = "group_size:1,zstd:3"
 # JPEG and PNG bytes are compressed already; compressing again costs time and saves nothing.
 IMAGE_WRITER_OPTIONS = "group_size:1,uncompressed"
 SHOWN_SKIPPED = 3
+DOCUMENT_INDEX = "documents.npy"  # where each document starts in the stream (int64)
 
 
 @dataclasses.dataclass
@@ -58,6 +59,7 @@ class Tokenizer:
     vocab_size: int
     eos_id: int
     model: object | None = None
+    path: pathlib.Path | None = None  # the tokenizers JSON file (None: byte)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -87,7 +89,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if eos_id is None:
         raise UserError(f"{path} has no end-of-document token (one of {', '.join(EOS_NAMES)})")
     sha256 = records.file_sha256(path)
-    return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model)
+    return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model, path)
 
 
 def end_of_text_id(model: Any) -> int | None:
@@ -115,54 +117,38 @@ def documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
     A .jsonl or .parquet file holds one per record or row (its `field`); any other file is
     one document.
     """
-    if path.suffix == ".parquet":
-        yield from _parquet_documents(path, field)
-        return
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise UserError(f"cannot read {path}: {error.strerror}") from None
-    if path.suffix != ".jsonl":
-        yield data, str(path)
-        return
-    for number, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
+    if path.suffix not in (".jsonl", ".parquet"):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{where}: not a JSON object ({error.msg})") from None
-        yield _field_text(record, field, where).encode("utf-8"), where
+            yield path.read_bytes(), str(path)
+        except OSError as error:
+            raise UserError(f"cannot read {path}: {error.strerror}") from None
+        return
+    for record, where in _rows(path, [field]):
+        yield conversations.text_field(record, field, where).encode("utf-8"), where
 
 
-def _parquet_documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
-    """The `field` of each row of a Parquet file, read one row group at a time."""
-    try:
-        import pyarrow.parquet as parquet
-    except ImportError:
-        raise UserError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
-    try:
-        table = parquet.ParquetFile(path)
-    except Exception as error:
-        raise UserError(f"{path} is not a Parquet file ({error})") from None
-    if field not in table.schema_arrow.names:
-        names = ", ".join(table.schema_arrow.names)
-        raise UserError(f"{path} has no column {field!r} (columns: {names}): set --field")
-    row = 0
-    for group in range(table.num_row_groups):
-        for text in table.read_row_group(group, columns=[field]).column(0).to_pylist():
-            row += 1
-            yield _field_text({field: text}, field, f"{path} row {row}").encode("utf-8"), str(path)
+def _rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tuple[Any, str]]:
+    """(record, where) of each record of a .jsonl or row of a .parquet file."""
+    if path.suffix == ".parquet":
+        return conversations.parquet_rows(path, columns)
+    return conversations.json_rows(path)
 
 
-def _field_text(record, field: str, where: str) -> str:
-    """The text under `field` of one JSON Lines record or Parquet row."""
-    if not isinstance(record, dict) or field not in record:
-        raise UserError(f"{where}: no field {field!r} (set --field to the text's name)")
-    if not isinstance(record[field], str):
-        raise UserError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
-    return record[field]
+def document_pieces(path: pathlib.Path, args: argparse.Namespace, template) -> Iterator:
+    """([(UTF-8 bytes, learned), ...], where) of each document of a file, by --format."""
+    if args.format == "text":
+        for data, where in documents(path, args.field):
+            yield [(data, True)], where
+        return
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise UserError(f"--format {args.format} reads .jsonl or .parquet records, not {path}")
+    for record, where in _rows(path, None):
+        if args.format == "instruction":
+            fields = (args.prompt_field, args.response_field)
+            pieces = conversations.instruction_pieces(record, *fields, where)
+        else:
+            pieces = template.pieces(record, args.messages_field, where)
+        yield [(text.encode("utf-8"), learned) for text, learned in pieces], where
 
 
 def files_under(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -267,36 +253,59 @@ def convert_text(args: argparse.Namespace) -> str:
         raise UserError(f"--record-tokens must be at least 1, got {args.record_tokens}")
     files = expand_inputs(args.input)
     tokenizer = load_tokenizer(args.tokenizer)
+    template = None
+    if args.format == "chat":
+        if tokenizer.model is None:
+            raise UserError("--format chat needs a tokenizer with a chat template, not byte")
+        template = conversations.ChatTemplate(tokenizer.path)
+    masked = args.format != "text"  # instructions and chats: the tokens to learn marked
     dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
     record_tokens = args.record_tokens
     with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
         # The stream goes to disk first: shard sizes depend on the total, known only at the end.
-        stream_path, token_count, document_count = staging / "stream.tmp", 0, 0
-        with open(stream_path, "wb") as stream:
+        stream_path, mask_path = staging / "stream.tmp", staging / "mask.tmp"
+        starts, learned_count, token_count = [], 0, 0
+        with open(stream_path, "wb") as stream, open(mask_path, "wb") as mask_stream:
             for path in progress(files, "tokenizing", args.progress):
-                for data, where in documents(path, args.field):
-                    tokens = np.append(tokenize(tokenizer, data, where), tokenizer.eos_id)
+                for pieces, where in document_pieces(path, args, template):
+                    parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
+                    flags = [
+                        np.full(len(part), learned)
+                        for part, (_, learned) in zip(parts, pieces, strict=True)
+                    ]
+                    # The end-of-document token is learned after a learned piece (a response)
+                    tokens = np.concatenate([*parts, [tokenizer.eos_id]])
+                    mask = np.concatenate([*flags, [pieces[-1][1] or not masked]])
                     stream.write(tokens.astype(dtype).tobytes())
+                    if masked:
+                        mask_stream.write(mask.astype(np.uint8).tobytes())
+                    starts.append(token_count)
                     token_count += len(tokens)
-                    document_count += 1
-        if token_count == document_count:
-            raise UserError(f"every input document is empty ({document_count} documents)")
+                    learned_count += int(mask.sum()) if masked else 0
+        if token_count == len(starts):
+            raise UserError(f"every input document is empty ({len(starts)} documents)")
+        if masked and learned_count == 0:
+            raise UserError(f"no record has a response token to learn ({len(starts)} records)")
         stream_tokens = np.memmap(stream_path, dtype, "r")
+        mask_bytes = np.memmap(mask_path, np.uint8, "r") if masked else None
         contents = (
             stream_tokens[start : start + record_tokens].tobytes()
+            + (mask_bytes[start : start + record_tokens].tobytes() if masked else b"")
             for start in range(0, token_count, record_tokens)
         )
         record_count = -(-token_count // record_tokens)
         shards = write_shards(
             staging, "tokens", contents, record_count, args.shards, TOKEN_WRITER_OPTIONS
         )
-        del contents, stream_tokens
+        del contents, stream_tokens, mask_bytes
         stream_path.unlink()
+        mask_path.unlink()
         first = 0
         for shard in shards:
             stop = first + shard["records"]
             shard["tokens"] = min(stop * record_tokens, token_count) - first * record_tokens
             first = stop
+        np.save(staging / DOCUMENT_INDEX, np.asarray(starts, np.int64))
         manifest = {
             "format": records.TOKENS_FORMAT,
             "version": records.FORMAT_VERSION,
@@ -307,12 +316,20 @@ def convert_text(args: argparse.Namespace) -> str:
             "dtype": dtype.name,
             "record_tokens": record_tokens,
             "token_count": token_count,
-            "documents": document_count,
+            "documents": len(starts),
+            "document_index": {
+                "path": DOCUMENT_INDEX,
+                "documents": len(starts),
+                "sha256": records.file_sha256(staging / DOCUMENT_INDEX),
+            },
             "shards": shards,
         }
+        if masked:
+            manifest |= {"loss_mask": True, "learned_tokens": learned_count}
         write_manifest(staging, manifest)
+    learned = f" ({learned_count} of them to learn)" if masked else ""
     return (
-        f"wrote {document_count} documents, {token_count} tokens "
+        f"wrote {len(starts)} documents, {token_count} tokens{learned} "
         f"in {len(shards)} shards to {args.output}"
     )
 
@@ -389,6 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument(
         "--field", default="text", help=".jsonl and .parquet inputs: the text's field or column"
     )
+    text.add_argument(
+        "--format",
+        choices=conversations.FORMATS,
+        default="text",
+        help="text: whole documents, all learned; instruction: prompt and response fields, "
+        "the prompt masked from the loss; chat: messages rendered with the tokenizer's chat "
+        "template, the assistant turns learned",
+    )
+    text.add_argument("--prompt-field", default="prompt", help="--format instruction")
+    text.add_argument("--response-field", default="response", help="--format instruction")
+    text.add_argument("--messages-field", default="messages", help="--format chat")
     text.set_defaults(handler=convert_text)
     images = commands.add_parser("images", help="pack a DIR/CLASS/*.jpg tree into a dataset")
     images.add_argument("--input", required=True, metavar="DIR")

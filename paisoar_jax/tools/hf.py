@@ -137,6 +137,7 @@ TOKEN_IDS_FILE = "hf_token_ids.json"
 KEPT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # where transformers >= 4.47 saves a chat template
     "special_tokens_map.json",
     "generation_config.json",
 )
