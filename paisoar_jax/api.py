@@ -263,21 +263,30 @@ def plan_fit(
     *,
     show: bool = True,
     exit_on_error: bool = True,
+    target: str | None = None,
+    hosts: int = 1,
+    devices_per_host: int = 8,
     **parts: Any,
 ) -> dict[str, Any]:
     """The plan of what `fit` would run (memory, each parameter's sharding, collectives).
 
     `parts` are fit's model, loss, optimizer, data and flops_per_example; `show` prints
-    the table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU).
+    the table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU), or with
+    `target` ("h200", "h100") `hosts` x `devices_per_host` of that GPU, compiled for
+    without one (the gpu-aot extra; `python -m paisoar_jax.plan --target` says more).
     """
 
     def work() -> dict[str, Any]:
         import jax
 
+        from paisoar_jax.tools import gpu_target
         from paisoar_jax.tools import plan as planning
 
         resolved, run_workload = build_workload(resolve_config(config, overrides), **parts)
-        result = planning.plan(resolved, jax.devices(), workload=run_workload)
+        devices = jax.devices()
+        if target is not None:
+            devices = gpu_target.target_devices(target, hosts, devices_per_host)
+        result = planning.plan(resolved, devices, workload=run_workload, target=target)
         if show:
             output.result(planning.format_table(result))
         return result

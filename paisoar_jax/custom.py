@@ -128,9 +128,10 @@ class CustomTask:
         def probe_rows(params, model_state, batch, key):
             return self.eval_rows(nnx.merge(layout.graphdef, params, model_state), batch)
 
-        # The key is a real one (the kind the step passes: raw uint32[2]), traced like the
-        # step's: a loss may hand it to nnx.Dropout or jax.random as it will in training.
-        abstract, key = layout.abstract_state, jax.random.PRNGKey(0)
+        # The key is the kind the step passes (raw uint32[2]), traced like the step's: a loss
+        # may hand it to nnx.Dropout or jax.random as it will in training. Abstract: an eager
+        # key would be placed on the mesh, which a GPU target's compile-only devices refuse.
+        abstract, key = layout.abstract_state, jax.eval_shape(lambda: jax.random.PRNGKey(0))
 
         def trace(name: str, function: Callable, spec: Any) -> Any:
             try:

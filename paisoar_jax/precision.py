@@ -155,3 +155,43 @@ def _dtype_left_unset(layer: nnx.Module) -> bool:
 def float32_island(x: jax.Array) -> jax.Array:
     """Casts to fp32 for a numerically sensitive op (norms, softmax, logits, loss)."""
     return x.astype(jnp.float32)
+
+
+def matmul_fp32_out(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(subscripts, x, w)` accumulated and returned in fp32 (logits, class scores).
+
+    Its backward pass runs in the inputs' dtype: the fp32 cotangent is rounded to it before
+    the two gradient matmuls, as PyTorch's autocast does. Plain autodiff would multiply the
+    fp32 cotangent with the 16-bit operands as fp32 x fp32 gemms, several times slower on a
+    GPU (the GPU-target plan names them: tools/gpu_kernels.py). With fp32 inputs it is the
+    plain einsum.
+    """
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jnp.einsum(subscripts, x, w)
+    return _matmul_fp32_out(subscripts, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul_fp32_out(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32)
+
+
+def _matmul_fp32_out_forward(subscripts, x, w):
+    return _matmul_fp32_out(subscripts, x, w), (x, w)
+
+
+def _matmul_fp32_out_backward(subscripts, residuals, cotangent):
+    x, w = residuals
+    inputs, output = subscripts.split("->")
+    x_axes, w_axes = inputs.split(",")
+    cotangent = cotangent.astype(x.dtype)
+    dx = jnp.einsum(
+        f"{output},{w_axes}->{x_axes}", cotangent, w, preferred_element_type=jnp.float32
+    )
+    dw = jnp.einsum(
+        f"{x_axes},{output}->{w_axes}", x, cotangent, preferred_element_type=jnp.float32
+    )
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul_fp32_out.defvjp(_matmul_fp32_out_forward, _matmul_fp32_out_backward)

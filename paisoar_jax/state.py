@@ -93,7 +93,9 @@ def state_layout(
     )
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     opt_shardings = optax.tree_map_params(
-        optimizer,
+        # Its init on a placeholder, traced: eager zeros inside the mesh would be placed on
+        # its devices, which a compile-only target (plan --target) cannot hold.
+        lambda placeholder: jax.eval_shape(lambda: optimizer.init(placeholder)),
         lambda _, param_sharding: param_sharding,
         abstract_opt_state,
         state_param_shardings,

@@ -104,7 +104,16 @@ def _fast_tier_only(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The fast tier by default: tests marked slow run with -m slow or --all (or by name)."""
+    """The fast tier by default: tests marked slow run with -m slow or --all (or by name).
+
+    Tests marked gpu_aot (compiles for a GPU target: they need the gpu-aot extra's CUDA
+    plugin) run only when asked for, with -m gpu_aot.
+    """
+    if "gpu_aot" not in (config.getoption("markexpr") or ""):
+        gpu = [item for item in items if item.get_closest_marker("gpu_aot")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu_aot")]
     if not _fast_tier_only(config):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]

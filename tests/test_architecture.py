@@ -14,6 +14,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
 TOOLS |= {"launch", "rank_output", "cli", "hf", "generate", "conversations"}
+TOOLS |= {"gpu_target", "gpu_kernels", "plan_table"}
 COMMANDS = {
     "plan",
     "doctor",

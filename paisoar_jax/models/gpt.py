@@ -25,7 +25,8 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.pipeline import scan_layers
-from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.platform import compile_platform, is_target_compile
+from paisoar_jax.precision import Policy, float32_island, matmul_fp32_out
 from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
 
@@ -77,7 +78,7 @@ def attention(
     in fp32 (GPUs keep fp16).
     """
     dtype = q_BxTxHxE.dtype
-    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    if dtype == jnp.float16 and compile_platform() == "cpu":
         q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = map(float32_island, (q_BxTxHxE, k_BxTxHxE, v_BxTxHxE))
     mask_Bx1xTxT = None
     if segments_BxT is not None:
@@ -97,10 +98,10 @@ def check_attention(implementation: str, policy: Policy) -> None:
     """Refuses up front what cuDNN flash attention cannot run: non-GPU devices, fp32."""
     if implementation != "cudnn":
         return
-    if jax.default_backend() != "gpu":
+    if compile_platform() != "gpu":
         raise UserError(
             f"model.attention=cudnn needs an NVIDIA GPU, and this run has "
-            f"{jax.default_backend()} devices (use auto or xla)"
+            f"{compile_platform()} devices (use auto or xla)"
         )
     if not _is_half(policy):
         raise UserError("model.attention=cudnn needs precision.policy=bf16 or fp16")
@@ -122,8 +123,11 @@ def resolve_attention(name: str, policy: Policy, head_width: int) -> str:
     if name != "auto":
         return name
     shape_fits = head_width % 8 == 0 and head_width <= 128
-    if jax.default_backend() == "gpu" and _is_half(policy) and shape_fits:
-        if cudnn_attention_compiles(jnp.dtype(policy.compute_dtype).name, head_width):
+    if compile_platform() == "gpu" and _is_half(policy) and shape_fits:
+        # A GPU target without a GPU (plan --target) cannot try it: the step's compile will.
+        if is_target_compile() or cudnn_attention_compiles(
+            jnp.dtype(policy.compute_dtype).name, head_width
+        ):
             return "cudnn"
     return "xla"
 
@@ -362,10 +366,10 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
     """A decoder's logits from its normed stream: through the tied table or the head."""
     cast = model.policy.cast_to_compute
     head_DxV = model.token_embedding[...].T if model.config.tie_embeddings else model.head[...]
-    logits_dtype = jnp.float32 if model.config.fp32_logits else None
-    logits_BxTxV = jnp.einsum(
-        "btd,dv->btv", h_BxTxD, cast(head_DxV), preferred_element_type=logits_dtype
-    )
+    if model.config.fp32_logits:  # its backward in the compute dtype, not fp32 x fp32
+        logits_BxTxV = matmul_fp32_out("btd,dv->btv", h_BxTxD, cast(head_DxV))
+    else:
+        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, cast(head_DxV))
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
 

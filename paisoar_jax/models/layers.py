@@ -33,7 +33,7 @@ from flax import nnx
 
 from paisoar_jax.config import VisionConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.precision import Policy
+from paisoar_jax.precision import Policy, matmul_fp32_out
 from paisoar_jax.remat import wrap_block_call
 
 # The running statistics' decay (flax convention: PyTorch's momentum 0.1) and epsilon.
@@ -195,13 +195,10 @@ class Dense(nnx.Module):
     def __call__(self, x_BxI: jax.Array) -> jax.Array:
         """The product with the kernel plus the bias, over the last axis of `x_BxI`."""
         cast = self.policy.cast_to_compute
-        output_dtype = jnp.float32 if self.fp32_output else None
-        y_BxO = jnp.einsum(
-            "...i,io->...o",
-            cast(x_BxI),
-            cast(self.kernel[...]),
-            preferred_element_type=output_dtype,
-        )
+        if self.fp32_output:  # its backward in the compute dtype, not fp32 x fp32
+            y_BxO = matmul_fp32_out("...i,io->...o", cast(x_BxI), cast(self.kernel[...]))
+        else:
+            y_BxO = jnp.einsum("...i,io->...o", cast(x_BxI), cast(self.kernel[...]))
         bias = self.bias[...] if self.fp32_output else cast(self.bias[...])
         return y_BxO + bias
 

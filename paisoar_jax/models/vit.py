@@ -34,6 +34,7 @@ from paisoar_jax.models.layers import (
     run_block,
 )
 from paisoar_jax.pipeline import scan_layers
+from paisoar_jax.platform import compile_platform
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
 from paisoar_jax.sharding import constrain
@@ -62,7 +63,7 @@ def attention(q_BxTxKxE: jax.Array, k_BxTxKxE: jax.Array, v_BxTxKxE: jax.Array) 
     on CPU runs in fp32.
     """
     dtype = q_BxTxKxE.dtype
-    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    if dtype == jnp.float16 and compile_platform() == "cpu":
         q_BxTxKxE, k_BxTxKxE, v_BxTxKxE = map(float32_island, (q_BxTxKxE, k_BxTxKxE, v_BxTxKxE))
     return jax.nn.dot_product_attention(q_BxTxKxE, k_BxTxKxE, v_BxTxKxE).astype(dtype)
 

@@ -57,7 +57,7 @@ ELEMENT_BITS = {
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_ARRAY_SHAPE = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
+ARRAY_SHAPE = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
 _CALLED = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -87,7 +87,9 @@ class Collective:
 
 
 @dataclasses.dataclass
-class _Instruction:
+class Instruction:
+    """One HLO instruction of a computation, its text split into its parts."""
+
     name: str
     shape: str  # the result shape text
     opcode: str
@@ -98,7 +100,7 @@ class _Instruction:
 def shape_bytes(shape_text: str) -> int:
     """Bytes of an HLO shape, summed over the arrays of a (nested) tuple."""
     total = 0
-    for element_type, dims in _ARRAY_SHAPE.findall(shape_text):
+    for element_type, dims in ARRAY_SHAPE.findall(shape_text):
         if element_type not in ELEMENT_BITS:
             continue  # token[] and the like carry no data
         sizes = [int(size.lstrip("<=")) for size in dims.split(",") if size.strip()]
@@ -127,9 +129,9 @@ def group_size(line: str, device_count: int) -> int:
     return device_count
 
 
-def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
     """The instructions of each computation, and the entry computation's name."""
-    computations: dict[str, list[_Instruction]] = {}
+    computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
     for line in hlo_text.splitlines():
         if line[:1] not in ("", " ", "\t") and not line.startswith("HloModule"):
@@ -142,11 +144,11 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
             current = None
         elif current is not None and (match := _INSTRUCTION.match(line)):
             name, shape, opcode, operands = match.groups()
-            computations[current].append(_Instruction(name, shape, opcode, operands, line))
+            computations[current].append(Instruction(name, shape, opcode, operands, line))
     return computations, entry
 
 
-def _trip_count(instruction: _Instruction, computations: dict[str, list[_Instruction]]):
+def _trip_count(instruction: Instruction, computations: dict[str, list[Instruction]]):
     """A while loop's trip count, or None when neither XLA nor the condition says."""
     if match := _TRIP_COUNT.search(instruction.line):
         return int(match.group(1))
@@ -159,7 +161,7 @@ def _trip_count(instruction: _Instruction, computations: dict[str, list[_Instruc
     return constants.pop() if len(constants) == 1 else None
 
 
-def _runs_per_step(computations, entry: str) -> tuple[dict[str, int], list[str]]:
+def runs_per_step(computations, entry: str) -> tuple[dict[str, int], list[str]]:
     """How many times each computation runs per call of the entry, and loops with no count."""
     callers: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
     unknown = []
@@ -194,8 +196,8 @@ def analyze(hlo_text: str, device_count: int = 1) -> tuple[list[Collective], lis
 
     `device_count` is the group size of a collective with an empty replica-group list.
     """
-    computations, entry = _parse(hlo_text)
-    runs, unknown = _runs_per_step(computations, entry)
+    computations, entry = parse(hlo_text)
+    runs, unknown = runs_per_step(computations, entry)
     found = []
     for computation, instructions in computations.items():
         by_name = {instruction.name: instruction for instruction in instructions}
@@ -212,7 +214,7 @@ def analyze(hlo_text: str, device_count: int = 1) -> tuple[list[Collective], lis
             payload = shape_bytes(instruction.shape)
             if kind == "reduce-scatter":
                 payload *= size  # NCCL counts the input; the result is one device's shard
-            types = {kind for kind, _ in _ARRAY_SHAPE.findall(instruction.shape)}
+            types = {kind for kind, _ in ARRAY_SHAPE.findall(instruction.shape)}
             dtype = types.pop() if len(types) == 1 else "mixed"
             found.append(
                 Collective(

@@ -26,6 +26,10 @@ FSDP all-gathers of a bf16 run, which move bf16 weights on a GPU (step.params_fo
 count twice their GPU bytes here. Temporaries come from the CPU compiler too (other fusions,
 no cuDNN attention).
 
+`--target h200|h100` compiles for that GPU instead, without one (tools/gpu_target.py): the
+memory and collectives are then the GPU compiler's, and the plan adds its kernels
+(tools/gpu_kernels.py) and whether the step fits the device. The table is plan_table.py's.
+
 `--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
 `python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.
 """
@@ -45,8 +49,9 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.memory import format_bytes, memory
-from paisoar_jax.tools import cli, hlo
+from paisoar_jax.memory import memory
+from paisoar_jax.tools import cli, gpu_target, hlo
+from paisoar_jax.tools.plan_table import format_table
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
 # NVLink 4: 900 GB/s both ways; NDR InfiniBand: 400 Gb/s; Ethernet: its line rate.
@@ -128,6 +133,7 @@ def compile_step(
     import jax
 
     from paisoar_jax import sharding
+    from paisoar_jax.platform import compiling_for
     from paisoar_jax.step import jit_train_step
     from paisoar_jax.workload import setup
     from paisoar_jax.zoo import zoo_workload
@@ -135,9 +141,10 @@ def compile_step(
     train = config.train
     workload = zoo_workload(config) if workload is None else workload
     start = time.perf_counter()
-    run = setup(config, workload, devices)
+    with compiling_for(devices):  # a GPU target's devices: build the GPU's step
+        run = setup(config, workload, devices)
     mesh, layout, task = run.mesh, run.layout, run.task
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), compiling_for(devices):
         batch = jax.tree.map(
             lambda shape: jax.ShapeDtypeStruct(
                 shape.shape, shape.dtype, sharding=sharding.batch_sharding(mesh)
@@ -149,14 +156,16 @@ def compile_step(
     return compiled, layout, mesh, time.perf_counter() - start
 
 
-def peak_tflops(config: Config, simulated: bool) -> tuple[float, str]:
-    """The per-device peak and where it came from (config, device kind, or the default)."""
+def peak_tflops(config: Config, simulated: bool, target: str | None = None) -> tuple[float, str]:
+    """The per-device peak and where it came from (config, target, device kind, or default)."""
     import jax
 
     from paisoar_jax.metrics import device_peak_tflops
 
     if config.train.peak_tflops > 0:
         return config.train.peak_tflops, "train.peak_tflops"
+    if target is not None:
+        return gpu_target.DEVICES[target].peak_bf16_tflops, f"{target} dense bf16"
     known = None if simulated else device_peak_tflops()
     if known:
         return known, jax.devices()[0].device_kind
@@ -171,15 +180,18 @@ def plan(
     efficiency: float = DEFAULT_EFFICIENCY,
     simulated: bool = False,
     workload: Any = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
     """Every number of the plan, as one JSON-ready dict (`simulated`: --devices was given).
 
     `workload`: a model of one's own, as for compile_step; default: the config's zoo model.
+    `target`: the devices are a GPU target's (gpu_target.target_devices): the plan adds
+    what the GPU compiler made of the step (`"target"`).
     """
-    return _plan_and_collectives(config, devices, link, efficiency, simulated, workload)[0]
+    return _plan_and_collectives(config, devices, link, efficiency, simulated, workload, target)[0]
 
 
-def _plan_and_collectives(config, devices, link, efficiency, simulated, workload):
+def _plan_and_collectives(config, devices, link, efficiency, simulated, workload, target=None):
     """(plan, the step's collectives as hlo.Collective): see `plan`."""
     from paisoar_jax import rules
     from paisoar_jax.zoo import zoo_workload
@@ -187,20 +199,32 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
     compiled, layout, mesh, compile_s = compile_step(config, devices, workload)
-    found, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
+    found_collectives, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
     link_name, gb_per_s = link
-    by_kind = hlo.totals_by_kind(found, gb_per_s)
+    by_kind = hlo.totals_by_kind(found_collectives, gb_per_s)
     model, train = config.model, config.train
     units_per_step = train.global_batch * task.units_per_example()
     # A model of one's own without flops_per_example: compute time unknown, counted as 0.
     flops_per_unit = task.flops_per_unit(layout.param_count) or 0.0
     flops = flops_per_unit * units_per_step / len(devices)
-    peak, peak_source = peak_tflops(config, simulated)
+    peak, peak_source = peak_tflops(config, simulated, target)
     # A pipeline's stages idle for its bubble: the step takes 1 / (1 - bubble) its compute.
     schedule = layout.pipeline
     bubble = schedule.bubble if schedule else 0.0
     busy_s = flops / (peak * 1e12 * efficiency)
     timing = step_times(by_kind, busy_s, bubble)
+    memory_bytes = memory(layout, compiled)
+    found = {}
+    if target is not None:
+        attention_flops = flops_per_unit - 6 * layout.param_count if task.unit == "tokens" else 0
+        attention_flops *= units_per_step / len(devices)
+        report = gpu_target.report(target, compiled, memory_bytes)
+        if report["attention"] != "cudnn":  # XLA's own attention is priced with the rest
+            attention_flops = 0.0
+        estimate = gpu_target.estimate(
+            compiled, target, flops, attention_flops, timing["time_s"]["communication"], efficiency
+        )
+        found = {"target": report | {"estimate": estimate}}
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -215,7 +239,7 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
         "unit": task.unit,
         "grad_accum": train.grad_accum,
         "compile_s": round(compile_s, 2),
-        "memory_bytes": memory(layout, compiled),
+        "memory_bytes": memory_bytes,
         "parameters": [
             {"path": path, "shape": list(shape), "sharding": where}
             for path, shape, where in rules.describe(
@@ -223,11 +247,11 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
             )
         ],
         "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
-        "collectives_by_dtype": _by_dtype(found, gb_per_s),
+        "collectives_by_dtype": _by_dtype(found_collectives, gb_per_s),
         "collective_ops": [
             {key: getattr(op, key) for key in ("kind", "dtype", "bytes", "group_size", "count")}
             | {"name": op.name}
-            for op in found
+            for op in found_collectives
         ],
         "unknown_trip_counts": unknown_loops,
         "pipeline": _pipeline_report(schedule, by_kind),
@@ -240,7 +264,8 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
         "bubble": bubble,
         "grad_comm": config.mesh.grad_comm if layout.exchange else "fp32",
         **timing,
-    }, found
+        **found,
+    }, found_collectives
 
 
 def step_times(by_kind: dict[str, dict], busy_s: float, bubble: float) -> dict[str, Any]:
@@ -333,133 +358,6 @@ def _pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | Non
     }
 
 
-def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
-    """The pipeline section of the table (nothing without stages)."""
-    if report is None:
-        return []
-    return [
-        "",
-        f"pipeline {report['schedule']}: {report['stages']} stages, {report['microbatches']} "
-        f"micro-batches, {report['repeats']} lap(s), {report['iterations']} iterations",
-        f"  bubble {report['bubble']:.1%} of the step (stages - 1) / (micro-batches x laps + "
-        "stages - 1); memory above is one stage's",
-        f"  stage to stage {format_bytes(report['p2p_bytes']):>10} per device per step "
-        f"(collective-permute), {_duration(report['p2p_seconds'])}",
-    ]
-
-
-def format_count(number: float) -> str:
-    """A count as 842K, 124M or 1.31B."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.3g}{unit}"
-    return f"{number:.0f}"
-
-
-def _duration(seconds: float) -> str:
-    """Seconds in ms (us below 0.1 ms), three significant digits."""
-    if seconds < 1e-4:
-        return f"{seconds * 1e6:.3g} us"
-    return f"{seconds * 1e3:.3g} ms"
-
-
-def _example_shape(result: dict) -> str:
-    """The shape of one example: " x 1024 tokens" or " x 224 px images"."""
-    if "seq_len" in result:
-        return f" x {result['seq_len']} tokens"
-    if "image_size" in result:
-        return f" x {result['image_size']} px images"
-    return f" ({result['unit']})"  # a model of one's own: its batch has no known shape
-
-
-def format_table(result: dict) -> str:
-    """The plan as a short aligned table."""
-    # A mesh without pipeline stages reads as before: data, fsdp, tensor.
-    mesh = " ".join(
-        f"{axis}={size}" for axis, size in result["mesh"].items() if axis != "stage" or size > 1
-    )
-    where = "simulated cpu" if result["simulated"] else result["platform"]
-    memory_bytes, times = result["memory_bytes"], result["time_s"]
-    link = result["link"]
-    lines = [
-        f"{result['model']}: {format_count(result['param_count'])} params, {result['precision']}, "
-        f"batch {result['global_batch']}{_example_shape(result)}, "
-        f"grad_accum {result['grad_accum']}",
-        f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "
-        f"compiled in {result['compile_s']:.1f} s",
-        "",
-        "memory per device",
-    ]
-    notes = {
-        "gradients": "(inside the temporaries)",
-        "temporaries": "(XLA temp: activations, gradients, workspace)",
-        "total": "(inputs + outputs - donated + temporaries + code)",
-    }
-    for key, value in memory_bytes.items():
-        label = key.replace("_", " ")
-        lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
-    lines += ["", "parameters (mesh axes per dimension; - whole)"]
-    parameters = result["parameters"]
-    width = max((len(row["path"]) for row in parameters), default=0)
-    for row in parameters:
-        shape = "x".join(map(str, row["shape"])) or "scalar"
-        lines.append(f"  {row['path']:<{width}}  {shape:>14}  {row['sharding']}")
-    lines += ["", f"collectives per step        {'runs':>6}{'bytes/device':>14}{'time':>11}"]
-    for row in result["collectives_by_dtype"]:
-        size, seconds = format_bytes(row["bytes"]), _duration(row["seconds"])
-        label = f"{row['kind']} {row['dtype']}"
-        lines.append(f"  {label:<25}{row['count']:>6}{size:>14}{seconds:>11}")
-    if not result["collectives_by_dtype"]:
-        lines.append("  none")
-    lines += [
-        "",
-        f"step time on {link['name']} ({link['gb_per_s']:g} GB/s per direction), "
-        f"{result['peak_tflops']:g} TFLOP/s x {result['efficiency']:g} efficiency",
-        f"  peak: {result['peak_source']}",
-        f"  compute{_duration(times['compute']):>23}   "
-        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device"
-        f"{', with the pipeline bubble' if result.get('pipeline') else ''})",
-        f"  communication{_duration(times['communication']):>17}   "
-        "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
-        f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
-        f"scaling efficiency {result['scaling_efficiency']['no_overlap']:.1%}",
-        f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
-        f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
-    ]
-    lines += _pipeline_lines(result.get("pipeline"))
-    lines += _comparison_lines(result.get("grad_comm_comparison"))
-    if result["unknown_trip_counts"]:
-        lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
-    if result["platform"] == "cpu" and (result["zero"] or result["mesh"]["fsdp"] > 1):
-        lines.append("note: XLA CPU emits all-reduce + slice where XLA GPU emits reduce-scatter")
-    return "\n".join(lines)
-
-
-def _comparison_lines(comparison: dict[str, Any] | None) -> list[str]:
-    """The side-by-side table of --compare-grad-comm (nothing without it)."""
-    if not comparison:
-        return []
-    settings = list(comparison)
-    lines = [
-        "",
-        "mesh.grad_comm side by side: step time, no overlap (scaling efficiency)",
-        "  " + f"{'link':<12}" + "".join(f"{setting:>20}" for setting in settings),
-    ]
-    for link in LINKS:
-        cells = []
-        for setting in settings:
-            times = comparison[setting]["links"][link]
-            step, share = times["time_s"]["step_no_overlap"], times["scaling_efficiency"]
-            cells.append(f"{_duration(step)} ({share['no_overlap']:.0%})")
-        lines.append("  " + f"{link:<12}" + "".join(f"{cell:>20}" for cell in cells))
-    lines.append(
-        "  "
-        + f"{'wire/device':<12}"
-        + "".join(f"{format_bytes(comparison[s]['wire_bytes']):>20}" for s in settings)
-    )
-    return lines
-
-
 def write_plan(path: pathlib.Path, result: dict) -> None:
     """Writes the plan as JSON to `path` (whole or not at all), creating its directory."""
     try:
@@ -498,6 +396,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also compile the step with mesh.grad_comm=fp32, bf16 and int8 and show their "
         "step times and scaling efficiency on 1gbe, 10gbe, 100gbe, infiniband and nvlink",
     )
+    parser.add_argument(
+        "--target",
+        choices=sorted(gpu_target.DEVICES),
+        default=None,
+        help="compile for this NVIDIA GPU without one (needs the gpu-aot extra): memory from "
+        "the GPU compiler, its kernels and collectives; --devices N GPUs on one host, or "
+        "--hosts H x --devices-per-host N (default 1 x 8)",
+    )
+    parser.add_argument("--hosts", type=int, default=1, metavar="H", help="with --target")
+    parser.add_argument(
+        "--devices-per-host", type=int, default=8, metavar="N", help="with --target"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument(
         "--output",
@@ -512,7 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"--devices {args.devices!r} is not a whole number of devices"
         output.error(message, program=parser.prog)
         return 2
-    if int(args.devices):  # before jax starts: XLA reads XLA_FLAGS as its backend starts
+    if args.target is not None:  # a GPU target compiles in a CPU process (its plugin's rule)
+        request_cpu_devices(1)
+    elif int(args.devices):  # before jax starts: XLA reads XLA_FLAGS as its backend starts
         request_cpu_devices(int(args.devices))
 
     def run(config: Config) -> None:
@@ -521,8 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         efficiency = _fraction(args.efficiency)
         link = parse_link(args.link)
         count = int(args.devices)
-        devices = cpu_devices(count) if count else jax.devices()
-        result = plan(config, devices, link, efficiency, simulated=bool(count))
+        if args.target is not None:
+            per_host = count or args.devices_per_host
+            devices = gpu_target.target_devices(args.target, args.hosts, per_host)
+            result = plan(config, devices, link, efficiency, target=args.target)
+        else:
+            devices = cpu_devices(count) if count else jax.devices()
+            result = plan(config, devices, link, efficiency, simulated=bool(count))
         if args.compare_grad_comm:
             result["grad_comm_comparison"] = compare_grad_comm(
                 config, devices, efficiency, simulated=bool(count)

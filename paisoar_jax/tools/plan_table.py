@@ -1,0 +1,139 @@
+"""The plan as the table `python -m paisoar_jax.plan` prints (tools/plan.py makes the plan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paisoar_jax.memory import format_bytes
+from paisoar_jax.tools import gpu_target
+
+
+def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
+    """The pipeline section of the table (nothing without stages)."""
+    if report is None:
+        return []
+    return [
+        "",
+        f"pipeline {report['schedule']}: {report['stages']} stages, {report['microbatches']} "
+        f"micro-batches, {report['repeats']} lap(s), {report['iterations']} iterations",
+        f"  bubble {report['bubble']:.1%} of the step (stages - 1) / (micro-batches x laps + "
+        "stages - 1); memory above is one stage's",
+        f"  stage to stage {format_bytes(report['p2p_bytes']):>10} per device per step "
+        f"(collective-permute), {_duration(report['p2p_seconds'])}",
+    ]
+
+
+def format_count(number: float) -> str:
+    """A count as 842K, 124M or 1.31B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return f"{number:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    """Seconds in ms (us below 0.1 ms), three significant digits."""
+    if seconds < 1e-4:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _example_shape(result: dict) -> str:
+    """The shape of one example: " x 1024 tokens" or " x 224 px images"."""
+    if "seq_len" in result:
+        return f" x {result['seq_len']} tokens"
+    if "image_size" in result:
+        return f" x {result['image_size']} px images"
+    return f" ({result['unit']})"  # a model of one's own: its batch has no known shape
+
+
+def format_table(result: dict) -> str:
+    """The plan as a short aligned table."""
+    # A mesh without pipeline stages reads as before: data, fsdp, tensor.
+    mesh = " ".join(
+        f"{axis}={size}" for axis, size in result["mesh"].items() if axis != "stage" or size > 1
+    )
+    where = "simulated cpu" if result["simulated"] else result["platform"]
+    if "target" in result:
+        where = f"{result['target']['name']} (compile-only)"
+    memory_bytes, times = result["memory_bytes"], result["time_s"]
+    link = result["link"]
+    lines = [
+        f"{result['model']}: {format_count(result['param_count'])} params, {result['precision']}, "
+        f"batch {result['global_batch']}{_example_shape(result)}, "
+        f"grad_accum {result['grad_accum']}",
+        f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "
+        f"compiled in {result['compile_s']:.1f} s",
+        "",
+        "memory per device",
+    ]
+    notes = {
+        "gradients": "(inside the temporaries)",
+        "temporaries": "(XLA temp: activations, gradients, workspace)",
+        "total": "(inputs + outputs - donated + temporaries + code)",
+    }
+    for key, value in memory_bytes.items():
+        label = key.replace("_", " ")
+        lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
+    lines += ["", "parameters (mesh axes per dimension; - whole)"]
+    parameters = result["parameters"]
+    width = max((len(row["path"]) for row in parameters), default=0)
+    for row in parameters:
+        shape = "x".join(map(str, row["shape"])) or "scalar"
+        lines.append(f"  {row['path']:<{width}}  {shape:>14}  {row['sharding']}")
+    lines += ["", f"collectives per step        {'runs':>6}{'bytes/device':>14}{'time':>11}"]
+    for row in result["collectives_by_dtype"]:
+        size, seconds = format_bytes(row["bytes"]), _duration(row["seconds"])
+        label = f"{row['kind']} {row['dtype']}"
+        lines.append(f"  {label:<25}{row['count']:>6}{size:>14}{seconds:>11}")
+    if not result["collectives_by_dtype"]:
+        lines.append("  none")
+    lines += [
+        "",
+        f"step time on {link['name']} ({link['gb_per_s']:g} GB/s per direction), "
+        f"{result['peak_tflops']:g} TFLOP/s x {result['efficiency']:g} efficiency",
+        f"  peak: {result['peak_source']}",
+        f"  compute{_duration(times['compute']):>23}   "
+        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device"
+        f"{', with the pipeline bubble' if result.get('pipeline') else ''})",
+        f"  communication{_duration(times['communication']):>17}   "
+        "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
+        f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
+        f"scaling efficiency {result['scaling_efficiency']['no_overlap']:.1%}",
+        f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
+        f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
+    ]
+    lines += _pipeline_lines(result.get("pipeline"))
+    if "target" in result:
+        lines += gpu_target.report_lines(result["target"])
+    lines += _comparison_lines(result.get("grad_comm_comparison"))
+    if result["unknown_trip_counts"]:
+        lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
+    if result["platform"] == "cpu" and (result["zero"] or result["mesh"]["fsdp"] > 1):
+        lines.append("note: XLA CPU emits all-reduce + slice where XLA GPU emits reduce-scatter")
+    return "\n".join(lines)
+
+
+def _comparison_lines(comparison: dict[str, Any] | None) -> list[str]:
+    """The side-by-side table of --compare-grad-comm (nothing without it)."""
+    if not comparison:
+        return []
+    settings = list(comparison)
+    lines = [
+        "",
+        "mesh.grad_comm side by side: step time, no overlap (scaling efficiency)",
+        "  " + f"{'link':<12}" + "".join(f"{setting:>20}" for setting in settings),
+    ]
+    for link in comparison[settings[0]]["links"]:
+        cells = []
+        for setting in settings:
+            times = comparison[setting]["links"][link]
+            step, share = times["time_s"]["step_no_overlap"], times["scaling_efficiency"]
+            cells.append(f"{_duration(step)} ({share['no_overlap']:.0%})")
+        lines.append("  " + f"{link:<12}" + "".join(f"{cell:>20}" for cell in cells))
+    lines.append(
+        "  "
+        + f"{'wire/device':<12}"
+        + "".join(f"{format_bytes(comparison[s]['wire_bytes']):>20}" for s in settings)
+    )
+    return lines
