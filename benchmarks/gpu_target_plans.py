@@ -1,6 +1,6 @@
 """Every shipped config compiled for 8 x H200 and 8 x H100 without a GPU: one JSON line each.
 
-    python benchmarks/gpu_target_plans.py [h200 h100]     # needs the gpu-aot extra
+    python benchmarks/gpu_target_plans.py [h200 h100] [CONFIG ...]   # the gpu-aot extra
 
 Each config as it ships (its own mesh, batch and precision), compiled by XLA's GPU
 compiler for the target (`plan --target`, tools/gpu_target.py). Per config: memory per
@@ -22,9 +22,13 @@ from paisoar_jax.tools import gpu_target, plan  # noqa: E402
 CONFIGS = sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
 
 if __name__ == "__main__":
-    for target in sys.argv[1:] or ["h200", "h100"]:
+    targets = [name for name in sys.argv[1:] if name in gpu_target.DEVICES] or ["h200", "h100"]
+    only = [name for name in sys.argv[1:] if name not in gpu_target.DEVICES]
+    for target in targets:
         devices = gpu_target.target_devices(target, 1, 8)
         for path in CONFIGS:
+            if only and path.stem not in only:
+                continue
             result = plan.plan(load_config(path, []), devices, target=target)
             found, estimate = result["target"], result["target"]["estimate"]
             collectives = found["collectives"]
@@ -42,7 +46,10 @@ if __name__ == "__main__":
                         "estimated_mfu": estimate["mfu"] and round(estimate["mfu"], 3),
                         "compile_s": result["compile_s"],
                         "attention": found["attention"],
-                        "gemms": {row["operands"]: row["count"] for row in found["matmuls"]},
+                        "gemms": {
+                            f"{row['backend']} {row['operands']}": row["count"]
+                            for row in found["matmuls"]
+                        },
                         "fp32_gemms": len(found["fp32_matmuls"]),
                         "async_collectives": len(collectives),
                         "overlapped": sum(row["overlapped"] for row in collectives),

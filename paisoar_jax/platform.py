@@ -36,3 +36,8 @@ def compiling_for(devices) -> Iterator[None]:
         yield
     finally:
         _TARGET.reset(token)
+
+
+def is_target_compile_of(devices) -> bool:
+    """Whether `devices` are a compile target's, not this process's (plan --target)."""
+    return devices[0].platform != jax.default_backend()
