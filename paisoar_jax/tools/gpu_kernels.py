@@ -26,6 +26,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _ELEMENT_TYPE = re.compile(r"\b([a-z]\w*)\[")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 COMPUTE = ("fusion", "custom-call")
 
 
@@ -56,7 +57,7 @@ def _gemm_backend(instruction) -> str | None:
 
 def _dot_operand_types(instruction, computations, shapes) -> tuple[str, ...]:
     """The element types of a gemm's operands: of the dot inside a fusion, or the call's."""
-    called = re.search(r"\bcalls=%?([\w.\-]+)", instruction.line)
+    called = _CALLS.search(instruction.line)
     if called and called.group(1) in computations:
         body = computations[called.group(1)]
         inner = {item.name: item.shape for item in body}
@@ -146,7 +147,6 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _DIMS = re.compile(r"\[([^\]]*)\]")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
 def _dims(shape: str) -> list[int]:
@@ -163,7 +163,7 @@ def _gemm_flops(instruction, computations, shapes) -> float:
         if found := _CONTRACTING.search(instruction.line):
             contracting = [int(d.strip().strip('"')) for d in found.group(1).split(",") if d]
     else:
-        called = re.search(r"\bcalls=%?([\w.\-]+)", instruction.line)
+        called = _CALLS.search(instruction.line)
         body = computations.get(called.group(1), []) if called else []
         inner = {item.name: item.shape for item in body}
         for item in body:
