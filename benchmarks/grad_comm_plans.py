@@ -17,7 +17,8 @@ import jax
 
 from paisoar_jax.config import load_config
 from paisoar_jax.memory import format_bytes
-from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, LINKS, compare_grad_comm
+from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, LINKS
+from paisoar_jax.tools.plan_variants import compare_grad_comm
 
 
 def main() -> None:

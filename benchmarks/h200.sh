@@ -6,6 +6,8 @@
 # after `bash ../shared/gpu/wheels.sh` (fills .whl/) and `cp -r ../shared/peers .peers`.
 # Each line of $OUT/results.jsonl is one measurement (ours from `python -m paisoar_jax.bench`,
 # the PyTorch peers' own JSON), tagged with its name; $OUT/log holds everything printed.
+# Ours carry "estimate": what `plan --target h200` predicts for the very program that ran
+# (step_ms, mfu, measured_over_estimated), so each line is predicted beside measured.
 # `bash benchmarks/h200.sh tiny` dry-runs the same steps here on a CPU with tiny shapes.
 # A second argument picks a part; one part fits one device call, most important first:
 #   targets   gpt2_124m and gpt_1b in bf16 and fp16 beside the PyTorch compile peer (issue 7)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax import heartbeat, oom, output, sharding
+from paisoar_jax import gpu_flags, heartbeat, oom, output, sharding
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.pipeline import check_same_everywhere
@@ -57,10 +57,11 @@ def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A run's end: its summary and the final train state."""
+    """A run's end: its summary, the final train state and the compiled train step."""
 
     summary: dict[str, Any]
     state: Any
+    compiled: Any = None  # jax.stages.Compiled of the first batch's signature (bench reads it)
 
 
 def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
@@ -108,10 +109,10 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
         parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source, limit_bytes)
-        summary, state = _run_loop(parts, checkpointer, stop, state, start_step, batches)
+        summary, state, compiled = _run_loop(parts, checkpointer, stop, state, start_step, batches)
     if is_main:
         _print_summary(summary, task)
-    return Finished(summary, state)
+    return Finished(summary, state, compiled)
 
 
 def _check_splits(task: Task, train_source, eval_source, config: Config) -> None:
@@ -205,7 +206,7 @@ class Instruments:
 def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batches):
     """Compiles the step, then runs it from start_step + 1: log, eval, save, stop.
 
-    Returns (summary, final state).
+    Returns (summary, final state, the compiled step).
     """
     train_config, steps = parts.config.train, parts.config.train.steps
     first_batch = next(batches)
@@ -250,7 +251,8 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
     summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
     sample = None if stopped_by else parts.task.closing_sample(parts.layout, state, parts.mesh)
-    return (summary if sample is None else {**summary, "sample": sample}), state
+    summary = summary if sample is None else {**summary, "sample": sample}
+    return summary, state, train_step.compiled
 
 
 def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
@@ -258,12 +260,14 @@ def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
     config, layout, mesh = parts.config, parts.layout, parts.mesh
     limit_bytes = parts.limit_bytes
     with oom.readable_out_of_memory(config, layout, limit_bytes):
-        jitted = jit_train_step(layout, parts.task, parts.schedule, config.train.grad_accum, mesh)
+        options = gpu_flags.compiler_options(config.mesh.bucket_mb, mesh.devices)
+        accumulate = config.train.grad_accum
+        jitted = jit_train_step(layout, parts.task, parts.schedule, accumulate, mesh, options)
         one_at_a_time = one_step_at_a_time(layout, mesh)
         train_step = CompiledStep(jitted, state, first_batch, one_at_a_time=one_at_a_time)
     if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(config, layout, train_step.compiled, limit_bytes)
-    return train_step, jit_eval_step(layout, parts.task, mesh)
+    return train_step, jit_eval_step(layout, parts.task, mesh, options)
 
 
 def _say_compiled(parts: RunParts, compile_s: float, start_step: int) -> None:

@@ -13,6 +13,7 @@ come back as the new `model_state`.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -323,9 +324,17 @@ def eval_step(
 
 
 def jit_train_step(
-    layout: StateLayout, task, schedule: optax.Schedule, grad_accum: int, mesh: Mesh
+    layout: StateLayout,
+    task,
+    schedule: optax.Schedule,
+    grad_accum: int,
+    mesh: Mesh,
+    compiler_options: dict[str, Any] | None = None,
 ) -> jax.stages.Wrapped:
-    """train_step jitted once: explicit in/out shardings, the state donated."""
+    """train_step jitted once: explicit in/out shardings, the state donated.
+
+    `compiler_options`: XLA options of this compile (gpu_flags.compiler_options on a GPU).
+    """
     step = functools.partial(
         train_step, layout=layout, task=task, schedule=schedule, grad_accum=grad_accum
     )
@@ -334,11 +343,14 @@ def jit_train_step(
         in_shardings=(layout.shardings, sharding.batch_sharding(mesh)),
         out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
+        compiler_options=compiler_options or None,
     )
 
 
-def jit_eval_step(layout: StateLayout, task, mesh: Mesh) -> jax.stages.Wrapped:
-    """eval_step jitted with the state's shardings."""
+def jit_eval_step(
+    layout: StateLayout, task, mesh: Mesh, compiler_options: dict[str, Any] | None = None
+) -> jax.stages.Wrapped:
+    """eval_step jitted with the state's shardings (`compiler_options` as jit_train_step's)."""
     return jax.jit(
         functools.partial(eval_step, layout=layout, task=task),
         in_shardings=(
@@ -348,4 +360,5 @@ def jit_eval_step(layout: StateLayout, task, mesh: Mesh) -> jax.stages.Wrapped:
             sharding.batch_sharding(mesh),
         ),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
+        compiler_options=compiler_options or None,
     )

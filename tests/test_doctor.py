@@ -260,7 +260,8 @@ def test_communication_bound_from_the_runs_plan(healthy_copy):
     assert f"{share:.0%} of the step without overlap" in finding["evidence"]
     assert "note: plan.json was made for" not in finding["evidence"]
     assert any(fix.startswith("`mesh.tensor=1`") for fix in finding["fixes"])
-    assert any("xla_gpu_enable_latency_hiding_scheduler" in fix for fix in finding["fixes"])
+    bucket = "fewer, larger collectives: `mesh.bucket_mb=256`"
+    assert any(fix.startswith(bucket) for fix in finding["fixes"])
 
 
 @pytest.mark.parametrize(
@@ -287,6 +288,35 @@ def test_memory_headroom_and_memory_near_the_limit(healthy_copy, peak_share, exp
         assert fixes[0].startswith("`remat.policy=dots`")
         # mesh.data=1: ZeRO has nothing to shard over, so it is not offered.
         assert not any("mesh.zero" in fix for fix in fixes)
+
+
+@pytest.mark.parametrize(
+    "needed_gib, fit_change, expected",
+    [(40, None, "memory-headroom"), (160, ["remat.policy=full"], "memory-near-limit")],
+)
+def test_without_a_measured_peak_the_gpu_plan_is_judged(needed_gib, fit_change, expected):
+    """A CPU try-out (no memory figures) beside `plan --target h200 [--fit] --output`."""
+    config = load_config(None, [*TINY, "mesh.data=1"])
+    records = [{"step": 1, "loss": 3.0, "step_time_s": 0.1}]
+    limit = 141 * 2**30
+    plan_result = {
+        "devices": 8,
+        "memory_bytes": {"total": needed_gib * 2**30},
+        "target": {"name": "h200", "device_memory_bytes": limit, "limit_bytes": limit},
+    }
+    if fit_change:
+        plan_result["fit"] = {"change": fit_change}
+    run = findings.Run(config.run_dir, config, records, plan_result)
+    result = {finding.name: finding for finding in doctor.diagnose(run)}
+    finding = result[expected]
+    share = f"{needed_gib * 2**30 / limit:.0%}"
+    assert finding.evidence.startswith(
+        f"the plan for 8 x h200 (plan.json: compiled for the GPU, not run) needs "
+        f"{needed_gib} GiB of 141 GiB per device ({share})"
+    ), finding.evidence
+    if fit_change:
+        assert finding.title == "device memory is over its limit"
+        assert finding.fixes[0].startswith("`remat.policy=full`: the smallest change the GPU")
 
 
 def test_recompilations(healthy_copy):
@@ -355,7 +385,7 @@ def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
     run = every_check_firing([f"run.dir={tmp_path}", *config_overrides])
     results = doctor.diagnose(run)
     names = {finding.name for finding in results}
-    expected = {check.__name__.replace("_", "-") for check in findings.CHECKS}
+    expected = {check.__name__.replace("_", "-") for check in doctor.CHECKS}
     assert names == expected - {"memory-headroom"} | {"memory-near-limit"}
     for finding in results:
         assert any(OVERRIDE.search(fix) for fix in finding.fixes), finding

@@ -3,6 +3,7 @@ compiler makes of them. The gpu_aot tier (`python -m pytest -m gpu_aot`, with th
 extra's CUDA plugin); the first tests run in any environment."""
 
 import functools
+import json
 import os
 import subprocess
 
@@ -21,6 +22,14 @@ def test_the_targets_describe_the_published_devices():
     text = gpu_target.target_config(h200)
     assert "core_count: 132" in text and "major: 9 minor: 0" in text
     assert 'device_description_str: "NVIDIA H200 141GB HBM3e"' in text
+
+
+def test_a_real_device_kind_names_its_target():
+    """What bench and plan on a GPU read from jax's device_kind."""
+    assert gpu_target.target_of("NVIDIA H200") == "h200"
+    assert gpu_target.target_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_target.target_of("NVIDIA A100-SXM4-80GB") is None
+    assert gpu_target.target_of("cpu") is None
 
 
 def test_a_missing_plugin_is_one_line(tmp_path):
@@ -184,3 +193,37 @@ def test_remat_lowers_the_temporaries_on_the_gpu_target(scanned):
         for policy in ("none", "dots", "full")
     }
     assert temporaries["full"] < temporaries["dots"] < temporaries["none"], temporaries
+
+
+@pytest.mark.gpu_aot
+def test_the_bucket_flags_combine_the_fsdp_all_gathers():
+    """gpu_flags.py's buckets against XLA's own thresholds (mesh.bucket_mb=0), both compiled."""
+    shape = ("gpt2_124m", "mesh.data=1", "mesh.fsdp=8", "precision.policy=bf16")
+    ours, theirs = target_plan(*shape), target_plan(*shape, "mesh.bucket_mb=0")
+    gathers = [found["collectives"]["all-gather"]["count"] for found in (ours, theirs)]
+    assert gathers[0] < gathers[1], gathers
+    assert {row["set_by"] for row in ours["target"]["xla_flags"]} == {"mesh.bucket_mb"}
+    assert {row["set_by"] for row in theirs["target"]["xla_flags"]} == {"XLA"}
+    summary = gpu_target.schedule_summary(ours)
+    assert summary["overlapped"] == summary["async"] > 0, summary
+
+
+@pytest.mark.gpu_aot
+def test_a_plan_that_does_not_fit_names_the_fixes_and_fit_finds_one(tmp_path):
+    """The default model under a 20 MiB limit (train.memory_limit_gb): only full remat fits."""
+    result = subprocess.run(
+        [PYTHON, "-m", "paisoar_jax.plan", "--target", "h200", "--fit"]
+        + ["train.memory_limit_gb=0.02", "--output", "plan.json"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout
+    assert "the step does NOT fit" in table and "(train.memory_limit_gb)" in table, table
+    assert "    remat.policy=dots  recompute activations" in table, table
+    found = json.loads((tmp_path / "plan.json").read_text())["fit"]
+    assert found["change"] == ["remat.policy=full"], found["tried"]
+    assert "smallest change that fits (add to the command line): remat.policy=full" in table

@@ -173,6 +173,9 @@ def test_cli_prints_a_table_for_the_default_config(tmp_path):
         (["--link", "carrier-pigeon"], "--link 'carrier-pigeon'"),
         (["--devices", "4"], "jax already started in this process with 8 CPU devices"),
         (["--devices", "x"], "--devices 'x'"),
+        (["--fit"], "--fit compiles for a GPU: give --target"),
+        (["--flag-effects"], "--flag-effects compiles for a GPU: give --target"),
+        (["mesh.bucket_mb=-1"], "mesh.bucket_mb must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(devices, arguments, message):

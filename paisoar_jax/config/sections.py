@@ -65,6 +65,9 @@ class MeshConfig:
     # all: compress over every data shard; dcn: only between hosts (mesh.dcn_data), the
     # exchange inside a host stays fp32
     grad_comm_scope: Literal["all", "dcn"] = "all"
+    # GPU: XLA combines collectives of a kind up to this many MiB (its combine thresholds,
+    # PAISoar's gradient buckets; gpu_flags.py); 0 keeps XLA's own 30 MiB
+    bucket_mb: int = 128
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -80,6 +83,8 @@ class MeshConfig:
             size = getattr(self, key)
             if size == 0 or size < -1:
                 raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
+        if self.bucket_mb < 0:
+            raise UserError(f"mesh.bucket_mb must be >= 0 (0: XLA's own), got {self.bucket_mb}")
         for key in ("stage", "dcn_stage"):
             if getattr(self, key) < 1:
                 raise UserError(f"mesh.{key} must be a positive size, got {getattr(self, key)}")

@@ -29,6 +29,7 @@ The loss averages over the learned targets alone (tasks.py). An example is a dic
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from paisoar_jax import output
@@ -105,7 +106,7 @@ class DocumentWindows:
         starts = np.append(records.document_starts(), records.token_count)
         lengths = np.diff(starts)
         too_long = int((lengths > seq_len + 1).sum())
-        if too_long:
+        if too_long and jax.process_index() == 0:  # one line for the job, not one per process
             output.warning(
                 f"{too_long} of {len(lengths)} documents of {records.directory} are longer than "
                 f"model.seq_len + 1 = {seq_len + 1} tokens: each is cut to its first "

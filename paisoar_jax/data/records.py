@@ -227,7 +227,12 @@ class TokenRecords(ShardedRecords):
         return tokens, np.frombuffer(b"".join(mask_parts), np.uint8)[window].astype(bool)
 
     def document_starts(self) -> np.ndarray:
-        """Where each document starts in the stream (int64), checked against the manifest."""
+        """Where each document starts in the stream (int64), checked against the manifest.
+
+        Read once per TokenRecords (the packing plan and each split's windows ask for it).
+        """
+        if (cached := self.__dict__.get("_document_starts")) is not None:
+            return cached
         entry = self.manifest.get("document_index")
         if entry is None:
             raise UserError(
@@ -242,7 +247,8 @@ class TokenRecords(ShardedRecords):
         last = starts[-1] if len(starts) else self.token_count
         if len(starts) != entry["documents"] or starts[0] != 0 or last >= self.token_count:
             raise UserError(f"{path} does not match the manifest: convert the text again")
-        return starts.astype(np.int64)
+        self._document_starts = starts.astype(np.int64)
+        return self._document_starts
 
 
 class PackedWindows:

@@ -93,12 +93,13 @@ def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
     """
     import jax
 
-    from paisoar_jax.loop import train
+    from paisoar_jax.loop import run
     from paisoar_jax.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
-    summary = train(config, workload)
+    finished = run(config, workload)
+    summary = finished.summary
     records = [
         json.loads(line)
         for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -128,8 +129,45 @@ def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
         "platform": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind,
         "attention": _attention(config),
+        "estimate": _estimate(config, task, summary, finished.compiled, step_time_s),
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def _estimate(
+    config: Config, task: Any, summary: dict, compiled: Any, step_time_s: float
+) -> dict[str, Any] | None:
+    """What `plan --target` predicts for the step that ran, beside what it measured.
+
+    On a GPU that is a plan target (H200, H100): the roofline estimate of the very program
+    that ran (tools/gpu_target.py), one device's step (collectives not priced: bench runs
+    one process); None elsewhere.
+    """
+    import jax
+
+    from paisoar_jax.tools import gpu_target
+    from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY
+
+    device = jax.devices()[0]
+    target = gpu_target.target_of(device.device_kind) if device.platform == "gpu" else None
+    if target is None or compiled is None:
+        return None
+    found = gpu_target.step_estimate(
+        compiled,
+        target,
+        task,
+        summary["param_count"],
+        config.train.global_batch,
+        jax.device_count(),
+        0.0,
+        DEFAULT_EFFICIENCY,
+    )
+    return {
+        "target": target,
+        "step_ms": found["step_s"] * 1e3,
+        "mfu": found["mfu"],
+        "measured_over_estimated": step_time_s / found["step_s"] if found["step_s"] else None,
     }
 
 

@@ -16,12 +16,13 @@ metrics cannot be read.
     skipped-steps          over 5% of the steps were skipped for non-finite gradients
     diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
                            its minimum
-    memory-headroom        peak device memory under 50% of the limit (room for more batch)
-    memory-near-limit      peak device memory over 90% of the limit
+    memory-headroom        peak device memory under 50% of the limit (room for more batch);
+                           without a measured peak, plan.json's GPU plan (plan --target)
+    memory-near-limit      peak device memory (or the GPU plan's) over 90% of the limit
     recompiles             the train step compiled again after its first compilation
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in paisoar_jax/tools/findings.py.
+The checks and their thresholds are in paisoar_jax/tools/findings.py and memory_findings.py.
 """
 
 from __future__ import annotations
@@ -31,16 +32,29 @@ import dataclasses
 import json
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from paisoar_jax import output
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.tools import findings
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.findings import CHECKS, Finding, Run
+from paisoar_jax.tools.findings import Finding, Run
+from paisoar_jax.tools.memory_findings import memory_headroom
 
 PROGRAM = "paisoar_jax.doctor"
+CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
+    findings.input_bound,
+    findings.communication_bound,
+    findings.pipeline_bubble,
+    findings.low_mfu,
+    findings.loss_scale_collapse,
+    findings.skipped_steps,
+    findings.diverging,
+    memory_headroom,
+    findings.recompiles,
+)
 
 
 def _read_json_lines(path: pathlib.Path) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """The doctor's checks: one function per known problem, each taking the parsed run.
 
 A check returns a `Finding` (title, evidence from this run's numbers, fixes that name the
-override to type) or None. `CHECKS` lists them in the order the doctor reports them;
-`python -m paisoar_jax.doctor` (doctor.py) reads the run and prints what they find. The
+override to type) or None. The memory checks are in memory_findings.py; doctor.py's
+`CHECKS` lists them all in the order it reports them. The
 thresholds below are the ones the doctor's help lists.
 """
 
@@ -12,7 +12,6 @@ import dataclasses
 import math
 import pathlib
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 from paisoar_jax.config import Config
@@ -27,7 +26,6 @@ BUBBLE_LIMIT = 0.20
 SKIPPED_LIMIT = 0.05
 TREND_LOGS = 3  # log steps in a row that make a trend (loss rising, loss scale falling)
 DIVERGED_MARGIN = 0.25  # a rising loss this far over its minimum is diverging, not noise
-MEMORY_ROOMY, MEMORY_TIGHT = 0.5, 0.9
 # MFU floors by parameter count for a bf16 run on an H100/H200. This project measured on
 # one H200: GPT-2 124M at 22% (XLA attention) to 41% (cuDNN attention), a 1.3B decoder at
 # 57%. The floors are about half of those, so only a clear shortfall is reported. The 10M
@@ -65,7 +63,7 @@ def _after_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records[1:] if len(records) > 1 else records
 
 
-def _percent(value: float) -> str:
+def percent(value: float) -> str:
     """A share as 38% (or 2.5% below 10%)."""
     return f"{value:.0%}" if value >= 0.1 else f"{value:.1%}"
 
@@ -93,7 +91,7 @@ def _lower_lr(run: Run, why: str = "") -> str:
     return f"`optim.lr={lr / 10:g}`{why or f' (now {lr:g})'}"
 
 
-def _larger_batch(config: Config, why: str) -> str:
+def larger_batch(config: Config, why: str) -> str:
     """The fix `train.global_batch` x 2, with the learning-rate scaling that goes with it."""
     batch = config.train.global_batch
     fix = f"`train.global_batch={2 * batch}`: {why}"
@@ -139,9 +137,9 @@ def input_bound(run: Run) -> Finding | None:
         "time the input alone: `python -m paisoar_jax.bench --data-only` with the run's data.*"
     )
     evidence = (
-        f"waited for input {_percent(share)} of the step time over steps "
+        f"waited for input {percent(share)} of the step time over steps "
         f"{used[0][0]}-{used[-1][1]} (data_wait_frac weighted by time; worst "
-        f"{_percent(worst)} at step {worst_step}); over {limit:.0%}"
+        f"{percent(worst)} at step {worst_step}); over {limit:.0%}"
         f"{' (on a CPU)' if on_cpu else ''} the input, not the devices, sets the pace"
     )
     return Finding("input-bound", "the step waits for its input", evidence, tuple(fixes))
@@ -185,7 +183,7 @@ def communication_bound(run: Run) -> Finding | None:
     evidence = (
         f"plan.json projects {times['communication'] * 1e3:.3g} ms of collectives against "
         f"{times['compute'] * 1e3:.3g} ms of compute per step on {link.get('name', 'its link')}"
-        f": {_percent(share)} of the step without overlap (over "
+        f": {percent(share)} of the step without overlap (over "
         f"{COMMUNICATION_LIMIT:.0%}: the network sets the pace)"
     )
     if largest:
@@ -196,7 +194,7 @@ def communication_bound(run: Run) -> Finding | None:
     room = (
         "`mesh.zero=1` or `remat.policy=dots`" if config.mesh.zero == 0 else "`remat.policy=dots`"
     )
-    fixes = [_larger_batch(config, f"twice the compute for the same bytes ({room} make room)")]
+    fixes = [larger_batch(config, f"twice the compute for the same bytes ({room} make room)")]
     # Moving devices off one axis needs another to take them: data=-1 takes the rest.
     fill = " `mesh.data=-1`" if config.mesh.data != -1 else ""
     if config.mesh.fsdp > 1:
@@ -215,11 +213,13 @@ def communication_bound(run: Run) -> Finding | None:
             "layer; keep it within one node's NVLink"
         )
     fixes += _grad_comm_fixes(run)
+    bucket_mb = config.mesh.bucket_mb
     fixes += [
-        "overlap collectives with compute: XLA_FLAGS=--xla_gpu_enable_latency_hiding_"
-        "scheduler=true and the pipelining flags (docs/multihost.md)",
-        "fewer, larger collectives: --xla_gpu_all_reduce_combine_threshold_bytes="
-        "134217728 (all_gather, reduce_scatter alike; docs/multihost.md)",
+        f"fewer, larger collectives: `mesh.bucket_mb={max(2 * bucket_mb, 256)}` (now "
+        f"{bucket_mb}: XLA's combine thresholds on GPUs); `python -m paisoar_jax.plan "
+        "--target h200 --flag-effects` shows what it changes",
+        "overlap the layer loop's collectives: XLA_FLAGS=--xla_gpu_enable_pipelined_all_gather"
+        "=true and the other pipelining flags (docs/multihost.md); measure with bench",
     ]
     return Finding(
         "communication-bound", "communication dominates the step", evidence, tuple(fixes)
@@ -257,15 +257,15 @@ def pipeline_bubble(run: Run) -> Finding | None:
     stages, micro, laps = schedule.stages, schedule.microbatches, schedule.repeats
     evidence = (
         f"the {schedule.schedule} schedule of {stages} stages, {micro} micro-batches and "
-        f"{laps} lap(s) leaves every stage idle {_percent(schedule.bubble)} of the step: "
+        f"{laps} lap(s) leaves every stage idle {percent(schedule.bubble)} of the step: "
         f"(stages - 1) / (micro-batches x laps + stages - 1) = {stages - 1} / "
         f"{schedule.iterations} (over {BUBBLE_LIMIT:.0%})"
     )
     train, stage = run.config.train, f"`mesh.stage={run.config.mesh.stage}`"
     if run.config.mesh.dcn_stage > 1:
         stage += f" `mesh.dcn_stage={run.config.mesh.dcn_stage}`"
-    mesh_shape = _mesh_shape(run)  # known: each micro-batch must split over the batch shards
-    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) if mesh_shape else 1
+    shape = mesh_shape(run)  # known: each micro-batch must split over the batch shards
+    shards = shape.get("data", 1) * shape.get("fsdp", 1) if shape else 1
 
     def bubble(count: int, repeats: int) -> float:
         return (stages - 1) / (count * repeats + stages - 1)
@@ -315,7 +315,7 @@ def low_mfu(run: Run) -> Finding | None:
     if floor is None or median >= floor:
         return None
     config = run.config
-    fixes = [_larger_batch(config, "larger matmuls per device")]
+    fixes = [larger_batch(config, "larger matmuls per device")]
     if config.precision.policy == "fp32":
         fixes.append("`precision.policy=bf16`: tensor cores run bf16, not fp32")
     if config.remat.policy != "none":
@@ -328,8 +328,8 @@ def low_mfu(run: Run) -> Finding | None:
         fixes.append("`model.attention=cudnn`: fused flash attention")
     fixes.append("measure the step alone with `python -m paisoar_jax.bench` and the same overrides")
     evidence = (
-        f"median MFU {_percent(median)} over {len(values)} log steps for {format_count(params)} "
-        f"params; a healthy run of that size reaches {_percent(floor)} or more on an "
+        f"median MFU {percent(median)} over {len(values)} log steps for {format_count(params)} "
+        f"params; a healthy run of that size reaches {percent(floor)} or more on an "
         "H100/H200"
     )
     return Finding("low-mfu", "MFU is low for the model's size", evidence, tuple(fixes))
@@ -392,7 +392,7 @@ def skipped_steps(run: Run) -> Finding | None:
     fixes.append(_no_loss_scale(run.config))
     fixes.append(_lower_lr(run, " if the skips go on: the gradients blow up"))
     evidence = (
-        f"{count} of {last_step} steps skipped ({_percent(count / last_step)}, over "
+        f"{count} of {last_step} steps skipped ({percent(count / last_step)}, over "
         f"{SKIPPED_LIMIT:.0%}); {skipped[0][1]} of them by the first log step ({skipped[0][0]})"
     )
     return Finding("skipped-steps", "many steps were skipped", evidence, tuple(fixes))
@@ -459,7 +459,7 @@ def diverging(run: Run) -> Finding | None:
     return Finding("diverging", "the loss is diverging", evidence, _divergence_fixes(run, best[0]))
 
 
-def _mesh_shape(run: Run) -> dict[str, int] | None:
+def mesh_shape(run: Run) -> dict[str, int] | None:
     """The run's mesh (axis -> size): from plan.json, else from a config without -1 sizes."""
     if run.plan and run.plan.get("mesh"):
         return run.plan["mesh"]
@@ -468,45 +468,6 @@ def _mesh_shape(run: Run) -> dict[str, int] | None:
         return None  # the rest of the devices: how many, only the run knew
     data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
     return {"data": data, "stage": mesh.stages, "fsdp": fsdp, "tensor": mesh.tensor}
-
-
-def memory_headroom(run: Run) -> Finding | None:
-    """Peak device memory far below the limit (room for more) or close to it."""
-    from paisoar_jax.oom import memory_fixes
-
-    measured = [
-        record
-        for record in run.records
-        if record.get("memory_peak_bytes") and record.get("memory_limit_bytes")
-    ]
-    if not measured:
-        return None
-    record = measured[-1]
-    peak, limit = record["memory_peak_bytes"], record["memory_limit_bytes"]
-    share, config = peak / limit, run.config
-    evidence = (
-        f"peak device memory {format_bytes(peak)} of {format_bytes(limit)} ({_percent(share)}) "
-        f"at step {record['step']}"
-    )
-    if share > MEMORY_TIGHT:
-        fixes = tuple(
-            f"`{override}`: {why}" for override, why in memory_fixes(config, _mesh_shape(run))
-        )
-        title = "device memory is close to its limit"
-        return Finding("memory-near-limit", title, evidence, fixes)
-    if share >= MEMORY_ROOMY:
-        return None
-    fixes = []
-    if config.remat.policy != "none":
-        fixes.append(f"`remat.policy=none` (now {config.remat.policy}): no recomputation")
-    if config.train.grad_accum > 1:
-        fixes.append(
-            f"`train.grad_accum={max(1, config.train.grad_accum // 2)}`: fewer, larger "
-            "micro-batches, same global batch"
-        )
-    fixes.append(_larger_batch(config, "more examples per step"))
-    title = "device memory has room for a larger batch"
-    return Finding("memory-headroom", title, evidence, tuple(fixes))
 
 
 def recompiles(run: Run) -> Finding | None:
@@ -533,16 +494,3 @@ def recompiles(run: Run) -> Finding | None:
         same_shape += f", sequences packed or padded to `model.seq_len={config.model.seq_len}`"
     fixes = (same_shape, "see which argument changed: run again with JAX_EXPLAIN_CACHE_MISSES=1")
     return Finding("recompiles", "the train step recompiles", evidence, fixes)
-
-
-CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
-    input_bound,
-    communication_bound,
-    pipeline_bubble,
-    low_mfu,
-    loss_scale_collapse,
-    skipped_steps,
-    diverging,
-    memory_headroom,
-    recompiles,
-)

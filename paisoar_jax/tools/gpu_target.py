@@ -134,16 +134,23 @@ def target_devices(target: str, hosts: int, devices_per_host: int) -> list:
     return list(topology.devices)
 
 
-def report(target: str, compiled: Any, memory_bytes: dict[str, int]) -> dict[str, Any]:
-    """What the GPU compiler made of a step for `target`: memory against the device, kernels."""
+def report(
+    target: str, compiled: Any, memory_bytes: dict[str, int], limit_bytes: int | None = None
+) -> dict[str, Any]:
+    """What the GPU compiler made of a step for `target`: memory against the limit, kernels.
+
+    `limit_bytes`: what the step must fit (train.memory_limit_gb); default the device's.
+    """
     device = DEVICES[target]
     total = memory_bytes["total"]
+    limit = limit_bytes or device.memory_bytes
     return {
         "name": target,
         "device": device.name,
         "device_memory_bytes": device.memory_bytes,
-        "fits": total <= device.memory_bytes,
-        "memory_share": total / device.memory_bytes,
+        "limit_bytes": limit,
+        "fits": total <= limit,
+        "memory_share": total / limit,
         **gpu_kernels.kernels(compiled.as_text()),
     }
 
@@ -189,17 +196,108 @@ def estimate(
     }
 
 
+def schedule_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """A target plan's schedule in a few numbers (what --flag-effects compares).
+
+    Collectives per step by kind, the async ones and how many overlap compute, the
+    temporaries and the estimated step.
+    """
+    found = result["target"]
+    collectives = found["collectives"]
+    return {
+        "collectives_per_step": {
+            kind: totals["count"] for kind, totals in result["collectives"].items()
+        },
+        "async": len(collectives),
+        "overlapped": sum(row["overlapped"] for row in collectives),
+        "temporaries_bytes": result["memory_bytes"]["temporaries"],
+        "estimated_step_s": found["estimate"]["step_s"],
+    }
+
+
+def flag_lines(found: dict[str, Any]) -> list[str]:
+    """The XLA flags of the GPU compile, and with --flag-effects what they change."""
+    from paisoar_jax.memory import format_bytes
+
+    lines = ["XLA flags for the GPU (paisoar_jax/gpu_flags.py; XLA_FLAGS wins)"]
+    for row in found.get("xla_flags", []):
+        lines.append(f"  {row['flag']}={row['value']}  ({row['set_by']})")
+    effects = found.get("flag_effects")
+    if effects:
+        ours, theirs = effects["library"], effects["xla"]
+        kinds = sorted(ours["collectives_per_step"].keys() | theirs["collectives_per_step"].keys())
+        counts = ", ".join(
+            f"{kind} {theirs['collectives_per_step'].get(kind, 0)} -> "
+            f"{ours['collectives_per_step'].get(kind, 0)}"
+            for kind in kinds
+        )
+        lines += [
+            "  effect, XLA's own thresholds -> the library's (compiled both ways):",
+            f"    collectives per step: {counts}",
+            f"    async {theirs['async']} -> {ours['async']} (overlapping compute "
+            f"{theirs['overlapped']} -> {ours['overlapped']}), temporaries "
+            f"{format_bytes(theirs['temporaries_bytes'])} -> "
+            f"{format_bytes(ours['temporaries_bytes'])}, estimated step "
+            f"{_ms(theirs['estimated_step_s'])} -> {_ms(ours['estimated_step_s'])} "
+            "(bandwidth only: fewer launches do not show in it)",
+        ]
+    return lines
+
+
+def target_of(device_kind: str) -> str | None:
+    """The target a real device is (an "NVIDIA H200" is h200), or None for any other."""
+    for name in DEVICES:
+        if name.upper() in device_kind.upper().split():
+            return name
+    return None
+
+
+def step_estimate(
+    compiled: Any,
+    target: str,
+    task: Any,
+    param_count: int,
+    global_batch: int,
+    device_count: int,
+    communication_s: float,
+    efficiency: float,
+) -> dict[str, Any]:
+    """`estimate` for a task's step: its FLOPs per device from the task's count per unit.
+
+    Attention counts apart (at the given efficiency) only where cuDNN runs it; XLA's own
+    attention is in the kernels' roofline with the rest.
+    """
+    units = global_batch * task.units_per_example() / device_count
+    # A model of one's own without flops_per_example: compute time unknown, counted as 0.
+    flops_per_unit = task.flops_per_unit(param_count) or 0.0
+    attention_flops = flops_per_unit - 6 * param_count if task.unit == "tokens" else 0.0
+    if gpu_kernels.kernels(compiled.as_text())["attention"] != "cudnn":
+        attention_flops = 0.0
+    return estimate(
+        compiled,
+        target,
+        flops_per_unit * units,
+        max(attention_flops, 0.0) * units,
+        communication_s,
+        efficiency,
+    )
+
+
 def report_lines(found: dict[str, Any]) -> list[str]:
     """The target part of plan's table: whether the step fits, then its kernels."""
     from paisoar_jax.memory import format_bytes
 
     verdict = "fits" if found["fits"] else "does NOT fit"
+    limit = found.get("limit_bytes", found["device_memory_bytes"])
+    of_what = "" if limit == found["device_memory_bytes"] else " (train.memory_limit_gb)"
     lines = [
         "",
         f"GPU target {found['name']} ({found['device']}), compiled, not run: the step "
-        f"{verdict} ({found['memory_share']:.0%} of {format_bytes(found['device_memory_bytes'])}"
-        f" per device)",
+        f"{verdict} ({found['memory_share']:.0%} of {format_bytes(limit)}{of_what} per device)",
     ]
+    if found.get("fixes"):
+        lines.append("  fixes, in the order to try them (--fit compiles each and picks one):")
+        lines += [f"    {row['override']}  {row['why']}" for row in found["fixes"]]
     if estimate := found.get("estimate"):
         mfu = f", MFU {estimate['mfu']:.0%}" if estimate["mfu"] is not None else ""
         lines += [
@@ -211,7 +309,7 @@ def report_lines(found: dict[str, Any]) -> list[str]:
             f"{_ms(estimate['memory_bound_s'])} at full bandwidth; collectives "
             f"{_ms(estimate['communication_s'])}, overlapped",
         ]
-    return lines + gpu_kernels.summary_lines(found)
+    return lines + gpu_kernels.summary_lines(found) + flag_lines(found)
 
 
 def _ms(seconds: float) -> str:

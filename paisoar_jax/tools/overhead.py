@@ -56,7 +56,7 @@ def _per_call_ms(function, calls: int = CALLS) -> float:
 
 def bare_loop_ms(config: Config) -> float:
     """Milliseconds per step of the same jitted step fed a fresh host batch each step."""
-    from paisoar_jax import sharding
+    from paisoar_jax import gpu_flags, sharding
     from paisoar_jax.compilation import one_step_at_a_time
     from paisoar_jax.state import init_state
     from paisoar_jax.step import jit_train_step
@@ -70,7 +70,9 @@ def bare_loop_ms(config: Config) -> float:
     vocab = config.model.vocab_size
     with jax.set_mesh(run.mesh):
         state = init_state(config, run.layout)
-        step = jit_train_step(run.layout, run.task, run.schedule, config.train.grad_accum, run.mesh)
+        options = gpu_flags.compiler_options(config.mesh.bucket_mb, run.mesh.devices)
+        accumulate = config.train.grad_accum
+        step = jit_train_step(run.layout, run.task, run.schedule, accumulate, run.mesh, options)
         batch = lambda: jax.device_put(rng.integers(0, vocab, shape.shape, np.int32), where)
         state, metrics = step(state, batch())  # compiles
         jax.block_until_ready(metrics)

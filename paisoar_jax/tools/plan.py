@@ -46,11 +46,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from paisoar_jax import output
+from paisoar_jax import gpu_flags, output
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import memory
-from paisoar_jax.tools import cli, gpu_target, hlo
+from paisoar_jax.oom import memory_fixes
+from paisoar_jax.tools import cli, fit_search, gpu_target, hlo
 from paisoar_jax.tools.plan_table import format_table
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
@@ -151,7 +152,8 @@ def compile_step(
             ),
             task.batch_shape(train.global_batch),
         )
-        step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh)
+        options = gpu_flags.compiler_options(config.mesh.bucket_mb, devices)
+        step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh, options)
         lowered = step.lower(layout.abstract_state, batch)
         try:
             compiled = lowered.compile()
@@ -201,16 +203,18 @@ def plan(
     `target`: the devices are a GPU target's (gpu_target.target_devices): the plan adds
     what the GPU compiler made of the step (`"target"`).
     """
-    return _plan_and_collectives(config, devices, link, efficiency, simulated, workload, target)[0]
+    return plan_and_collectives(config, devices, link, efficiency, simulated, workload, target)[0]
 
 
-def _plan_and_collectives(config, devices, link, efficiency, simulated, workload, target=None):
+def plan_and_collectives(config, devices, link, efficiency, simulated, workload, target=None):
     """(plan, the step's collectives as hlo.Collective): see `plan`."""
     from paisoar_jax import rules
     from paisoar_jax.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
+    if target is None and devices[0].platform == "gpu":  # on a known GPU: its own report
+        target = gpu_target.target_of(devices[0].device_kind)
     compiled, layout, mesh, compile_s = compile_step(config, devices, workload)
     found_collectives, unknown_loops = hlo.analyze(compiled.as_text(), len(devices))
     link_name, gb_per_s = link
@@ -229,15 +233,26 @@ def _plan_and_collectives(config, devices, link, efficiency, simulated, workload
     memory_bytes = memory(layout, compiled)
     found = {}
     if target is not None:
-        attention_flops = flops_per_unit - 6 * layout.param_count if task.unit == "tokens" else 0
-        attention_flops *= units_per_step / len(devices)
-        report = gpu_target.report(target, compiled, memory_bytes)
-        if report["attention"] != "cudnn":  # XLA's own attention is priced with the rest
-            attention_flops = 0.0
-        estimate = gpu_target.estimate(
-            compiled, target, flops, attention_flops, timing["time_s"]["communication"], efficiency
+        limit = fit_search.limit_bytes(config, gpu_target.DEVICES[target].memory_bytes)
+        report = gpu_target.report(target, compiled, memory_bytes, limit)
+        if not report["fits"]:  # what to try, in order (--fit compiles each)
+            report["fixes"] = [
+                {"override": override, "why": why}
+                for override, why in memory_fixes(config, dict(mesh.shape))
+            ]
+        communication_s = timing["time_s"]["communication"]
+        estimate = gpu_target.step_estimate(
+            compiled,
+            target,
+            task,
+            layout.param_count,
+            train.global_batch,
+            len(devices),
+            communication_s,
+            efficiency,
         )
-        found = {"target": report | {"estimate": estimate}}
+        flags = gpu_flags.describe(config.mesh.bucket_mb)
+        found = {"target": report | {"estimate": estimate, "xla_flags": flags}}
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -317,41 +332,6 @@ def _by_dtype(found: list, gb_per_s: float) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda row: (hlo.KINDS.index(row["kind"]), row["dtype"]))
 
 
-def compare_grad_comm(
-    config: Config, devices: Sequence, efficiency: float, simulated: bool, workload: Any = None
-) -> dict[str, Any]:
-    """Step time and scaling efficiency per link (LINKS) for each mesh.grad_comm setting.
-
-    Each setting's step is compiled; every collective is timed on the one link, as in plan.
-    """
-    from dataclasses import replace
-
-    from paisoar_jax.zoo import zoo_workload
-
-    workload = zoo_workload(config) if workload is None else workload
-    comparison: dict[str, Any] = {}
-    for setting in GRAD_COMMS:
-        mesh = replace(config.mesh, grad_comm=setting)
-        if setting == "fp32":
-            mesh = replace(mesh, grad_comm_error_feedback=False, grad_comm_scope="all")
-        variant = replace(config, mesh=mesh)
-        result, found = _plan_and_collectives(
-            variant, devices, ("nvlink", LINKS["nvlink"]), efficiency, simulated, workload
-        )
-        comparison[setting] = {
-            "wire_bytes": sum(
-                op.count * op.bytes * hlo.ring_factor(op.kind, op.group_size) for op in found
-            ),
-            "links": {
-                name: step_times(
-                    hlo.totals_by_kind(found, gb_per_s), result["busy_s"], result["bubble"]
-                )
-                for name, gb_per_s in LINKS.items()
-            },
-        }
-    return comparison
-
-
 def _pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:
     """The schedule, its bubble and the stage-to-stage (collective-permute) bytes; or None."""
     if schedule is None:
@@ -417,6 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the GPU compiler, its kernels and collectives; --devices N GPUs on one host, or "
         "--hosts H x --devices-per-host N (default 1 x 8)",
     )
+    parser.add_argument(
+        "--flag-effects",
+        action="store_true",
+        help="with --target: also compile without the XLA flags the library sets on GPUs "
+        "(mesh.bucket_mb=0) and show what they change in the schedule",
+    )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --target: when the step does not fit (the device, or train.memory_limit_gb), "
+        "compile it with each memory fix and propose the smallest change that fits",
+    )
     parser.add_argument("--hosts", type=int, default=1, metavar="H", help="with --target")
     parser.add_argument(
         "--devices-per-host", type=int, default=8, metavar="N", help="with --target"
@@ -435,6 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"--devices {args.devices!r} is not a whole number of devices"
         output.error(message, program=parser.prog)
         return 2
+    for option, given in (("--flag-effects", args.flag_effects), ("--fit", args.fit)):
+        if given and args.target is None:
+            output.error(f"{option} compiles for a GPU: give --target", program=parser.prog)
+            return 2
     if args.target is not None:  # a GPU target compiles in a CPU process (its plugin's rule)
         request_cpu_devices(1)
     elif int(args.devices):  # before jax starts: XLA reads XLA_FLAGS as its backend starts
@@ -443,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(config: Config) -> None:
         import jax
 
+        from paisoar_jax.tools import plan_variants  # it compiles through this module
+
         efficiency = _fraction(args.efficiency)
         link = parse_link(args.link)
         count = int(args.devices)
@@ -450,11 +448,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_host = count or args.devices_per_host
             devices = gpu_target.target_devices(args.target, args.hosts, per_host)
             result = plan(config, devices, link, efficiency, target=args.target)
+            if args.flag_effects:
+                effects = plan_variants.flag_effects(config, devices, result, efficiency)
+                result["target"]["flag_effects"] = effects
+            if args.fit:
+                result["fit"] = fit_search.search(
+                    config,
+                    result,
+                    lambda variant: plan(variant, devices, link, efficiency, target=args.target),
+                )
         else:
             devices = cpu_devices(count) if count else jax.devices()
             result = plan(config, devices, link, efficiency, simulated=bool(count))
         if args.compare_grad_comm:
-            result["grad_comm_comparison"] = compare_grad_comm(
+            result["grad_comm_comparison"] = plan_variants.compare_grad_comm(
                 config, devices, efficiency, simulated=bool(count)
             )
         if args.output is not None:

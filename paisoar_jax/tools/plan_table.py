@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from paisoar_jax.memory import format_bytes
-from paisoar_jax.tools import gpu_target
+from paisoar_jax.tools import fit_search, gpu_target
 
 
 def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
@@ -106,6 +106,8 @@ def format_table(result: dict) -> str:
     lines += _pipeline_lines(result.get("pipeline"))
     if "target" in result:
         lines += gpu_target.report_lines(result["target"])
+    if "fit" in result:
+        lines += fit_search.fit_lines(result["fit"])
     lines += _comparison_lines(result.get("grad_comm_comparison"))
     if result["unknown_trip_counts"]:
         lines.append(f"warning: loops counted once: {', '.join(result['unknown_trip_counts'])}")
