@@ -210,10 +210,11 @@ def test_the_bucket_flags_combine_the_fsdp_all_gathers():
 
 @pytest.mark.gpu_aot
 def test_a_plan_that_does_not_fit_names_the_fixes_and_fit_finds_one(tmp_path):
-    """The default model under a 20 MiB limit (train.memory_limit_gb): only full remat fits."""
+    """The default model in bf16 on one H200 under a 40 MiB limit (train.memory_limit_gb):
+    full remat (29 MiB) and 16 micro-batches (26 MiB) fit; remat is estimated faster."""
     result = subprocess.run(
-        [PYTHON, "-m", "paisoar_jax.plan", "--target", "h200", "--fit"]
-        + ["train.memory_limit_gb=0.02", "--output", "plan.json"],
+        [PYTHON, "-m", "paisoar_jax.plan", "--target", "h200", "--devices", "1", "--fit"]
+        + ["precision.policy=bf16", "train.memory_limit_gb=0.04", "--output", "plan.json"],
         cwd=tmp_path,
         env=subprocess_env(),
         capture_output=True,
@@ -225,5 +226,7 @@ def test_a_plan_that_does_not_fit_names_the_fixes_and_fit_finds_one(tmp_path):
     assert "the step does NOT fit" in table and "(train.memory_limit_gb)" in table, table
     assert "    remat.policy=dots  recompute activations" in table, table
     found = json.loads((tmp_path / "plan.json").read_text())["fit"]
+    fitting = {" ".join(row["change"]) for row in found["tried"] if row["fits"]}
+    assert fitting == {"remat.policy=full", "train.grad_accum=16"}, found["tried"]
     assert found["change"] == ["remat.policy=full"], found["tried"]
     assert "smallest change that fits (add to the command line): remat.policy=full" in table

@@ -4,7 +4,7 @@ accumulation, eval with running statistics, resume, the digits run and bad input
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, plan_run, run_module, run_records
+from conftest import TINY_RESNET, build_run, plan_run, run_module, run_modules, run_records
 from flax import nnx
 from PIL import Image
 
@@ -157,21 +157,20 @@ def image_folder(root, classes, files=2, size=20, corrupt=False):
     return root
 
 
-@pytest.mark.parametrize(
-    "case, message",
-    [
-        ("embedded", "model.name=resnet reads images: use images:<dir>, digits or synthetic"),
-        ("vgg_size", "model.image_size=40 does not suit VGG: it must be a multiple of 32"),
-        ("vit_variant", "model.variant='vit_b16' is not a resnet model"),
-        ("token_key", "unknown config key model.vocab_size"),
-        ("no_classes", "has no class subfolders"),
-        ("unreadable", "has no readable .jpg/.jpeg/.png images"),
-        ("too_many_classes", "has 3 classes, more than model.num_classes=2"),
-        ("smoothing", "model.label_smoothing must be in [0, 1), got 1.5"),
-    ],
-)
-def test_bad_image_input_gets_one_line_and_exit_2(case, message, tmp_path):
-    folder = tmp_path / "images"
+BAD_IMAGE_INPUTS = {
+    "embedded": "model.name=resnet reads images: use images:<dir>, digits or synthetic",
+    "vgg_size": "model.image_size=40 does not suit VGG: it must be a multiple of 32",
+    "vit_variant": "model.variant='vit_b16' is not a resnet model",
+    "token_key": "unknown config key model.vocab_size",
+    "no_classes": "has no class subfolders",
+    "unreadable": "has no readable .jpg/.jpeg/.png images",
+    "too_many_classes": "has 3 classes, more than model.num_classes=2",
+    "smoothing": "model.label_smoothing must be in [0, 1), got 1.5",
+}
+
+
+def bad_image_arguments(case, folder):
+    """The overrides of one bad input, with the folder it reads made as the case needs."""
     args = {
         "embedded": ["data.source=embedded"],
         "vgg_size": ["model.name=vgg", "model.variant=vgg11", "model.image_size=40"],
@@ -186,8 +185,25 @@ def test_bad_image_input_gets_one_line_and_exit_2(case, message, tmp_path):
     elif case == "too_many_classes":
         image_folder(folder, ["a", "b", "c"], files=4)
         args.append("model.num_classes=2")
-    # TINY_RESNET's own name comes first, so a later model.name wins.
-    result = run_module("train", *TINY_RESNET, *args, "run.dir=out", cwd=tmp_path, timeout=120)
+    return args
+
+
+@pytest.fixture(scope="module")
+def image_refusals(tmp_path_factory):
+    """Each bad input's run, all started at once: {case: CompletedProcess}."""
+    root = tmp_path_factory.mktemp("image-refusals")
+    commands = [
+        # TINY_RESNET's own name comes first, so a later model.name wins.
+        ("train", *TINY_RESNET, *bad_image_arguments(case, root / f"images-{case}"), "run.dir=out")
+        for case in BAD_IMAGE_INPUTS
+    ]
+    results = run_modules(commands, cwd=root, timeout=180)
+    return dict(zip(BAD_IMAGE_INPUTS, results, strict=True))
+
+
+@pytest.mark.parametrize("case, message", BAD_IMAGE_INPUTS.items())
+def test_bad_image_input_gets_one_line_and_exit_2(image_refusals, case, message):
+    result = image_refusals[case]
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.strip().splitlines() if "warning" not in line]
     assert len(lines) == 1, result.stderr
