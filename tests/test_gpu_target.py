@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import PYTHON, REPO, subprocess_env
+from conftest import PYTHON, REPO, run_module, subprocess_env
 
 from paisoar_jax.tools import gpu_target
 
@@ -212,13 +212,11 @@ def test_the_bucket_flags_combine_the_fsdp_all_gathers():
 def test_a_plan_that_does_not_fit_names_the_fixes_and_fit_finds_one(tmp_path):
     """The default model in bf16 on one H200 under a 40 MiB limit (train.memory_limit_gb):
     full remat (29 MiB) and 16 micro-batches (26 MiB) fit; remat is estimated faster."""
-    result = subprocess.run(
-        [PYTHON, "-m", "paisoar_jax.plan", "--target", "h200", "--devices", "1", "--fit"]
-        + ["precision.policy=bf16", "train.memory_limit_gb=0.04", "--output", "plan.json"],
+    result = run_module(
+        "plan",
+        *["--target", "h200", "--devices", "1", "--fit", "precision.policy=bf16"],
+        *["train.memory_limit_gb=0.04", "--output", "plan.json"],
         cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
