@@ -15,10 +15,15 @@ from paisoar_jax.tools import cli
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     parser = cli.config_parser("paisoar_jax.train", "Train a model as one YAML config says.")
-    # Imported here so that `--help` and config errors answer before jax starts up.
+    return cli.run(_train, parser, argv)
+
+
+def _train(config) -> object:
+    # Imported once the config has loaded: `--help` and a bad key answer in a second, before
+    # the model libraries (several seconds of imports) start up.
     from paisoar_jax.loop import train
 
-    return cli.run(train, parser, argv)
+    return train(config)
 
 
 if __name__ == "__main__":

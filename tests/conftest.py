@@ -6,19 +6,24 @@ import shutil
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compile once per test run: every test and every `python -m paisoar_jax.*` child shares one
 # persistent compilation cache in a folder of this run (removed at its end), so a program
 # that several tests build compiles once. PAISOAR_TEST_CACHE names a folder to keep instead
-# (a developer's warm reruns); the README's timings are cold, without it.
-KEEP_CACHE = "PAISOAR_TEST_CACHE" in os.environ
+# (a developer's warm reruns); the README's timings are cold, without it. A folder already
+# in JAX_COMPILATION_CACHE_DIR is used and kept: a user's own, or the run's folder that
+# pytest-xdist's workers inherit from the process that started them (which removes it).
+KEEP_CACHE = "PAISOAR_TEST_CACHE" in os.environ or "JAX_COMPILATION_CACHE_DIR" in os.environ
 CACHE_DIR = pathlib.Path(
-    os.environ["PAISOAR_TEST_CACHE"] if KEEP_CACHE else tempfile.mkdtemp(prefix="paisoar-cache-")
+    os.environ.get("PAISOAR_TEST_CACHE")
+    or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    or tempfile.mkdtemp(prefix="paisoar-cache-")
 )
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -94,7 +99,7 @@ FAST_TIER_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_exp
 def pytest_configure(config):
     # Before any test touches a device (the backend reads XLA_FLAGS when it starts); the
     # `python -m paisoar_jax.*` children inherit it.
-    if _fast_tier_only(config):
+    if _fast_tier_only(config) and FAST_TIER_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + FAST_TIER_XLA_FLAGS
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import subprocess
 import time
 
@@ -110,10 +111,11 @@ def test_the_command_line_reads_a_run_directory(healthy_run, tmp_path):
 
 @pytest.mark.slow
 def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run):
-    """The healthy run again, its grain pipeline given a last stage of 0.5 s per batch.
+    """The healthy run again, its grain pipeline given a last stage of 3 steps per batch.
 
-    The step takes about 0.2 s, so after the batches made ready during compilation the
-    step waits about 0.3 s for each batch.
+    The stage takes three times the healthy run's median step (about 0.2 s on an idle
+    machine, more when tests run side by side), so after the batches made ready during
+    compilation the step waits about two thirds of its time for each batch.
 
     The stage wraps the pipeline's iterator, so it runs in the thread that feeds the
     devices and only `data.prefetch` batches are ready ahead of the step. A slow
@@ -123,8 +125,11 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     """
     make_batches = tasks.batch_dataset
 
+    records = map(json.loads, (healthy_run / "metrics.jsonl").read_text().splitlines())
+    delay = 3 * statistics.median(record["step_time_s"] for record in records)
+
     def slow_batches(*arguments, **keywords):
-        return SlowBatches(make_batches(*arguments, **keywords))
+        return SlowBatches(make_batches(*arguments, **keywords), delay)
 
     monkeypatch.setattr(tasks, "batch_dataset", slow_batches)
     run_dir = tmp_path / "run"
@@ -139,16 +144,16 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
 
 
 class SlowBatches:
-    """Batches that take 0.5 s each (decoding, augmentation, a slow tokenizer)."""
+    """Batches that take `delay` seconds each (decoding, augmentation, a slow tokenizer)."""
 
-    def __init__(self, batches):
-        self.batches = batches
+    def __init__(self, batches, delay: float):
+        self.batches, self.delay = batches, delay
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        time.sleep(0.5)
+        time.sleep(self.delay)
         return next(self.batches)
 
     def get_state(self):

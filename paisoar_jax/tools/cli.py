@@ -44,9 +44,11 @@ def run(
     absl.flags.FLAGS.mark_as_parsed()
 
     def work() -> object:
-        from paisoar_jax.zoo import check_model  # after argparse: `--help` needs no model
-
         config = load_config(args.config, args.overrides)
+        # Imported once the config has loaded: `--help` and a bad key answer in a second,
+        # before the model libraries (several seconds of imports) start up.
+        from paisoar_jax.zoo import check_model
+
         check_model(config)  # what needs the model's tables, before every rank joins
         # Before main touches a device: a multi-process run must join its peers first.
         distributed.initialize(config.distributed, program=parser.prog)

@@ -1,0 +1,170 @@
+"""A mixture-of-experts feed-forward: a router sends each token to its k best experts.
+
+Routing (`route`). The router's fp32 logits score every expert for every token: a softmax
+over the experts (Mixtral, Qwen3-MoE) or a sigmoid per expert (DeepSeek). Each token takes
+its `experts_per_token` best experts; their weights are the scores, renormalised to sum to 1
+over the chosen when `renormalize` (Mixtral always; Qwen3-MoE's norm_topk_prob).
+
+Capacity (`seats`). An expert takes at most C tokens of each group (a group is one row of the
+batch, so the groups follow the batch's sharding): C = ceil(capacity_factor x T x K / X), or
+C = T when capacity_factor is 0, where no token is ever dropped (a token picks an expert at
+most once). Seats go in order of choice rank, then of position: every token's first choice
+is seated before any second choice (GShard's order). A choice that finds its expert full is
+dropped: it adds nothing, and the token keeps its residual stream and its other choices.
+
+Compute (`MoeFeedForward`). Dispatch and combine are one-hot einsums over B x T x X x C:
+the tokens are gathered into X x B x C x D expert buffers, every expert runs its SwiGLU on
+its buffer as one batched matmul, and the outputs come back weighted by the router. Shared
+experts (DeepSeek) are one more SwiGLU every token goes through, unweighted.
+
+Losses (`balance_loss`, `z_loss`), over every token of the batch: the balance loss is
+Switch's, as Hugging Face's Mixtral computes it for one layer: X x sum over experts of (the
+expert's share of the choices made, before capacity) x (its mean router probability); 1 x K
+when balanced. The z-loss is the mean squared log-sum-exp of the router logits (ST-MoE).
+
+Shape suffixes: B batch rows (groups), T tokens per row, D width, X experts, K experts per
+token, C seats per expert and row, F an expert's MLP width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paisoar_jax.models.layers import param
+from paisoar_jax.precision import Policy, float32_island
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    """What one MoE feed-forward is: its experts, its router and its capacity."""
+
+    experts: int
+    experts_per_token: int = 2
+    mlp_width: int = 0  # each expert's SwiGLU hidden width (0: 4 x the model's width)
+    capacity_factor: float = 0.0  # 0: dropless (C = T)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # the chosen experts' weights sum to 1
+    shared_experts: int = 0  # DeepSeek: this many experts' width of SwiGLU every token takes
+
+    def capacity(self, tokens: int) -> int:
+        """Seats per expert for a group of `tokens` tokens."""
+        if self.capacity_factor <= 0:
+            return tokens
+        wanted = self.capacity_factor * tokens * self.experts_per_token / self.experts
+        return max(1, min(tokens, math.ceil(wanted)))
+
+
+def route(logits_BxTxX: jax.Array, shape: MoeShape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights B x T x K, chosen experts B x T x K, probabilities B x T x X), all fp32.
+
+    The probabilities are what the balance loss averages: the softmax, or the sigmoid
+    scores normalised to sum to 1 per token.
+    """
+    logits = float32_island(logits_BxTxX)
+    if shape.router == "softmax":
+        scores_BxTxX = jax.nn.softmax(logits, axis=-1)
+        probabilities_BxTxX = scores_BxTxX
+    else:
+        scores_BxTxX = jax.nn.sigmoid(logits)
+        probabilities_BxTxX = scores_BxTxX / jnp.sum(scores_BxTxX, axis=-1, keepdims=True)
+    weights_BxTxK, chosen_BxTxK = jax.lax.top_k(scores_BxTxX, shape.experts_per_token)
+    if shape.renormalize:
+        weights_BxTxK = weights_BxTxK / jnp.sum(weights_BxTxK, axis=-1, keepdims=True)
+    return weights_BxTxK, chosen_BxTxK, probabilities_BxTxX
+
+
+def seats(chosen_BxTxK: jax.Array, experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(seat of each choice B x T x K, kept B x T x K): choice rank first, then position."""
+    B, T, K = chosen_BxTxK.shape
+    picks_BxTxKxX = jax.nn.one_hot(chosen_BxTxK, experts, dtype=jnp.int32)
+    # Rank-major order: all first choices of the row, then all second choices, ...
+    ordered_BxKTxX = picks_BxTxKxX.transpose(0, 2, 1, 3).reshape(B, K * T, experts)
+    taken_BxKTxX = jnp.cumsum(ordered_BxKTxX, axis=1) - ordered_BxKTxX  # seats before this one
+    taken_BxTxKxX = taken_BxKTxX.reshape(B, K, T, experts).transpose(0, 2, 1, 3)
+    seat_BxTxK = jnp.sum(taken_BxTxKxX * picks_BxTxKxX, axis=-1)
+    return seat_BxTxK, seat_BxTxK < capacity
+
+
+def balance_loss(chosen_BxTxK: jax.Array, probabilities_BxTxX: jax.Array) -> jax.Array:
+    """Switch's balance loss over every token (HF Mixtral's for one layer): K when balanced."""
+    experts = probabilities_BxTxX.shape[-1]
+    picks_BxTxX = jnp.sum(jax.nn.one_hot(chosen_BxTxK, experts, dtype=jnp.float32), axis=2)
+    share_X = jnp.mean(picks_BxTxX, axis=(0, 1))  # choices per token that went to each expert
+    probability_X = jnp.mean(probabilities_BxTxX, axis=(0, 1))
+    return experts * jnp.sum(share_X * probability_X)
+
+
+def z_loss(logits_BxTxX: jax.Array) -> jax.Array:
+    """The router's z-loss: the mean over tokens of logsumexp(logits) squared."""
+    return jnp.mean(jax.nn.logsumexp(float32_island(logits_BxTxX), axis=-1) ** 2)
+
+
+def swiglu(x_NxD: jax.Array, gate_DxF, up_DxF, down_FxD, subscripts: tuple[str, str]):
+    """down(silu(x gate) * (x up)); `subscripts`: the in and out einsums (batched experts)."""
+    into, out = subscripts
+    hidden = jax.nn.silu(jnp.einsum(into, x_NxD, gate_DxF)) * jnp.einsum(into, x_NxD, up_DxF)
+    return jnp.einsum(out, hidden, down_FxD)
+
+
+class MoeFeedForward(nnx.Module):
+    """The feed-forward of a MoE block: B x T x D in, B x T x D out, and its statistics."""
+
+    def __init__(self, width: int, shape: MoeShape, policy: Policy, init_std: float, rngs):
+        X, D, F = shape.experts, width, shape.mlp_width or 4 * width
+        normal = nnx.initializers.normal(init_std)
+        self.shape, self.policy = shape, policy
+        self.router_kernel = param(rngs, normal, (D, X), ("embed", None))
+        self.gate_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
+        self.up_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
+        self.down_kernel = param(rngs, normal, (X, F, D), ("experts", "mlp", "embed"))
+        if shape.shared_experts:
+            S = shape.shared_experts * F
+            self.shared_gate_kernel = param(rngs, normal, (D, S), ("embed", "mlp"))
+            self.shared_up_kernel = param(rngs, normal, (D, S), ("embed", "mlp"))
+            self.shared_down_kernel = param(rngs, normal, (S, D), ("mlp", "embed"))
+
+    def __call__(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the experts' output, B x T x D in the compute dtype; the layer's statistics)."""
+        cast, shape = self.policy.cast_to_compute, self.shape
+        B, T, _ = h_BxTxD.shape
+        X, C = shape.experts, shape.capacity(T)
+        logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
+        weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape)
+        seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
+        # One-hot over (expert, seat) of each kept choice; a dropped one is all zeros.
+        where_BxTxKxXxC = (
+            jax.nn.one_hot(chosen_BxTxK, X)[..., None] * jax.nn.one_hot(seat_BxTxK, C)[..., None, :]
+        ) * kept_BxTxK[..., None, None]
+        dispatch_BxTxXxC = cast(jnp.sum(where_BxTxKxXxC, axis=2))
+        combine_BxTxXxC = jnp.einsum("btkxc,btk->btxc", where_BxTxKxXxC, weights_BxTxK)
+        inputs_XxBxCxD = jnp.einsum("btxc,btd->xbcd", dispatch_BxTxXxC, cast(h_BxTxD))
+        outputs_XxBxCxD = swiglu(
+            inputs_XxBxCxD,
+            cast(self.gate_kernel[...]),
+            cast(self.up_kernel[...]),
+            cast(self.down_kernel[...]),
+            ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
+        )
+        y_BxTxD = jnp.einsum("btxc,xbcd->btd", cast(combine_BxTxXxC), outputs_XxBxCxD)
+        if shape.shared_experts:
+            y_BxTxD = y_BxTxD + swiglu(
+                cast(h_BxTxD),
+                cast(self.shared_gate_kernel[...]),
+                cast(self.shared_up_kernel[...]),
+                cast(self.shared_down_kernel[...]),
+                ("btd,df->btf", "btf,fd->btd"),
+            )
+        load_X = jnp.sum(dispatch_BxTxXxC.astype(jnp.float32), axis=(0, 1, 3))
+        statistics = {
+            "balance_loss": balance_loss(chosen_BxTxK, probabilities_BxTxX),
+            "z_loss": z_loss(logits_BxTxX),
+            "expert_load": jnp.max(load_X) / jnp.maximum(jnp.mean(load_X), 1e-9),
+            "dropped_fraction": jnp.mean(jnp.logical_not(kept_BxTxK).astype(jnp.float32)),
+        }
+        return y_BxTxD, statistics
