@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from paisoar_jax.config import Config
 from paisoar_jax.tools import cli
 
 
@@ -18,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(_train, parser, argv)
 
 
-def _train(config) -> object:
+def _train(config: Config) -> object:
     # Imported once the config has loaded: `--help` and a bad key answer in a second, before
     # the model libraries (several seconds of imports) start up.
     from paisoar_jax.loop import train

@@ -1,10 +1,11 @@
 """End to end through `python -m paisoar_jax.train`, as a user runs it."""
 
 import json
+import subprocess
 
 import pytest
 import yaml
-from conftest import TINY, run_module, run_modules
+from conftest import PYTHON, TINY, run_module, run_modules, subprocess_env
 
 from paisoar_jax.config import load_config
 
@@ -110,3 +111,24 @@ def test_grain_workers_from_the_command_line(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "done: 3 steps" in result.stdout
+
+
+def test_a_bad_key_is_refused_before_the_model_libraries_load(tmp_path):
+    # A typo answers in a second: no flax, orbax or grain import (several seconds) first.
+    program = (
+        "import sys\n"
+        "from paisoar_jax.train import main\n"
+        "assert main(['train.stepz=1']) == 2\n"
+        "loaded = [name for name in ('flax', 'orbax', 'grain') if name in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    completed = subprocess.run(
+        [PYTHON, "-c", program],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "unknown config key train.stepz" in completed.stderr
