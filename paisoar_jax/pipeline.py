@@ -145,15 +145,22 @@ def check_used(context: _Active | None, model_name: str) -> None:
         )
 
 
-def scan_layers(step: Callable, x, stacked):
-    """`step(x, layer) -> (x, _)` over the leading axis of `stacked`; returns the final x.
+def scan_layers(step: Callable, x, stacked, *, with_outputs: bool = False):
+    """`step(x, layer) -> (x, y)` over the leading axis of `stacked`; returns the final x.
 
     In a pipelined run (mesh.stage > 1) the layers run as a pipeline over the stage axis
-    and x's leading axis is the batch; elsewhere this is `jax.lax.scan`.
+    and x's leading axis is the batch; elsewhere this is `jax.lax.scan`. `with_outputs`:
+    returns (x, every layer's y stacked), which a pipeline cannot give yet.
     """
     context = _ACTIVE.get()
     if context is None:
-        return jax.lax.scan(step, x, stacked)[0]
+        final, outputs = jax.lax.scan(step, x, stacked)
+        return (final, outputs) if with_outputs else final
+    if with_outputs:
+        raise UserError(
+            "a stack whose layers report outputs (a mixture of experts' router statistics) "
+            "does not pipeline yet: set mesh.stage=1 and mesh.dcn_stage=1"
+        )
     context.stacks += 1
     return _pipelined(step, x, stacked, context.pipeline)
 

@@ -56,6 +56,8 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "heads": ("tensor",),
         "kv_heads": ("tensor",),  # grouped-query attention: each tensor shard its kv heads
         "mlp": ("tensor",),
+        "experts": (),  # a mixture of experts' stacked experts: whole on every device, for now
+        "router": (),  # the router's scores of the experts: small, whole everywhere
         "qkv": (),
         "head_dim": (),
         "length": (),

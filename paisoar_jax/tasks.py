@@ -28,7 +28,7 @@ from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.models import resolve_model_config
+from paisoar_jax.models import moe, resolve_model_config
 from paisoar_jax.precision import float32_island, get_policy
 from paisoar_jax.sample import generate
 
@@ -47,6 +47,8 @@ class LanguageModelling:
     def __init__(self, config: Config, model_class: type):
         self.config = config
         self.model_class = model_class  # its static flops_per_token gives MFU
+        if getattr(config.model, "experts", 0):  # a mixture of experts: its router's metrics
+            self.metric_names = moe.METRIC_NAMES
 
     def open_sources(self) -> tuple[Any, Any]:
         """The (train, eval) window sources named by data.source."""
@@ -86,10 +88,18 @@ class LanguageModelling:
         return self.model_class.flops_per_token(self.config.model, param_count)
 
     def loss(self, model, batch, key: jax.Array) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (fp32) over the learned targets; no extra metrics."""
+        """Mean next-token cross-entropy (fp32) over the learned targets, and its metrics.
+
+        A mixture of experts adds its router's weighted balance and z-losses
+        (moe.auxiliary_loss) and reports them, with the experts' load and drops, as metrics.
+        """
         del key  # no randomness (no dropout)
-        losses_BxT, learned_BxT = _token_losses(model, batch)
-        return jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1), {}
+        losses_BxT, learned_BxT, statistics = _token_losses(model, batch)
+        loss = jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1)
+        if not statistics:
+            return loss, {}
+        router_loss = moe.auxiliary_loss(statistics, self.config.model)
+        return loss + router_loss, moe.metrics_of(statistics)
 
     def loss_weight(self, batch) -> jax.Array | None:
         """The learned targets of a masked batch (the step weighs micro-batches by it)."""
@@ -101,7 +111,7 @@ class LanguageModelling:
         The eval step weighs each row by its "weight", so eval_loss is the mean per learned
         token (what perplexity is of), however the targets spread over the rows.
         """
-        losses_BxT, learned_BxT = _token_losses(model, batch)
+        losses_BxT, learned_BxT, _ = _token_losses(model, batch)
         weight_B = learned_BxT.sum(axis=1)
         loss_B = jnp.sum(losses_BxT * learned_BxT, axis=1) / jnp.maximum(weight_B, 1)
         return {"loss": loss_B, "weight": weight_B}
@@ -256,10 +266,12 @@ def _warn_of_skipped_files(*sources) -> None:
             )
 
 
-def _token_losses(model, batch) -> tuple[jax.Array, jax.Array]:
-    """(B, T) fp32 next-token cross-entropies of windows of T + 1 tokens, and their weights.
+def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(B, T) fp32 next-token cross-entropies, their weights, and the router statistics.
 
-    The weights are 1 for a learned target, 0 for one the loss skips (data/documents.py).
+    The windows hold T + 1 tokens. The weights are 1 for a learned target, 0 for one the
+    loss skips (data/documents.py). The statistics are a mixture of experts' ({} for a
+    dense model).
     """
     tokens_BxT1 = batch["tokens"] if isinstance(batch, dict) else batch
     documents = {}
@@ -267,11 +279,12 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array]:
         documents = {"segments_BxT": batch["segments"], "positions_BxT": batch["positions"]}
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.
-    logits_BxTxV = float32_island(model(tokens_BxT1[:, :-1], **documents))
+    logits_BxTxV, statistics = model.logits_and_statistics(tokens_BxT1[:, :-1], **documents)
+    logits_BxTxV = float32_island(logits_BxTxV)
     losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
     if isinstance(batch, dict):
-        return losses_BxT, batch["loss_mask"].astype(jnp.float32)
-    return losses_BxT, jnp.ones_like(losses_BxT)
+        return losses_BxT, batch["loss_mask"].astype(jnp.float32), statistics
+    return losses_BxT, jnp.ones_like(losses_BxT), statistics
 
 
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:

@@ -115,6 +115,15 @@ def test_sections_are_frozen():
         (["train.profile_steps=[0,3]"], "train.profile_steps must be [start, end]"),
         (["train.profile_steps=x"], "expected a list of integers like [10, 20]"),
         (["train.memory_limit_gb=-1"], "train.memory_limit_gb must be a finite number >= 0"),
+        (["model.experts_per_token=1"], "model.experts_per_token is for a mixture of experts"),
+        (["model.experts=1"], "model.experts must be >= 2"),
+        (["model.experts=4", "model.experts_per_token=5"], "is more than the model.experts=4"),
+        (["model.experts=4", "model.moe_every=2"], "set model.scan_layers=false"),
+        (["model.experts=4", "model.moe_every=9"], "no layer would have experts"),
+        (["model.experts=4", "model.router_aux_loss=-1"], "model.router_aux_loss must be a"),
+        (["model.experts=4", "mesh.stage=2"], "model.experts does not pipeline yet"),
+        (["model.experts=4", "precision.policy=fp8"], "does not cover the experts' matmuls"),
+        (["model.experts=4", "model.router=top1"], "'top1' is not one of softmax, sigmoid"),
     ],
 )
 def test_bad_overrides_raise_one_clear_line(overrides, message):

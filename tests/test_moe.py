@@ -134,3 +134,96 @@ def test_the_router_learns_through_the_weights_of_the_kept_choices():
     grads = jax.jit(jax.grad(loss))(params)
     for name in ("router_kernel", "gate_kernel", "up_kernel", "down_kernel"):
         assert float(jnp.abs(grads[name][...]).sum()) > 0, name
+
+
+# The layer in the decoders: config keys, the loss, the metrics, the mesh.
+
+MOE = ["model.experts=4", "model.experts_per_token=2", "model.mlp_width=64"]
+LLAMA = ["model.name=llama", "model.kv_heads=2"]
+
+
+def decoder(overrides):
+    """(config, model, task) of TINY + MOE + overrides, built eagerly on one device."""
+    from conftest import TINY
+
+    from paisoar_jax.config import load_config
+    from paisoar_jax.tasks import LanguageModelling
+    from paisoar_jax.zoo import build_model
+
+    config = load_config(None, [*TINY, *MOE, *overrides])
+    with nnx.use_eager_sharding(False):
+        model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+    return config, model, LanguageModelling(config, type(model))
+
+
+@pytest.mark.parametrize("family", [[], LLAMA], ids=["gpt", "llama"])
+def test_the_loss_adds_the_routers_weighted_losses_and_reports_them(family):
+    weights = ["model.router_aux_loss=0.5", "model.router_z_loss=0.1"]
+    config, model, task = decoder([*family, *weights])
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32)
+    loss, metrics = task.loss(model, tokens, jax.random.key(0))
+    logits, statistics = model.logits_and_statistics(tokens[:, :-1])
+    assert statistics["balance_loss"].shape == (config.model.layers,)  # one per MoE layer
+    log_probabilities = jax.nn.log_softmax(logits, axis=-1)
+    picked = np.take_along_axis(np.asarray(log_probabilities), tokens[:, 1:, None], axis=-1)
+    cross_entropy = -picked.mean()
+    balance, z = np.mean(statistics["balance_loss"]), np.mean(statistics["z_loss"])
+    np.testing.assert_allclose(loss, cross_entropy + 0.5 * balance + 0.1 * z, rtol=1e-5)
+    assert (
+        set(metrics)
+        == set(task.metric_names)
+        == {
+            "moe_balance_loss",
+            "moe_z_loss",
+            "moe_expert_load",
+            "moe_dropped_fraction",
+        }
+    )
+    np.testing.assert_allclose(metrics["moe_balance_loss"], balance, rtol=1e-6)
+    # Dropless: nothing dropped; the busiest expert is at least the mean one.
+    assert metrics["moe_dropped_fraction"] == 0 and metrics["moe_expert_load"] >= 1
+
+
+def test_every_kth_layer_has_experts_and_only_they_report():
+    config, model, _ = decoder(["model.layers=4", "model.moe_every=2", "model.scan_layers=false"])
+    assert [block.moe is not None for block in model.blocks] == [False, True, False, True]
+    assert hasattr(model.blocks[0], "mlp_in_kernel") and not hasattr(
+        model.blocks[1], "mlp_in_kernel"
+    )
+    tokens = np.zeros((2, 32), np.int32)
+    _, statistics = model.logits_and_statistics(tokens)
+    assert statistics["z_loss"].shape == (2,)
+
+
+def test_flops_count_the_active_parameters():
+    """6 x N per token counts the experts a token uses (K of X), not every expert."""
+    config, model, task = decoder(["model.expert_mlp_width=48"])
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    expert_parameters = config.model.layers * 4 * 3 * 64 * 48  # layers x X x (gate, up, down)
+    attention = 12 * config.model.layers * config.model.width * config.model.seq_len
+    active = total - expert_parameters // 2  # 2 of the 4 experts
+    assert task.flops_per_unit(total) == 6 * active + attention
+
+
+def test_a_sharded_moe_step_matches_one_device(devices):
+    """data x fsdp x tensor against one device, with a capacity that drops choices."""
+    from conftest import assert_steps_match, build_run, token_batches
+
+    def losses(mesh, devices):
+        overrides = [*MOE, *LLAMA, "model.expert_capacity_factor=1.0", *mesh]
+        _, _, _, state, train_step = build_run(overrides, devices)
+        initial, values, dropped = jax.device_get(state.params), [], []
+        for batch in token_batches(2):
+            state, metrics = train_step(state, batch)
+            values.append(float(metrics["loss"]))
+            dropped.append(float(metrics["moe_dropped_fraction"]))
+        return values, dropped, (initial, jax.device_get(state.params))
+
+    single, single_dropped, single_state = losses(["mesh.data=1"], devices[:1])
+    sharded, sharded_dropped, sharded_state = losses(
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], devices
+    )
+    np.testing.assert_allclose(sharded, single, rtol=1e-5)
+    np.testing.assert_allclose(sharded_dropped, single_dropped, atol=1e-7)
+    assert max(single_dropped) > 0  # the capacity did drop some choices
+    assert_steps_match(sharded_state, single_state)

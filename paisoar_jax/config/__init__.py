@@ -1,8 +1,9 @@
 """Run configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
 
-sections.py holds the dataclasses and their checks; loading.py reads YAML files and
-`section.key=value` overrides into them and writes the resolved config back. Everything a
-caller needs is importable from here (`from paisoar_jax.config import Config, load_config`).
+sections.py holds the dataclasses and their checks (models.py those of the `model` section,
+checks.py the checks they share); loading.py reads YAML files and `section.key=value`
+overrides into them and writes the resolved config back. Everything a caller needs is
+importable from here (`from paisoar_jax.config import Config, load_config`).
 The package imports nothing of paisoar_jax but `errors`, so every other module may use it.
 """
 
@@ -14,15 +15,18 @@ from paisoar_jax.config.loading import (
     resolve_config_path,
     to_dict,
 )
-from paisoar_jax.config.sections import (
+from paisoar_jax.config.models import (
     MODEL_CONFIGS,
+    CustomModelConfig,
+    LanguageModelConfig,
+    VisionConfig,
+)
+from paisoar_jax.config.sections import (
     AxisEntry,
     CheckpointConfig,
     Config,
-    CustomModelConfig,
     DataConfig,
     DistributedConfig,
-    LanguageModelConfig,
     MeshConfig,
     OptimConfig,
     PrecisionConfig,
@@ -30,7 +34,6 @@ from paisoar_jax.config.sections import (
     RunConfig,
     ShardingConfig,
     TrainConfig,
-    VisionConfig,
     check_stage_groups,
 )
 

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from paisoar_jax.config.sections import MODEL_CONFIGS, Config
+from paisoar_jax.config.models import MODEL_CONFIGS
+from paisoar_jax.config.sections import Config
 from paisoar_jax.errors import UserError
 
 # The shipped recipes: paisoar_jax/configs inside an installed wheel, configs/ beside the

@@ -12,35 +12,16 @@ from __future__ import annotations
 
 import math
 import pathlib
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from paisoar_jax.config.checks import check_at_least, check_finite_non_negative, check_regex
+from paisoar_jax.config.models import (
+    CustomModelConfig,
+    LanguageModelConfig,
+    VisionConfig,
+)
 from paisoar_jax.errors import UserError
-
-
-def _check_at_least(section: str, owner: object, minimums: dict[str, int]) -> None:
-    """Each named count of `owner` must be at least its minimum."""
-    for key, minimum in minimums.items():
-        value = getattr(owner, key)
-        if value < minimum:
-            raise UserError(f"{section}.{key} must be >= {minimum}, got {value}")
-
-
-def _check_finite_non_negative(section: str, owner: object, keys: tuple[str, ...]) -> None:
-    """Each named number of `owner` must be finite and >= 0."""
-    for key in keys:
-        value = getattr(owner, key)
-        if not math.isfinite(value) or value < 0:
-            raise UserError(f"{section}.{key} must be a finite number >= 0, got {value}")
-
-
-def _check_regex(pattern: str, key: str) -> None:
-    """A regex of a config key must compile."""
-    try:
-        re.compile(pattern)
-    except re.error as error:
-        raise UserError(f"{key}: {pattern!r} is not a valid regex ({error})") from None
 
 
 @dataclass(frozen=True)
@@ -101,153 +82,6 @@ class MeshConfig:
         return f"mesh.stage={self.stage} x mesh.dcn_stage={self.dcn_stage}"
 
 
-# The keys of the model section that only model.name=llama reads.
-LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
-LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length")
-
-
-@dataclass(frozen=True)
-class LanguageModelConfig:
-    """A decoder language model and its shape: model.name gpt (the default) or llama.
-
-    gpt: GPT-2's pre-LayerNorm blocks with biases and a GELU MLP. llama: RMSNorm, a SwiGLU
-    MLP, rotary positions and grouped-query attention (kv_heads), no biases.
-    """
-
-    name: Literal["gpt", "llama"] = "gpt"
-    vocab_size: int = 256  # the embedded corpus is read byte-level
-    seq_len: int = 128  # the training window, in tokens
-    # Positions the model holds (0: seq_len): the learned table's rows, the export's
-    # n_positions / max_position_embeddings, the longest generation; at least seq_len.
-    max_positions: int = 0
-    layers: int = 4
-    width: int = 128
-    heads: int = 4
-    mlp_width: int = 0  # MLP hidden width; 0 means 4 * width
-    position: Literal["learned", "rotary"] = "learned"  # gpt's choice; llama's is rotary
-    tie_embeddings: bool = True
-    scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
-    attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
-    # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
-    # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
-    fp32_logits: bool = True
-    init_std: float = 0.02
-    norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
-    rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
-    # llama only: key/value heads of grouped-query attention (0: as many as heads), and the
-    # Llama-3 rope scaling of long contexts with its four numbers (as in HF's config.json).
-    kv_heads: int = 0
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_length: int = 8192
-
-    def __post_init__(self):
-        if self.name == "llama":  # its positions are always rotary: config.yaml says so
-            object.__setattr__(self, "position", "rotary")
-        else:
-            self._refuse_llama_keys()
-        positive = {key: 1 for key in ("vocab_size", "seq_len", "layers", "width", "heads")}
-        _check_at_least("model", self, positive)
-        if self.mlp_width < 0:
-            raise UserError(
-                f"model.mlp_width must be >= 0 (0 means 4 * width), got {self.mlp_width}"
-            )
-        if self.width % self.heads:
-            raise UserError(
-                f"model.width={self.width} is not divisible by model.heads={self.heads}"
-            )
-        if self.position == "rotary" and (self.width // self.heads) % 2:
-            raise UserError("model.position=rotary needs an even head width (width / heads)")
-        _check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
-        _check_at_least("model", self, {"max_positions": 0})
-        if self.max_positions and self.seq_len > self.max_positions:
-            raise UserError(
-                f"model.seq_len={self.seq_len} is longer than the model's "
-                f"model.max_positions={self.max_positions} positions"
-            )
-        if self.heads % self.key_value_heads:
-            raise UserError(
-                f"model.heads={self.heads} is not divisible by model.kv_heads={self.kv_heads}"
-            )
-        for key in ("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value > 0):
-                raise UserError(f"model.{key} must be a finite number > 0, got {value}")
-        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise UserError(
-                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be above "
-                f"model.rope_low_freq_factor={self.rope_low_freq_factor}"
-            )
-
-    @property
-    def positions(self) -> int:
-        """The positions the model holds: max_positions, or seq_len when it is 0."""
-        return self.max_positions or self.seq_len
-
-    @property
-    def key_value_heads(self) -> int:
-        """The key/value heads: kv_heads, or heads when it is 0 (no grouping)."""
-        return self.kv_heads or self.heads
-
-    def _refuse_llama_keys(self) -> None:
-        """Keys only llama reads, set on another model: they would silently do nothing."""
-        defaults = LanguageModelConfig(name="llama")
-        for key in LLAMA_KEYS:
-            if getattr(self, key) != getattr(defaults, key):
-                raise UserError(f"model.{key} is for model.name=llama, not {self.name}")
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """An image classifier (model.name resnet, vgg or vit); a 0 shape field takes the variant's.
-
-    The variants and their shapes are listed in paisoar_jax/models/layers.py (VARIANTS).
-    """
-
-    name: str = ""  # registry name: resnet, vgg or vit (empty: the variant's family)
-    variant: str = ""  # resnet18/34/50/101/152, vgg11/13/16/19, vit_b16, vit_tiny; empty: default
-    num_classes: int = 1000
-    image_size: int = 224  # square input images, image_size x image_size pixels
-    channels: int = 3  # input channels (1 for grayscale)
-    width: int = 0  # ResNet/VGG: first-stage channels (64); ViT: embedding width
-    depth: int = 0  # ResNet/VGG: layer count of the name (18, 50, 16...); ViT: blocks
-    heads: int = 0  # ViT attention heads
-    mlp_width: int = 0  # ViT: MLP hidden width; VGG: classifier hidden width (4096)
-    patch: int = 0  # ViT patch size in pixels
-    batch_norm: bool = False  # VGG only: BatchNorm after every conv (ResNet always has it)
-    # ViT only: the blocks stacked on a `layers` axis and scanned (what mesh.stage > 1 needs)
-    scan_layers: bool = False
-    zero_init_residual: bool = True  # ResNet: last BatchNorm scale of each block starts at 0
-    init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
-    label_smoothing: float = 0.0  # share of the target spread evenly over all classes
-
-    def __post_init__(self):
-        if self.num_classes < 2:
-            raise UserError(f"model.num_classes must be >= 2, got {self.num_classes}")
-        if not 0 <= self.label_smoothing < 1:
-            raise UserError(f"model.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-
-
-@dataclass(frozen=True)
-class CustomModelConfig:
-    """A model of the user's own, given to `paisoar_jax.fit(model=...)`: it has no zoo keys."""
-
-    name: str = "custom"
-    factory: str = ""  # written by fit: the model factory's qualified name (for config.yaml)
-
-
-# model.name -> the dataclass of the `model` section: each family has its own keys.
-MODEL_CONFIGS: dict[str, type] = {
-    "gpt": LanguageModelConfig,
-    "llama": LanguageModelConfig,
-    "resnet": VisionConfig,
-    "vgg": VisionConfig,
-    "vit": VisionConfig,
-    "custom": CustomModelConfig,
-}
-
 # One mesh-axis entry of a sharding rule: a mesh axis (data, fsdp, tensor), a logical name
 # of the rules table (embed, mlp, heads, vocab, ...), several mesh axes, or None (whole).
 AxisEntry = str | tuple[str, ...] | None
@@ -272,7 +106,7 @@ class ShardingConfig:
 
     def __post_init__(self):
         for pattern, _ in self.rules:
-            _check_regex(pattern, "sharding.rules")
+            check_regex(pattern, "sharding.rules")
         if self.min_split_size < 1:
             raise UserError(f"sharding.min_split_size must be >= 1, got {self.min_split_size}")
 
@@ -307,7 +141,7 @@ class DataConfig:
     on_change: Literal["refuse", "restart"] = "refuse"
 
     def __post_init__(self):
-        _check_at_least("data", self, {"prefetch": 1, "workers": 0})
+        check_at_least("data", self, {"prefetch": 1, "workers": 0})
         if not 0 <= self.eval_fraction < 1:
             raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not 0 < self.min_crop_scale <= 1:
@@ -349,9 +183,9 @@ class OptimConfig:
             raise UserError(f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch >= 1")
         if not self.lr > 0:
             raise UserError(f"optim.lr must be > 0, got {self.lr}")
-        _check_at_least("optim", self, {"warmup_steps": 0})
+        check_at_least("optim", self, {"warmup_steps": 0})
         numbers = ("clip_norm", "weight_decay", "final_lr_fraction", "lr")
-        _check_finite_non_negative("optim", self, numbers)
+        check_finite_non_negative("optim", self, numbers)
 
 
 @dataclass(frozen=True)
@@ -407,7 +241,7 @@ class RematConfig:
 
     def __post_init__(self):
         for pattern in self.blocks:
-            _check_regex(pattern, "remat.blocks")
+            check_regex(pattern, "remat.blocks")
         if self.blocks and self.policy == "none":
             raise UserError(
                 "remat.blocks names blocks, but remat.policy=none checkpoints nothing: set "
@@ -429,7 +263,7 @@ class CheckpointConfig:
     init_from: str = ""  # start from exported params (a params export or checkpoint step dir)
 
     def __post_init__(self):
-        _check_at_least("checkpoint", self, {"every": 0, "keep": 1, "keep_period": 0})
+        check_at_least("checkpoint", self, {"every": 0, "keep": 1, "keep_period": 0})
         if self.resume not in ("auto", "never") and not self.resume.isdigit():
             raise UserError(
                 f"checkpoint.resume must be auto, never or a step number, got {self.resume!r}"
@@ -470,8 +304,8 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = {key: 1 for key in ("steps", "global_batch", "grad_accum", "log_every")}
-        _check_at_least("train", self, positive)
-        _check_at_least("train", self, {"pipeline_microbatches": 0, "pipeline_repeats": 1})
+        check_at_least("train", self, positive)
+        check_at_least("train", self, {"pipeline_microbatches": 0, "pipeline_repeats": 1})
         if self.global_batch % self.grad_accum:
             raise UserError(
                 f"train.global_batch={self.global_batch} is not divisible by "
@@ -483,8 +317,8 @@ class TrainConfig:
                 f"train.profile_steps={list(profile)} ends after the last step "
                 f"(train.steps={self.steps})"
             )
-        _check_at_least("train", self, {"eval_every": 0, "eval_batches": 0, "sample_bytes": 0})
-        _check_finite_non_negative("train", self, ("memory_limit_gb", "peak_tflops"))
+        check_at_least("train", self, {"eval_every": 0, "eval_batches": 0, "sample_bytes": 0})
+        check_finite_non_negative("train", self, ("memory_limit_gb", "peak_tflops"))
         if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
             raise UserError(
                 "train.profile_steps must be [start, end] with 1 <= start <= end, "
@@ -548,6 +382,22 @@ class Config:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
         self._check_pipeline()
         self._check_grad_comm()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """A mixture of experts (model.experts > 0) against the pipeline and the precision."""
+        if not isinstance(self.model, LanguageModelConfig) or self.model.experts == 0:
+            return
+        if self.mesh.stages > 1:
+            raise UserError(
+                f"model.experts does not pipeline yet ({self.mesh.describe_stages()}): the "
+                "router statistics leave the stack per layer; set mesh.stage=1"
+            )
+        if self.precision.policy == "fp8":
+            raise UserError(
+                "precision.policy=fp8 does not cover the experts' matmuls yet: use bf16 with "
+                "model.experts"
+            )
 
     def _check_grad_comm(self) -> None:
         """mesh.grad_comm against the pipeline and the precision (grad_comm.py)."""

@@ -24,6 +24,7 @@ from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, param
+from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
 from paisoar_jax.pipeline import scan_layers
 from paisoar_jax.platform import compile_platform, is_target_compile
 from paisoar_jax.precision import Policy, float32_island, matmul_fp32_out
@@ -159,16 +160,20 @@ def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
 class DecoderBlock(nnx.Module):
     """What a GPT and a Llama block share: attention, plain or over a key/value cache.
 
-    Each block supplies its own projections (`_queries_keys_values`) and what follows the
-    attention (`_after_attention`).
+    Each block supplies its own projections (`_queries_keys_values`), what follows the
+    attention (`_after_attention`) and its dense MLP (`_mlp`); a block with experts
+    (`self.moe`, models/moe.py) runs them in the MLP's place.
     """
+
+    moe: MoeFeedForward | None = None
 
     def __call__(
         self, x_BxTxD: jax.Array, rotary: tuple | None, segments_BxT: jax.Array | None = None
-    ) -> jax.Array:
-        """Applies the block; `rotary` holds (sin, cos) tables or None for learned positions.
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the block's output, its router statistics: {} without experts).
 
-        `segments_BxT`: packed documents, each attending only within itself.
+        `rotary` holds (sin, cos) tables or None for learned positions; `segments_BxT`:
+        packed documents, each attending only within itself.
         """
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
@@ -181,19 +186,38 @@ class DecoderBlock(nnx.Module):
         """The block at positions index.., attending over the cache (models/decoding.py)."""
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index)
-        return self._after_attention(x_BxTxD, attention_BxTxHxE), cache
+        return self._after_attention(x_BxTxD, attention_BxTxHxE)[0], cache
+
+    def _feed_forward(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The dense MLP of the normed stream, or the experts with their statistics."""
+        if self.moe is not None:
+            return self.moe(h_BxTxD)
+        return self._mlp(h_BxTxD), {}
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         raise NotImplementedError
 
-    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
+        raise NotImplementedError
+
+    def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
         raise NotImplementedError
 
 
-class Block(DecoderBlock):
-    """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+def experts_of(config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
+    """Block `layer`'s experts (models/moe.py), or None where it has a dense MLP."""
+    if not config.is_moe_layer(layer):
+        return None
+    return MoeFeedForward(config.width, shape_of(config), policy, config.init_std, rngs)
 
-    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
+
+class Block(DecoderBlock):
+    """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x)).
+
+    With experts (model.experts), SwiGLU experts take the GELU MLP's place.
+    """
+
+    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, F = config.width, config.heads, mlp_width(config)
         E = D // H
         normal = nnx.initializers.normal(config.init_std)
@@ -208,10 +232,12 @@ class Block(DecoderBlock):
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
         self.out_bias = param(rngs, zeros, (D,), ("embed",))
         self.mlp_norm = _layer_norm(D, config.norm_eps, rngs)
-        self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
-        self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
-        self.mlp_out_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
-        self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
+        self.moe = experts_of(config, policy, rngs, layer)
+        if self.moe is None:
+            self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+            self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
+            self.mlp_out_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
+            self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
         # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
         self.fp8 = fp8.block_dots(policy)
 
@@ -230,22 +256,25 @@ class Block(DecoderBlock):
             k_BxTxHxE = apply_rotary(k_BxTxHxE, *rotary)
         return q_BxTxHxE, k_BxTxHxE, v_BxTxHxE
 
-    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
         cast = self.policy.cast_to_compute
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
         x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
+        out_BxTxD, statistics = self._feed_forward(cast(self.mlp_norm(x_BxTxD)))
+        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed")), statistics
 
-        h_BxTxD = cast(self.mlp_norm(x_BxTxD))
+    def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
+        cast = self.policy.cast_to_compute
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         hidden_BxTxF = matmul("btd,df->btf", h_BxTxD, self.mlp_in_kernel[...], "mlp_in")
         hidden_BxTxF = hidden_BxTxF + cast(self.mlp_in_bias[...])
         hidden_BxTxF = constrain(jax.nn.gelu(hidden_BxTxF), ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
         out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.mlp_out_kernel[...], "mlp_out")
-        out_BxTxD = out_BxTxD + cast(self.mlp_out_bias[...])
-        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+        return out_BxTxD + cast(self.mlp_out_bias[...])
 
 
 class Decoder(nnx.Module):
@@ -266,19 +295,35 @@ class Decoder(nnx.Module):
         Packed documents (data/documents.py): token t is of document `segments_BxT[:, t]`
         and attends within it alone, at position `positions_BxT[:, t]` of it.
         """
+        return self.logits_and_statistics(tokens_BxT, segments_BxT, positions_BxT)[0]
+
+    def logits_and_statistics(
+        self,
+        tokens_BxT: jax.Array,
+        segments_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the logits, the router statistics of the MoE layers: {} for a dense model).
+
+        Each statistic has a leading axis of the MoE layers (models/moe.py says what they
+        are); the loss adds the router's losses from them (moe.auxiliary_loss).
+        """
         if segments_BxT is None:
             x_BxTxD, rotary = self._embed(tokens_BxT, 0)
-            x_BxTxD = run_blocks(self.blocks, x_BxTxD, rotary, self.remat_policy, self.config)
+            x_BxTxD, statistics = run_blocks(
+                self.blocks, x_BxTxD, rotary, self.remat_policy, self.config
+            )
         else:
             x_BxTxD, _ = self._embed(tokens_BxT, 0, positions_BxT)
             rows = PackedRows(x_BxTxD, segments_BxT, positions_BxT)
             # Each block makes its rotary tables from the rows' positions (a function, not
             # tables, crosses into the scan: per-row tables would ride in every layer's carry).
-            rows = run_blocks(
+            rows, statistics = run_blocks(
                 self.blocks, rows, self.rotary_function(), self.remat_policy, self.config
             )
             x_BxTxD = rows.stream
-        return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
+        logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
+        return logits, statistics
 
     def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array) -> tuple:
         """(logits, cache) for tokens at positions index.. with the cache of those before."""
@@ -300,9 +345,11 @@ class Decoder(nnx.Module):
     def flops_per_token(config: LanguageModelConfig, param_count: int) -> float:
         """Training FLOPs per token: 6 N for the matmuls plus 12 L D T for attention.
 
-        Grouped kv heads change the parameter count, not the attention's FLOPs.
+        Grouped kv heads change the parameter count, not the attention's FLOPs. N counts
+        the active parameters: a mixture of experts leaves out the experts a token skips.
         """
-        return 6 * param_count + 12 * config.layers * config.width * config.seq_len
+        active = param_count - inactive_parameters(config)
+        return 6 * active + 12 * config.layers * config.width * config.seq_len
 
 
 class GPT(Decoder):
@@ -322,7 +369,10 @@ class GPT(Decoder):
             table = (config.positions, D)  # every position the model holds, not the window
             self.position_embedding = param(rngs, normal, table, ("length", "embed"))
         self.blocks = build_blocks(
-            lambda rngs: Block(config, policy, rngs), config.layers, config.scan_layers, rngs
+            lambda rngs, layer: Block(config, policy, rngs, layer),
+            config.layers,
+            config.scan_layers,
+            rngs,
         )
         self.final_norm = _layer_norm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:
@@ -374,18 +424,27 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
 
 
 def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, config):
-    """The stream (or PackedRows) through every block: one scanned block, or each in turn."""
+    """(the stream or PackedRows through every block, the MoE layers' router statistics).
+
+    One scanned block, or each in turn; the statistics are stacked over the MoE layers
+    ({} for a dense model).
+    """
     scanned = config.scan_layers
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
-        step = functools.partial(_block_step, graphdef, rotary)
-        # A plain scan, or the pipeline of a run with mesh.stage > 1 (pipeline.py).
-        return scan_layers(wrap_block_call(step, remat_policy, scanned), x_BxTxD, stacked_state)
+        step = wrap_block_call(functools.partial(_block_step, graphdef, rotary), remat_policy, True)
+        if config.experts == 0:  # a plain scan, or the pipeline of mesh.stage > 1 (pipeline.py)
+            return scan_layers(step, x_BxTxD, stacked_state), {}
+        return scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
+    per_layer = []
     for block in blocks:
         graphdef, block_state = nnx.split(block)
         step = functools.partial(_block_step, graphdef, rotary)
-        x_BxTxD, _ = wrap_block_call(step, remat_policy, scanned)(x_BxTxD, block_state)
-    return x_BxTxD
+        x_BxTxD, statistics = wrap_block_call(step, remat_policy, scanned)(x_BxTxD, block_state)
+        per_layer += [statistics] if statistics else []
+    if not per_layer:
+        return x_BxTxD, {}
+    return x_BxTxD, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
 
 
 class PackedRows(NamedTuple):
@@ -410,6 +469,7 @@ def _block_step(graphdef, rotary, x, block_state):
     # Back to the stream's dtype: a block forced to another policy stays a drop-in.
     if isinstance(x, PackedRows):
         tables = None if rotary is None else rotary(x.positions)
-        out_BxTxD = block(x.stream, tables, x.segments)
-        return x._replace(stream=out_BxTxD.astype(x.stream.dtype)), None
-    return block(x, rotary).astype(x.dtype), None
+        out_BxTxD, statistics = block(x.stream, tables, x.segments)
+        return x._replace(stream=out_BxTxD.astype(x.stream.dtype)), statistics
+    out_BxTxD, statistics = block(x, rotary)
+    return out_BxTxD.astype(x.dtype), statistics

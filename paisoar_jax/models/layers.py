@@ -104,18 +104,18 @@ def param(rngs: nnx.Rngs, initializer, shape: tuple[int, ...], names: tuple) -> 
 
 
 def build_blocks(create_block, count: int, scanned: bool, rngs: nnx.Rngs):
-    """`count` blocks: stacked on a leading `layers` axis for scan, or a list.
+    """`count` blocks from `create_block(rngs, layer)`: stacked for scan, or a list.
 
     The stacked axis carries the logical name `layers`, which a pipelined mesh splits over
-    its stages (sharding.py).
+    its stages (sharding.py). A stack holds identical blocks: each is created as layer 0.
     """
     if not scanned:
-        return nnx.List([create_block(rngs) for _ in range(count)])
+        return nnx.List([create_block(rngs, layer) for layer in range(count)])
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(block_rngs: nnx.Rngs):
-        return create_block(block_rngs)
+        return create_block(block_rngs, 0)
 
     return create(rngs)
 

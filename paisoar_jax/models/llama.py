@@ -26,6 +26,7 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.gpt import (
     Decoder,
     DecoderBlock,
+    experts_of,
     mlp_width,
     resolve_attention,
 )
@@ -87,9 +88,12 @@ def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> ja
 
 
 class Block(DecoderBlock):
-    """x + attention(rmsnorm(x)), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x)."""
+    """x + attention(rmsnorm(x)), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x).
 
-    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs):
+    With experts (model.experts: Mixtral, Qwen3-MoE), they take the SwiGLU MLP's place.
+    """
+
+    def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)
         E = D // H
         normal = nnx.initializers.normal(config.init_std)
@@ -102,9 +106,11 @@ class Block(DecoderBlock):
         self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
         self.mlp_norm = RMSNorm(D, config.norm_eps, rngs)
-        self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
-        self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
-        self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
+        self.moe = experts_of(config, policy, rngs, layer)
+        if self.moe is None:
+            self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+            self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+            self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
         self.fp8 = fp8.block_dots(policy, MATMULS)
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
@@ -116,20 +122,22 @@ class Block(DecoderBlock):
         v_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.v_kernel[...], "v"), heads)
         return rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary), v_BxTxKxE
 
-    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> jax.Array:
-        cast = self.policy.cast_to_compute
+    def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
         x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+        h_BxTxD = self.policy.cast_to_compute(self.mlp_norm(x_BxTxD))
+        out_BxTxD, statistics = self._feed_forward(h_BxTxD)
+        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed")), statistics
 
-        h_BxTxD = cast(self.mlp_norm(x_BxTxD))
+    def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
+        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         gate_BxTxF = matmul("btd,df->btf", h_BxTxD, self.gate_kernel[...], "gate")
         up_BxTxF = matmul("btd,df->btf", h_BxTxD, self.up_kernel[...], "up")
         hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
-        out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.down_kernel[...], "down")
-        return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
+        return matmul("btf,fd->btd", hidden_BxTxF, self.down_kernel[...], "down")
 
 
 class Llama(Decoder):
@@ -144,7 +152,10 @@ class Llama(Decoder):
         D, V = config.width, config.vocab_size
         self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
         self.blocks = build_blocks(
-            lambda rngs: Block(config, policy, rngs), config.layers, config.scan_layers, rngs
+            lambda rngs, layer: Block(config, policy, rngs, layer),
+            config.layers,
+            config.scan_layers,
+            rngs,
         )
         self.final_norm = RMSNorm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:

@@ -12,10 +12,14 @@ most once). Seats go in order of choice rank, then of position: every token's fi
 is seated before any second choice (GShard's order). A choice that finds its expert full is
 dropped: it adds nothing, and the token keeps its residual stream and its other choices.
 
-Compute (`MoeFeedForward`). Dispatch and combine are one-hot einsums over B x T x X x C:
-the tokens are gathered into X x B x C x D expert buffers, every expert runs its SwiGLU on
-its buffer as one batched matmul, and the outputs come back weighted by the router. Shared
-experts (DeepSeek) are one more SwiGLU every token goes through, unweighted.
+Compute (`MoeFeedForward`). Each kept choice has a slot, expert x C + seat, in its row's
+buffers: the tokens are scattered into X x B x C x D expert buffers (memory linear in the
+tokens, no one-hot over tokens and seats), every expert runs its SwiGLU on its buffer as
+one batched matmul, and each token gathers its choices' outputs back, weighted by the
+router. Dropless (C = T) therefore computes X / K times the tokens' work: fine on CPU and
+for few experts; a grouped matmul (`jax.lax.ragged_dot`) that computes only the tokens
+routed is the GPU path still owed. Shared experts (DeepSeek) are one more SwiGLU every
+token goes through, unweighted.
 
 Losses (`balance_loss`, `z_loss`), over every token of the batch: the balance loss is
 Switch's, as Hugging Face's Mixtral computes it for one layer: X x sum over experts of (the
@@ -58,6 +62,61 @@ class MoeShape:
             return tokens
         wanted = self.capacity_factor * tokens * self.experts_per_token / self.experts
         return max(1, min(tokens, math.ceil(wanted)))
+
+
+def shape_of(config) -> MoeShape:
+    """The MoE feed-forward a LanguageModelConfig with model.experts > 0 describes."""
+    return MoeShape(
+        experts=config.experts,
+        experts_per_token=config.experts_per_token,
+        mlp_width=config.expert_mlp_width or config.mlp_width,
+        capacity_factor=config.expert_capacity_factor,
+        router=config.router,
+        renormalize=config.router_renormalize,
+        shared_experts=config.shared_experts,
+    )
+
+
+def inactive_parameters(config) -> int:
+    """The expert weights a token does not use: (experts - experts_per_token) per MoE layer.
+
+    6 x (all parameters - these) per token is what a MoE model's MFU counts (its active
+    parameters), as MaxText and Megatron count it.
+    """
+    if not config.experts:
+        return 0
+    shape = shape_of(config)
+    expert_parameters = 3 * config.width * (shape.mlp_width or 4 * config.width)
+    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.layers))
+    return moe_layers * (config.experts - config.experts_per_token) * expert_parameters
+
+
+def auxiliary_loss(statistics: dict[str, jax.Array], config) -> jax.Array:
+    """What the router adds to the loss: each loss's weight x its mean over the MoE layers.
+
+    `statistics`: per layer (a leading axis of the MoE layers), as the decoder returns them.
+    """
+    return config.router_aux_loss * jnp.mean(
+        statistics["balance_loss"]
+    ) + config.router_z_loss * jnp.mean(statistics["z_loss"])
+
+
+# The metrics.jsonl fields of a mixture of experts, each a summary over its MoE layers.
+METRIC_NAMES = ("moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction")
+
+
+def metrics_of(statistics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The layers' statistics as metrics: the losses' means, the worst load, the mean drop.
+
+    moe_expert_load is the busiest expert's tokens over the mean expert's, in the worst
+    layer (1 is even); moe_dropped_fraction the share of choices capacity dropped.
+    """
+    return {
+        "moe_balance_loss": jnp.mean(statistics["balance_loss"]),
+        "moe_z_loss": jnp.mean(statistics["z_loss"]),
+        "moe_expert_load": jnp.max(statistics["expert_load"]),
+        "moe_dropped_fraction": jnp.mean(statistics["dropped_fraction"]),
+    }
 
 
 def route(logits_BxTxX: jax.Array, shape: MoeShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -119,7 +178,7 @@ class MoeFeedForward(nnx.Module):
         X, D, F = shape.experts, width, shape.mlp_width or 4 * width
         normal = nnx.initializers.normal(init_std)
         self.shape, self.policy = shape, policy
-        self.router_kernel = param(rngs, normal, (D, X), ("embed", None))
+        self.router_kernel = param(rngs, normal, (D, X), ("embed", "router"))
         self.gate_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.up_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.down_kernel = param(rngs, normal, (X, F, D), ("experts", "mlp", "embed"))
@@ -132,18 +191,16 @@ class MoeFeedForward(nnx.Module):
     def __call__(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(the experts' output, B x T x D in the compute dtype; the layer's statistics)."""
         cast, shape = self.policy.cast_to_compute, self.shape
-        B, T, _ = h_BxTxD.shape
+        B, T, D = h_BxTxD.shape
         X, C = shape.experts, shape.capacity(T)
         logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
         weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape)
         seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
-        # One-hot over (expert, seat) of each kept choice; a dropped one is all zeros.
-        where_BxTxKxXxC = (
-            jax.nn.one_hot(chosen_BxTxK, X)[..., None] * jax.nn.one_hot(seat_BxTxK, C)[..., None, :]
-        ) * kept_BxTxK[..., None, None]
-        dispatch_BxTxXxC = cast(jnp.sum(where_BxTxKxXxC, axis=2))
-        combine_BxTxXxC = jnp.einsum("btkxc,btk->btxc", where_BxTxKxXxC, weights_BxTxK)
-        inputs_XxBxCxD = jnp.einsum("btxc,btd->xbcd", dispatch_BxTxXxC, cast(h_BxTxD))
+        # Each kept choice's slot in its row's X x C buffer; a dropped one goes to slot X C,
+        # a spill row past the buffers that no expert reads and that gives back zeros.
+        slot_BxTxK = jnp.where(kept_BxTxK, chosen_BxTxK * C + seat_BxTxK, X * C)
+        inputs_BxSxD = jax.vmap(_dispatch, in_axes=(0, 0, None))(cast(h_BxTxD), slot_BxTxK, X * C)
+        inputs_XxBxCxD = inputs_BxSxD[:, : X * C].reshape(B, X, C, D).swapaxes(0, 1)
         outputs_XxBxCxD = swiglu(
             inputs_XxBxCxD,
             cast(self.gate_kernel[...]),
@@ -151,7 +208,13 @@ class MoeFeedForward(nnx.Module):
             cast(self.down_kernel[...]),
             ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
         )
-        y_BxTxD = jnp.einsum("btxc,xbcd->btd", cast(combine_BxTxXxC), outputs_XxBxCxD)
+        outputs_BxSxD = outputs_XxBxCxD.swapaxes(0, 1).reshape(B, X * C, D)
+        spill_Bx1xD = jnp.zeros((B, 1, D), outputs_BxSxD.dtype)
+        outputs_BxSxD = jnp.concatenate([outputs_BxSxD, spill_Bx1xD], axis=1)
+        chosen_outputs_BxTxKxD = jax.vmap(lambda rows, slots: rows[slots])(
+            outputs_BxSxD, slot_BxTxK
+        )
+        y_BxTxD = jnp.einsum("btkd,btk->btd", chosen_outputs_BxTxKxD, cast(weights_BxTxK))
         if shape.shared_experts:
             y_BxTxD = y_BxTxD + swiglu(
                 cast(h_BxTxD),
@@ -160,7 +223,8 @@ class MoeFeedForward(nnx.Module):
                 cast(self.shared_down_kernel[...]),
                 ("btd,df->btf", "btf,fd->btd"),
             )
-        load_X = jnp.sum(dispatch_BxTxXxC.astype(jnp.float32), axis=(0, 1, 3))
+        kept_picks_BxTxKxX = jax.nn.one_hot(chosen_BxTxK, X) * kept_BxTxK[..., None]
+        load_X = jnp.sum(kept_picks_BxTxKxX, axis=(0, 1, 2))
         statistics = {
             "balance_loss": balance_loss(chosen_BxTxK, probabilities_BxTxX),
             "z_loss": z_loss(logits_BxTxX),
@@ -168,3 +232,10 @@ class MoeFeedForward(nnx.Module):
             "dropped_fraction": jnp.mean(jnp.logical_not(kept_BxTxK).astype(jnp.float32)),
         }
         return y_BxTxD, statistics
+
+
+def _dispatch(h_TxD: jax.Array, slot_TxK: jax.Array, slots: int) -> jax.Array:
+    """One row's tokens copied into their choices' slots: (slots + 1) x D, the last a spill."""
+    T, K = slot_TxK.shape
+    buffer_SxD = jnp.zeros((slots + 1, h_TxD.shape[-1]), h_TxD.dtype)
+    return buffer_SxD.at[slot_TxK.reshape(T * K)].set(jnp.repeat(h_TxD, K, axis=0))

@@ -171,7 +171,10 @@ class ViT(nnx.Module):
             rngs, position_init, (token_count(config), D), ("length", "embed")
         )
         self.blocks = build_blocks(
-            lambda rngs: EncoderBlock(config, policy, rngs), config.depth, config.scan_layers, rngs
+            lambda rngs, _layer: EncoderBlock(config, policy, rngs),
+            config.depth,
+            config.scan_layers,
+            rngs,
         )
         self.final_norm = _layer_norm(D, rngs)
         self.head = Dense(

@@ -1,0 +1,213 @@
+"""The `model` section: one dataclass per model family, chosen by model.name (MODEL_CONFIGS).
+
+LanguageModelConfig serves the decoders (gpt, llama), dense or mixture-of-experts
+(model.experts > 0: models/moe.py); VisionConfig the image classifiers; CustomModelConfig a
+model of the user's own given to `fit`. Each checks its own values in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from paisoar_jax.config.checks import check_at_least, check_finite_non_negative
+from paisoar_jax.errors import UserError
+
+# The keys of the model section that only model.name=llama reads.
+LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
+LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length")
+# The keys of the model section that only a mixture of experts (model.experts > 0) reads.
+MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
+MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
+
+
+@dataclass(frozen=True)
+class LanguageModelConfig:
+    """A decoder language model and its shape: model.name gpt (the default) or llama.
+
+    gpt: GPT-2's pre-LayerNorm blocks with biases and a GELU MLP. llama: RMSNorm, a SwiGLU
+    MLP, rotary positions and grouped-query attention (kv_heads), no biases.
+    """
+
+    name: Literal["gpt", "llama"] = "gpt"
+    vocab_size: int = 256  # the embedded corpus is read byte-level
+    seq_len: int = 128  # the training window, in tokens
+    # Positions the model holds (0: seq_len): the learned table's rows, the export's
+    # n_positions / max_position_embeddings, the longest generation; at least seq_len.
+    max_positions: int = 0
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    mlp_width: int = 0  # MLP hidden width; 0 means 4 * width
+    position: Literal["learned", "rotary"] = "learned"  # gpt's choice; llama's is rotary
+    tie_embeddings: bool = True
+    scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
+    attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
+    # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
+    # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
+    fp32_logits: bool = True
+    init_std: float = 0.02
+    norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
+    rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
+    # llama only: key/value heads of grouped-query attention (0: as many as heads), and the
+    # Llama-3 rope scaling of long contexts with its four numbers (as in HF's config.json).
+    kv_heads: int = 0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_length: int = 8192
+    # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
+    # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
+    # going to its experts_per_token best; every moe_every-th layer is one (layer i when
+    # (i + 1) % moe_every == 0, Qwen-MoE's decoder_sparse_step).
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_width: int = 0
+    # Seats per expert: capacity_factor x tokens x experts_per_token / experts per batch
+    # row, the choices beyond dropped; 0 is dropless (every choice kept).
+    expert_capacity_factor: float = 0.0
+    moe_every: int = 1
+    shared_experts: int = 0  # DeepSeek: SwiGLU experts every token takes, unweighted
+    router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores
+    router_renormalize: bool = True  # the chosen experts' weights sum to 1 (Mixtral)
+    router_aux_loss: float = 0.01  # the balance loss's weight in the loss (Switch's)
+    router_z_loss: float = 0.0  # the router z-loss's weight (ST-MoE uses 0.001)
+
+    def __post_init__(self):
+        if self.name == "llama":  # its positions are always rotary: config.yaml says so
+            object.__setattr__(self, "position", "rotary")
+        else:
+            self._refuse_llama_keys()
+        positive = {key: 1 for key in ("vocab_size", "seq_len", "layers", "width", "heads")}
+        check_at_least("model", self, positive)
+        if self.mlp_width < 0:
+            raise UserError(
+                f"model.mlp_width must be >= 0 (0 means 4 * width), got {self.mlp_width}"
+            )
+        if self.width % self.heads:
+            raise UserError(
+                f"model.width={self.width} is not divisible by model.heads={self.heads}"
+            )
+        if self.position == "rotary" and (self.width // self.heads) % 2:
+            raise UserError("model.position=rotary needs an even head width (width / heads)")
+        check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
+        check_at_least("model", self, {"max_positions": 0})
+        if self.max_positions and self.seq_len > self.max_positions:
+            raise UserError(
+                f"model.seq_len={self.seq_len} is longer than the model's "
+                f"model.max_positions={self.max_positions} positions"
+            )
+        if self.heads % self.key_value_heads:
+            raise UserError(
+                f"model.heads={self.heads} is not divisible by model.kv_heads={self.kv_heads}"
+            )
+        for key in ("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"model.{key} must be a finite number > 0, got {value}")
+        self._check_experts()
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise UserError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be above "
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor}"
+            )
+
+    @property
+    def positions(self) -> int:
+        """The positions the model holds: max_positions, or seq_len when it is 0."""
+        return self.max_positions or self.seq_len
+
+    @property
+    def key_value_heads(self) -> int:
+        """The key/value heads: kv_heads, or heads when it is 0 (no grouping)."""
+        return self.kv_heads or self.heads
+
+    def _check_experts(self) -> None:
+        """The MoE keys: a dense model (experts=0) leaves them unset."""
+        if self.experts == 0:
+            for key in MOE_KEYS:  # the class's own defaults (an instance would recurse)
+                if getattr(self, key) != LanguageModelConfig.__dataclass_fields__[key].default:
+                    raise UserError(f"model.{key} is for a mixture of experts: set model.experts")
+            return
+        check_at_least("model", self, {"experts": 2, "experts_per_token": 1, "moe_every": 1})
+        check_at_least("model", self, {"expert_mlp_width": 0, "shared_experts": 0})
+        if self.experts_per_token > self.experts:
+            raise UserError(
+                f"model.experts_per_token={self.experts_per_token} is more than the "
+                f"model.experts={self.experts} there are"
+            )
+        keys = ("expert_capacity_factor", "router_aux_loss", "router_z_loss")
+        check_finite_non_negative("model", self, keys)
+        if self.moe_every > self.layers:
+            raise UserError(
+                f"model.moe_every={self.moe_every} is more than model.layers={self.layers}: "
+                "no layer would have experts"
+            )
+        if self.moe_every > 1 and self.scan_layers:
+            raise UserError(
+                f"model.moe_every={self.moe_every} mixes dense and MoE blocks, which one "
+                "scanned stack cannot hold: set model.scan_layers=false (or model.moe_every=1)"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) has experts: every moe_every-th, the last of each."""
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+
+    def _refuse_llama_keys(self) -> None:
+        """Keys only llama reads, set on another model: they would silently do nothing."""
+        defaults = LanguageModelConfig(name="llama")
+        for key in LLAMA_KEYS:
+            if getattr(self, key) != getattr(defaults, key):
+                raise UserError(f"model.{key} is for model.name=llama, not {self.name}")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """An image classifier (model.name resnet, vgg or vit); a 0 shape field takes the variant's.
+
+    The variants and their shapes are listed in paisoar_jax/models/layers.py (VARIANTS).
+    """
+
+    name: str = ""  # registry name: resnet, vgg or vit (empty: the variant's family)
+    variant: str = ""  # resnet18/34/50/101/152, vgg11/13/16/19, vit_b16, vit_tiny; empty: default
+    num_classes: int = 1000
+    image_size: int = 224  # square input images, image_size x image_size pixels
+    channels: int = 3  # input channels (1 for grayscale)
+    width: int = 0  # ResNet/VGG: first-stage channels (64); ViT: embedding width
+    depth: int = 0  # ResNet/VGG: layer count of the name (18, 50, 16...); ViT: blocks
+    heads: int = 0  # ViT attention heads
+    mlp_width: int = 0  # ViT: MLP hidden width; VGG: classifier hidden width (4096)
+    patch: int = 0  # ViT patch size in pixels
+    batch_norm: bool = False  # VGG only: BatchNorm after every conv (ResNet always has it)
+    # ViT only: the blocks stacked on a `layers` axis and scanned (what mesh.stage > 1 needs)
+    scan_layers: bool = False
+    zero_init_residual: bool = True  # ResNet: last BatchNorm scale of each block starts at 0
+    init_std: float = 0.02  # ViT: std of the dense and position-embedding initialisers
+    label_smoothing: float = 0.0  # share of the target spread evenly over all classes
+
+    def __post_init__(self):
+        if self.num_classes < 2:
+            raise UserError(f"model.num_classes must be >= 2, got {self.num_classes}")
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"model.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+
+@dataclass(frozen=True)
+class CustomModelConfig:
+    """A model of the user's own, given to `paisoar_jax.fit(model=...)`: it has no zoo keys."""
+
+    name: str = "custom"
+    factory: str = ""  # written by fit: the model factory's qualified name (for config.yaml)
+
+
+# model.name -> the dataclass of the `model` section: each family has its own keys.
+MODEL_CONFIGS: dict[str, type] = {
+    "gpt": LanguageModelConfig,
+    "llama": LanguageModelConfig,
+    "resnet": VisionConfig,
+    "vgg": VisionConfig,
+    "vit": VisionConfig,
+    "custom": CustomModelConfig,
+}
