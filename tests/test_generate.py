@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TINY, run_module, run_modules
 from flax import nnx
-from test_hf import gpt2, llama
+from test_hf import gpt2, llama, mixtral
 
 from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.errors import UserError
@@ -28,6 +28,7 @@ PROMPT = [5, 17, 3, 88, 41, 9]
         pytest.param([], marks=pytest.mark.slow),
         pytest.param(["model.position=rotary", "model.scan_layers=false"], marks=pytest.mark.slow),
         ["model.name=llama", "model.kv_heads=2", "model.rope_scaling=llama3"],
+        ["model.name=llama", "model.experts=4", "model.experts_per_token=2"],
     ],
 )
 def test_the_cache_gives_the_full_forward_logits(overrides):
@@ -80,6 +81,15 @@ def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {
         "tokens": transformers_greedy(model, PROMPT, 10)
     }
+
+
+def test_a_mixtral_generates_transformers_greedy_tokens(devices, tmp_path):
+    """A mixture of experts decodes token by token through its router, as transformers does."""
+    model = mixtral()
+    model.save_pretrained(tmp_path / "hf")
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    ours = Model(tmp_path / "ours", devices[:1])
+    assert ours.generate(PROMPT, 10) == transformers_greedy(model, PROMPT, 10)
 
 
 @pytest.mark.slow

@@ -46,6 +46,33 @@ def llama(tied=False, vocab_size=96):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def mixtral():
+    """A 2-layer Mixtral: 4 experts, 2 per token, over the Llama above's attention.
+
+    Its routers are scaled up so each token's top two experts are clear choices: a near
+    tie would be broken by the last bit of float rounding, differently in torch and XLA.
+    """
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20.0)
+    return model
+
+
 def gpt2(tied=True):
     config = transformers.GPT2Config(
         vocab_size=96,
@@ -77,17 +104,17 @@ def our_logits(export_dir, devices, mesh=("mesh.data=1",)):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """{name: (HF model, HF dir, our export dir)} for a GQA Llama and a GPT-2."""
+    """{name: (HF model, HF dir, our export dir)} for a GQA Llama, a GPT-2 and a Mixtral."""
     root = tmp_path_factory.mktemp("hf")
     models = {}
-    for name, model in (("llama", llama()), ("gpt2", gpt2())):
+    for name, model in (("llama", llama()), ("gpt2", gpt2()), ("mixtral", mixtral())):
         model.save_pretrained(root / name)
         hf.hf_import(root / name, root / f"{name}_ours")
         models[name] = (model, root / name, root / f"{name}_ours")
     return models
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
 @pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]])
 def test_imported_logits_match_transformers(imported, devices, name, mesh):
     model, _, ours = imported[name]
@@ -122,7 +149,7 @@ def test_both_spellings_of_rope_scaling_are_read(imported):
     assert hf.model_config_from_hf(spelled_4x, where).rope_factor == 8.0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
 def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, devices, tmp_path, name):
     _, _, ours = imported[name]
     logits, params = our_logits(ours, devices[:1])
@@ -166,8 +193,11 @@ def fine_tune(export_dir, run_dir, steps, *extra):
 
 
 @pytest.mark.slow
-def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(imported, devices, tmp_path):
-    _, _, ours = imported["llama"]
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(
+    imported, devices, tmp_path, name
+):
+    _, _, ours = imported[name]
     straight = fine_tune(ours, tmp_path / "straight", 20, "optim.schedule=constant")
     fine_tune(ours, tmp_path / "resumed", 10, "optim.schedule=constant")
     resumed = fine_tune(ours, tmp_path / "resumed", 20, "optim.schedule=constant")

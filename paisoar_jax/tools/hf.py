@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2 and Llama, through safetensors.
+"""Hugging Face checkpoints in and out: GPT-2, Llama and Mixtral, through safetensors.
 
 `hf_import` reads an HF model directory (config.json and model.safetensors, or the shards
 of a model.safetensors.index.json) into our parameter layout, written as a params export
@@ -23,114 +23,25 @@ import dataclasses
 import json
 import pathlib
 import shutil
-from collections.abc import Callable
 
 import numpy as np
 
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params
-
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-FAMILY = {"gpt2": "gpt", "llama": "llama"}  # HF model_type -> model.name
-Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One parameter: our dotted path, HF's name ({i}: the layer), and the two conversions."""
-
-    ours: str
-    theirs: str
-    to_ours: Convert = lambda array, config: array  # noqa: E731
-    to_theirs: Convert = lambda array, config: array  # noqa: E731
-
-
-def _heads(config: LanguageModelConfig) -> tuple[int, int, int, int]:
-    """(D, H, K, E): width, query heads, key/value heads, head width."""
-    return config.width, config.heads, config.key_value_heads, config.width // config.heads
-
-
-def _linear_in_heads(kind: str) -> Tensor:
-    """An HF Linear (heads x E, D) as our D x heads x E kernel; `kind` q, k or v."""
-    count = (lambda config: _heads(config)[1]) if kind == "q" else (lambda c: _heads(c)[2])
-    return Tensor(
-        f"blocks.{kind}_kernel",
-        f"model.layers.{{i}}.self_attn.{kind}_proj.weight",
-        lambda array, config: array.T.reshape(config.width, count(config), -1),
-        lambda array, config: array.reshape(config.width, -1).T,
-    )
-
-
-def _transposed(ours: str, theirs: str) -> Tensor:
-    return Tensor(ours, theirs, lambda array, config: array.T, lambda array, config: array.T)
-
-
-LLAMA = (
-    Tensor("token_embedding", "model.embed_tokens.weight"),
-    Tensor("blocks.attention_norm.scale", "model.layers.{i}.input_layernorm.weight"),
-    _linear_in_heads("q"),
-    _linear_in_heads("k"),
-    _linear_in_heads("v"),
-    Tensor(
-        "blocks.out_kernel",
-        "model.layers.{i}.self_attn.o_proj.weight",
-        lambda array, config: array.T.reshape(config.heads, -1, config.width),
-        lambda array, config: array.reshape(-1, config.width).T,
-    ),
-    Tensor("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight"),
-    _transposed("blocks.gate_kernel", "model.layers.{i}.mlp.gate_proj.weight"),
-    _transposed("blocks.up_kernel", "model.layers.{i}.mlp.up_proj.weight"),
-    _transposed("blocks.down_kernel", "model.layers.{i}.mlp.down_proj.weight"),
-    Tensor("final_norm.scale", "model.norm.weight"),
-    _transposed("head", "lm_head.weight"),
+from paisoar_jax.tools.hf_layouts import (
+    ARCHITECTURES,
+    Tensor,
+    hf_config,
+    hf_type,
+    model_config_from_hf,
+    tensors_of,
 )
 
+__all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
-def _split_qkv(array, config):
-    return array.reshape(*array.shape[:-1], 3, config.heads, -1)
-
-
-def _norm(ours: str, theirs: str) -> tuple[Tensor, Tensor]:
-    return Tensor(f"{ours}.scale", f"{theirs}.weight"), Tensor(f"{ours}.bias", f"{theirs}.bias")
-
-
-GPT2 = (
-    Tensor("token_embedding", "transformer.wte.weight"),
-    Tensor("position_embedding", "transformer.wpe.weight"),
-    *_norm("blocks.attention_norm", "transformer.h.{i}.ln_1"),
-    Tensor(
-        "blocks.qkv_kernel",
-        "transformer.h.{i}.attn.c_attn.weight",
-        _split_qkv,
-        lambda array, config: array.reshape(config.width, -1),
-    ),
-    Tensor(
-        "blocks.qkv_bias",
-        "transformer.h.{i}.attn.c_attn.bias",
-        _split_qkv,
-        lambda array, config: array.reshape(-1),
-    ),
-    Tensor(
-        "blocks.out_kernel",
-        "transformer.h.{i}.attn.c_proj.weight",
-        lambda array, config: array.reshape(config.heads, -1, config.width),
-        lambda array, config: array.reshape(-1, config.width),
-    ),
-    Tensor("blocks.out_bias", "transformer.h.{i}.attn.c_proj.bias"),
-    *_norm("blocks.mlp_norm", "transformer.h.{i}.ln_2"),
-    Tensor("blocks.mlp_in_kernel", "transformer.h.{i}.mlp.c_fc.weight"),
-    Tensor("blocks.mlp_in_bias", "transformer.h.{i}.mlp.c_fc.bias"),
-    Tensor("blocks.mlp_out_kernel", "transformer.h.{i}.mlp.c_proj.weight"),
-    Tensor("blocks.mlp_out_bias", "transformer.h.{i}.mlp.c_proj.bias"),
-    *_norm("final_norm", "transformer.ln_f"),
-    _transposed("head", "lm_head.weight"),  # untied embeddings only
-)
 # The special token ids HF keeps in config.json: carried through an import to the export.
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# The training window (model.seq_len) an import starts with, at most; the model keeps all
-# its positions (model.max_positions), which the export writes back.
-MAX_TRAINING_WINDOW = 2048
 TOKEN_IDS_FILE = "hf_token_ids.json"
 # Files an import keeps beside the weights and an export writes back (the tokenizer as
 # transformers saves it: its special tokens live in tokenizer_config.json).
@@ -141,133 +52,6 @@ KEPT_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-TENSORS = {"gpt": GPT2, "llama": LLAMA}
-
-
-def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
-    """Our model section for an HF config.json of GPT-2 or Llama (one line if it is not one)."""
-    model_type = hf.get("model_type")
-    if model_type not in FAMILY:
-        found = hf.get("architectures") or [model_type]
-        raise UserError(
-            f"{where}: {', '.join(map(str, found))} is not an architecture this imports "
-            f"(GPT2LMHeadModel or LlamaForCausalLM)"
-        )
-    if model_type == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UserError(
-                f"{where}: activation_function {hf['activation_function']} is not GPT-2's"
-            )
-        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-            raise UserError(
-                f"{where}: scale_attn_by_inverse_layer_idx / scale_attn_weights change GPT-2's "
-                f"attention scale, which this model does not"
-            )
-        return LanguageModelConfig(
-            name="gpt",
-            vocab_size=hf["vocab_size"],
-            seq_len=min(hf["n_positions"], MAX_TRAINING_WINDOW),
-            max_positions=hf["n_positions"],
-            layers=hf["n_layer"],
-            width=hf["n_embd"],
-            heads=hf["n_head"],
-            mlp_width=hf.get("n_inner") or 0,
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            position="learned",
-            tie_embeddings=hf.get("tie_word_embeddings", True),
-        )
-    width, heads = hf["hidden_size"], hf["num_attention_heads"]
-    refused = {
-        "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "attention_bias": hf.get("attention_bias", False),
-        "mlp_bias": hf.get("mlp_bias", False),
-        "head_dim": hf.get("head_dim", width // heads) != width // heads,
-    }
-    for key, bad in refused.items():
-        if bad:
-            raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{where}: rope type {rope_type!r} is not default or llama3")
-    scaling = {}
-    if rope_type == "llama3":
-        scaling = dict(
-            rope_scaling="llama3",
-            rope_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_length=int(rope["original_max_position_embeddings"]),
-        )
-    return LanguageModelConfig(
-        name="llama",
-        vocab_size=hf["vocab_size"],
-        seq_len=min(hf.get("max_position_embeddings", 2048), MAX_TRAINING_WINDOW),
-        max_positions=hf.get("max_position_embeddings", 2048),
-        layers=hf["num_hidden_layers"],
-        width=width,
-        heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        mlp_width=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        **scaling,
-    )
-
-
-def hf_config(model: LanguageModelConfig) -> dict:
-    """The config.json transformers reads for our model section."""
-    if model.name == "gpt":
-        if model.position != "learned":
-            raise UserError(
-                f"an HF GPT-2 has learned positions: this model has model.position={model.position}"
-            )
-        return {
-            "architectures": [ARCHITECTURES["gpt2"]],
-            "model_type": "gpt2",
-            "vocab_size": model.vocab_size,
-            "n_positions": model.positions,
-            "n_embd": model.width,
-            "n_layer": model.layers,
-            "n_head": model.heads,
-            "n_inner": model.mlp_width or None,
-            "layer_norm_epsilon": model.norm_eps,
-            "activation_function": "gelu_new",
-            "tie_word_embeddings": model.tie_embeddings,
-        }
-    rope_scaling = None
-    if model.rope_scaling == "llama3":
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": model.rope_factor,
-            "low_freq_factor": model.rope_low_freq_factor,
-            "high_freq_factor": model.rope_high_freq_factor,
-            "original_max_position_embeddings": model.rope_original_length,
-        }
-    return {
-        "architectures": [ARCHITECTURES["llama"]],
-        "model_type": "llama",
-        "vocab_size": model.vocab_size,
-        "max_position_embeddings": (
-            model.positions
-            if model.rope_scaling == "none"
-            else max(model.positions, model.rope_original_length)
-        ),
-        "hidden_size": model.width,
-        "intermediate_size": model.mlp_width or 4 * model.width,
-        "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads,
-        "num_key_value_heads": model.key_value_heads,
-        "head_dim": model.width // model.heads,
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
-        "rope_scaling": rope_scaling,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": model.tie_embeddings,
-    }
 
 
 class SafetensorsReader:
@@ -335,7 +119,7 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     shapes, shardings = placed_params(model)
     expected, places = _flat(shapes), _flat(shardings)
     params = {}
-    for tensor in TENSORS[model.name]:
+    for tensor in tensors_of(model):
         if tensor.ours not in expected:  # the head of tied embeddings
             continue
         shape = expected[tensor.ours].shape
@@ -394,16 +178,19 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     _check_empty(output)
     flat = _flat(params)
     tensors = {}
-    for tensor in TENSORS[model.name]:
+    for tensor in tensors_of(model):
         stored = _stacked(flat, tensor.ours, model)
         if stored is None:  # the head of tied embeddings
             continue
         if "{i}" not in tensor.theirs:
             tensors[tensor.theirs] = np.ascontiguousarray(tensor.to_theirs(stored, model))
             continue
-        for i in range(model.layers):
-            layer = np.ascontiguousarray(tensor.to_theirs(stored[i], model))
-            tensors[tensor.theirs.format(i=i)] = layer
+        for i, names in enumerate(_layer_names(tensor, model)):
+            if isinstance(names, str):
+                tensors[names] = np.ascontiguousarray(tensor.to_theirs(stored[i], model))
+                continue
+            for j, name in enumerate(names):  # a layer's experts, each its own tensor
+                tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[i, j], model))
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
@@ -413,7 +200,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
             shutil.copyfile(found, output / name)
     if (output / "tokenizer.json").is_file():
         _complete_tokenizer_config(output, token_ids)
-    return f"exported {where} as a Hugging Face {ARCHITECTURES[_hf_type(model)]} -> {output}"
+    return f"exported {where} as a Hugging Face {ARCHITECTURES[hf_type(model)]} -> {output}"
 
 
 def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
@@ -514,23 +301,46 @@ def _abstract_state(model: LanguageModelConfig):
 def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
     """Our param as a global array: each device's shard read and converted on its own.
 
-    A stacked param's shard is built a layer at a time (one HF tensor in host memory).
+    A stacked param's shard is built a layer (or a layer's expert) at a time: one HF tensor
+    in host memory.
     """
     import jax
 
     if "{i}" not in tensor.theirs:
         whole = _read(reader, source, tensor.theirs, tensor, model, shape)
         return jax.make_array_from_callback(shape, place, lambda index: whole[index])
-    names = [tensor.theirs.format(i=i) for i in range(model.layers)]
-    # Every layer's shape is checked before any device is written, and only once.
-    stored = [_check_shape(reader, source, name, tensor, model, shape[1:]) for name in names]
+    # Every tensor's shape is checked before any device is written, and only once.
+    names = _layer_names(tensor, model)
+    if isinstance(names[0], str):
+        stored = [_check_shape(reader, source, name, tensor, model, shape[1:]) for name in names]
+
+        def read(i, index):
+            return tensor.to_ours(reader.read(stored[i]), model)[index]
+
+    else:  # experts: [layer][expert] -> (layers, experts, ...)
+        stored = [
+            [_check_shape(reader, source, name, tensor, model, shape[2:]) for name in layer]
+            for layer in names
+        ]
+
+        def read(i, index):
+            experts = range(model.experts)[index[0]]
+            return np.stack(
+                [tensor.to_ours(reader.read(stored[i][j]), model)[index[1:]] for j in experts]
+            )
 
     def shard(index):
-        layers = range(model.layers)[index[0]]
-        parts = [tensor.to_ours(reader.read(stored[i]), model)[index[1:]] for i in layers]
-        return np.stack(parts)
+        return np.stack([read(i, index[1:]) for i in range(model.layers)[index[0]]])
 
     return jax.make_array_from_callback(shape, place, shard)
+
+
+def _layer_names(tensor: Tensor, model: LanguageModelConfig) -> list:
+    """HF's names of a stacked tensor: one per layer, or per layer a list, one per expert."""
+    if "{j}" not in tensor.theirs:
+        return [tensor.theirs.format(i=i) for i in range(model.layers)]
+    experts = range(model.experts)
+    return [[tensor.theirs.format(i=i, j=j) for j in experts] for i in range(model.layers)]
 
 
 def _read(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> np.ndarray:
@@ -591,10 +401,6 @@ def _nested(flat: dict) -> dict:
             node = node.setdefault(name, {})
         node[leaf] = value
     return tree
-
-
-def _hf_type(model: LanguageModelConfig) -> str:
-    return "gpt2" if model.name == "gpt" else "llama"
 
 
 def _check_empty(output: pathlib.Path) -> None:
