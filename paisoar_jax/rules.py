@@ -119,6 +119,7 @@ def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, .
         **table,
         "data": ("data",),
         "stage": ("stage",),
+        "expert": ("expert",),
         "tensor": ("tensor",),
         "fsdp": table["embed"],
     }

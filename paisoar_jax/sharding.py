@@ -31,8 +31,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
+# The batch is split over expert too: outside the experts that axis is one more data axis.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical activation axes -> mesh axes. Used by `constrain` inside the model so XLA keeps
 # the batch split over (data, fsdp) instead of inventing a layout from the weights.
@@ -43,6 +44,7 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    "act_experts": "expert",  # a mixture's token buffers, each expert's on its devices
     "head_dim": None,
 }
 
@@ -56,7 +58,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "heads": ("tensor",),
         "kv_heads": ("tensor",),  # grouped-query attention: each tensor shard its kv heads
         "mlp": ("tensor",),
-        "experts": (),  # a mixture of experts' stacked experts: whole on every device, for now
+        "experts": ("expert",),  # a mixture's stacked experts: expert parallelism
         "router": (),  # the router's scores of the experts: small, whole everywhere
         "qkv": (),
         "head_dim": (),
@@ -73,8 +75,10 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
 
 def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], list[int]]:
     """Resolves -1 in the ici sizes and checks that ici x dcn covers every device."""
-    ici = [mesh_config.data, mesh_config.stage, mesh_config.fsdp, mesh_config.tensor]
-    dcn = [mesh_config.dcn_data, mesh_config.dcn_stage, mesh_config.dcn_fsdp, 1]
+    ici = [mesh_config.data, mesh_config.stage, mesh_config.fsdp, mesh_config.expert]
+    ici.append(mesh_config.tensor)
+    dcn = [mesh_config.dcn_data, mesh_config.dcn_stage, mesh_config.dcn_fsdp]
+    dcn += [mesh_config.dcn_expert, 1]
     if ici.count(-1) > 1:
         raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
     if -1 in dcn:
@@ -94,27 +98,28 @@ def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], 
 
 
 def _describe(mesh_config: MeshConfig) -> str:
-    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage and dcn sizes only when set)."""
+    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage, expert and dcn sizes only when set)."""
     parts = [
         f"{axis}={getattr(mesh_config, axis)}"
         for axis in MESH_AXES
-        if axis != "stage" or mesh_config.stage != 1
+        if axis not in ("stage", "expert") or getattr(mesh_config, axis) != 1
     ]
     parts += [
         f"{key}={getattr(mesh_config, key)}"
-        for key in ("dcn_data", "dcn_stage", "dcn_fsdp")
+        for key in ("dcn_data", "dcn_stage", "dcn_fsdp", "dcn_expert")
         if getattr(mesh_config, key) != 1
     ]
     return ",".join(parts)
 
 
 def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, stage, fsdp, tensor); a hybrid ici x dcn mesh across processes."""
+    """A mesh with axes MESH_AXES; a hybrid ici x dcn mesh across processes."""
     devices = list(devices if devices is not None else jax.devices())
     ici, dcn = _mesh_sizes(mesh_config, len(devices))
     if math.prod(dcn) > 1 and math.prod(dcn) != jax.process_count():
         raise UserError(
-            f"mesh.dcn_data x dcn_stage x dcn_fsdp = {math.prod(dcn)} must equal the number "
+            f"mesh.dcn_data x dcn_stage x dcn_fsdp x dcn_expert = {math.prod(dcn)} must equal the "
+            f"number "
             f"of processes ({jax.process_count()}): the dcn axes span processes"
         )
     if math.prod(dcn) > 1:
@@ -122,7 +127,7 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
             ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True
         )
     elif len(devices) == 1:
-        device_array = np.array(devices).reshape(1, 1, 1, 1)
+        device_array = np.array(devices).reshape((1,) * len(MESH_AXES))
     else:
         device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
     # Auto axes: XLA propagates shardings, and stock flax layers work under FSDP.
@@ -130,12 +135,16 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    """The mesh's axis sizes for a reader: `stage` only when the mesh has pipeline stages."""
-    return {axis: size for axis, size in mesh.shape.items() if axis != "stage" or size > 1}
+    """The mesh's axis sizes for a reader: `stage` and `expert` only when they split."""
+    return {
+        axis: size
+        for axis, size in mesh.shape.items()
+        if axis not in ("stage", "expert") or size > 1
+    }
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """How many ways the batch is split: the product of the (data, fsdp) axes."""
+    """How many ways the batch is split: the product of the (data, fsdp, expert) axes."""
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
@@ -150,13 +159,13 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, pipelined: int =
         detail = f" (micro-batch {micro_batch} with grad_accum={grad_accum})" * (grad_accum > 1)
         raise UserError(
             f"train.global_batch={global_batch}{detail} is not divisible by the {shards} "
-            f"batch shards (mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']})"
+            f"batch shards (mesh {_batch_split(mesh)})"
         )
     if (micro_batch // pipelined) % shards:
         raise UserError(
             f"train.pipeline_microbatches={pipelined} cuts the batch of {micro_batch} per pass "
             f"into micro-batches of {micro_batch // pipelined}, which do not split over the "
-            f"{shards} batch shards (mesh data x fsdp)"
+            f"{shards} batch shards (mesh {_batch_split(mesh)})"
         )
     _, readers = input_slot(mesh)
     if micro_batch % readers:
@@ -164,6 +173,12 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh, pipelined: int =
             f"train.global_batch={global_batch} does not split over the {readers} processes "
             f"that read it"
         )
+
+
+def _batch_split(mesh: Mesh) -> str:
+    """The batch axes as `data x fsdp = 2 x 4` (expert only when it splits)."""
+    axes = [axis for axis in BATCH_AXES if axis != "expert" or mesh.shape[axis] > 1]
+    return f"{' x '.join(axes)} = {' x '.join(str(mesh.shape[axis]) for axis in axes)}"
 
 
 def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
@@ -262,6 +277,9 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    rules = {**ACTIVATION_RULES, "batch": _BATCH_AXES_LEFT.get()}
+    left = _BATCH_AXES_LEFT.get()
+    # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
+    within = tuple(axis for axis in left or () if axis != "expert") or None
+    rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
     spec = PartitionSpec(*(rules[axis] if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)

@@ -48,7 +48,7 @@ class LanguageModelling:
         self.config = config
         self.model_class = model_class  # its static flops_per_token gives MFU
         if getattr(config.model, "experts", 0):  # a mixture of experts: its router's metrics
-            self.metric_names = moe.METRIC_NAMES
+            self.metric_names = moe.metric_names(config.model)
 
     def open_sources(self) -> tuple[Any, Any]:
         """The (train, eval) window sources named by data.source."""
@@ -99,7 +99,7 @@ class LanguageModelling:
         if not statistics:
             return loss, {}
         router_loss = moe.auxiliary_loss(statistics, self.config.model)
-        return loss + router_loss, moe.metrics_of(statistics)
+        return loss + router_loss, moe.metrics_of(statistics, self.config.model)
 
     def loss_weight(self, batch) -> jax.Array | None:
         """The learned targets of a masked batch (the step weighs micro-batches by it)."""

@@ -124,6 +124,10 @@ def test_sections_are_frozen():
         (["model.experts=4", "mesh.stage=2"], "model.experts does not pipeline yet"),
         (["model.experts=4", "precision.policy=fp8"], "does not cover the experts' matmuls"),
         (["model.experts=4", "model.router=top1"], "'top1' is not one of softmax, sigmoid"),
+        (["mesh.expert=2"], "mesh.expert splits a mixture's experts, and this model has none"),
+        (["model.experts=4", "mesh.expert=3"], "does not split over the 3 expert shards"),
+        (["model.experts=4", "mesh.expert=0"], "mesh.expert must be a positive size"),
+        (["model.experts=4", "mesh.expert=2", "mesh.grad_comm=bf16"], "with mesh.expert > 1"),
     ],
 )
 def test_bad_overrides_raise_one_clear_line(overrides, message):

@@ -350,6 +350,10 @@ def every_check_firing(config_overrides):
         }
         for step, loss in enumerate([3.0, 2.0, 2.5, 3.0, math.nan], start=1)
     ]
+    if config.model.experts:  # layer 1's experts imbalanced and dropping
+        for record in records:
+            record.update({"moe_layer_load/0": 1.1, "moe_layer_load/1": 3.0})
+            record.update({"moe_layer_dropped/0": 0.0, "moe_layer_dropped/1": 0.2})
     plan_result = {
         "param_count": 2 * 10**9,
         "time_s": {"compute": 0.1, "communication": 0.2, "step_no_overlap": 0.3},
@@ -384,6 +388,7 @@ def every_check_firing(config_overrides):
             "precision.loss_scale=dynamic",
             "remat.policy=full",
         ],
+        ["model.name=llama", "model.experts=4", "precision.policy=fp16"],
     ],
 )
 def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
@@ -391,11 +396,27 @@ def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
     results = doctor.diagnose(run)
     names = {finding.name for finding in results}
     expected = {check.__name__.replace("_", "-") for check in doctor.CHECKS}
-    assert names == expected - {"memory-headroom"} | {"memory-near-limit"}
+    expected = expected - {"memory-headroom"} | {"memory-near-limit"}
+    # A mixture of experts does not pipeline; the MoE checks need a MoE's records.
+    moe = ["model.experts=4"] if run.config.model.experts else []
+    expected -= {"pipeline-bubble"} if moe else {"expert-imbalance", "dropped-tokens"}
+    assert names == expected
     for finding in results:
         assert any(OVERRIDE.search(fix) for fix in finding.fixes), finding
         for fix in finding.fixes:  # the overrides of one fix go together
-            load_config(None, OVERRIDE.findall(fix))  # UserError: an unknown key or value
+            load_config(None, [*moe, *OVERRIDE.findall(fix)])  # UserError: unknown key or value
+
+
+def test_an_imbalanced_and_dropping_moe_layer_is_named(tmp_path):
+    run = every_check_firing([f"run.dir={tmp_path}", "model.name=llama", "model.experts=4"])
+    results = {finding.name: finding for finding in doctor.diagnose(run)}
+    imbalance, drops = results["expert-imbalance"], results["dropped-tokens"]
+    assert imbalance.title == "the experts of layer 1 are imbalanced"
+    assert imbalance.evidence.startswith("layer 1's busiest expert takes 3.0x the mean")
+    assert imbalance.fixes[0].startswith("`model.router_aux_loss=0.02`")
+    assert "`model.expert_capacity_factor=1.25`" in imbalance.fixes[1]  # dropless now
+    assert drops.evidence.startswith("layer 1 drops 20% of its expert choices")
+    assert drops.fixes[0].startswith("`model.expert_capacity_factor=0.5`")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from conftest import TINY
 from paisoar_jax.config import load_config
 from paisoar_jax.tools import fit_search
 
-MESH = {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}
+MESH = {"data": 8, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1}
 
 
 def test_the_changes_tried_are_the_memory_fixes_that_can_apply():

@@ -11,17 +11,19 @@ from paisoar_jax.errors import UserError
 @pytest.mark.parametrize(
     "mesh_config, shape",
     [
-        (MeshConfig(), {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}),
-        (MeshConfig(data=2, fsdp=-1, tensor=2), {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}),
-        (MeshConfig(data=1, fsdp=8), {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}),
-        (MeshConfig(data=-1, tensor=4), {"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}),
-        (MeshConfig(stage=2, fsdp=2), {"data": 2, "stage": 2, "fsdp": 2, "tensor": 1}),
+        (MeshConfig(), {"data": 8}),
+        (MeshConfig(data=2, fsdp=-1, tensor=2), {"data": 2, "fsdp": 2, "tensor": 2}),
+        (MeshConfig(data=1, fsdp=8), {"data": 1, "fsdp": 8}),
+        (MeshConfig(data=-1, tensor=4), {"data": 2, "tensor": 4}),
+        (MeshConfig(stage=2, fsdp=2), {"data": 2, "stage": 2, "fsdp": 2}),
+        (MeshConfig(fsdp=2, expert=2), {"data": 2, "fsdp": 2, "expert": 2}),
     ],
 )
 def test_mesh_shapes(mesh_config, shape, devices):
+    """The axes not named in `shape` have size 1."""
     mesh = sharding.build_mesh(mesh_config, devices)
-    assert dict(mesh.shape) == shape
-    assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1} | shape
+    assert mesh.axis_names == ("data", "stage", "fsdp", "expert", "tensor")
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 

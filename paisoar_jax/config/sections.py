@@ -26,12 +26,16 @@ from paisoar_jax.errors import UserError
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes (data, stage, fsdp, tensor); -1 fills the remaining devices."""
+    """Device mesh with axes (data, stage, fsdp, expert, tensor); -1 fills the rest."""
 
     data: int = -1  # pure data parallelism within a host (ici)
     stage: int = 1  # pipeline stages: the layer stack split into this many groups
     fsdp: int = 1  # params sharded over this axis, gathered per layer (FSDP)
     tensor: int = 1  # Megatron tensor parallelism: heads and MLP hidden split
+    # Expert parallelism: a mixture's experts split over this axis, the batch too (tokens
+    # reach their experts' devices and come back by all-to-all; models/moe.py)
+    expert: int = 1
+    dcn_expert: int = 1  # expert parallelism across hosts/slices (dcn)
     dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
     dcn_stage: int = 1  # pipeline stages across hosts/slices (dcn)
     dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
@@ -66,9 +70,14 @@ class MeshConfig:
                 raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
         if self.bucket_mb < 0:
             raise UserError(f"mesh.bucket_mb must be >= 0 (0: XLA's own), got {self.bucket_mb}")
-        for key in ("stage", "dcn_stage"):
+        for key in ("stage", "dcn_stage", "expert", "dcn_expert"):
             if getattr(self, key) < 1:
                 raise UserError(f"mesh.{key} must be a positive size, got {getattr(self, key)}")
+
+    @property
+    def experts(self) -> int:
+        """Expert-parallel shards over all hosts: expert x dcn_expert."""
+        return self.expert * self.dcn_expert
 
     @property
     def stages(self) -> int:
@@ -385,9 +394,25 @@ class Config:
         self._check_experts()
 
     def _check_experts(self) -> None:
-        """A mixture of experts (model.experts > 0) against the pipeline and the precision."""
+        """A mixture of experts (model.experts > 0) against the mesh and the precision."""
+        shards = self.mesh.experts
         if not isinstance(self.model, LanguageModelConfig) or self.model.experts == 0:
+            if shards > 1:
+                raise UserError(
+                    "mesh.expert splits a mixture's experts, and this model has none: set "
+                    "model.experts, or split the batch with mesh.data"
+                )
             return
+        if self.model.experts % shards:
+            raise UserError(
+                f"model.experts={self.model.experts} does not split over the {shards} "
+                "expert shards (mesh.expert x mesh.dcn_expert)"
+            )
+        if shards > 1 and self.mesh.grad_comm != "fp32":
+            raise UserError(
+                f"mesh.grad_comm={self.mesh.grad_comm} does not combine with mesh.expert > 1 "
+                "yet: use mesh.grad_comm=fp32"
+            )
         if self.mesh.stages > 1:
             raise UserError(
                 f"model.experts does not pipeline yet ({self.mesh.describe_stages()}): the "

@@ -42,6 +42,10 @@ from flax import nnx
 
 from paisoar_jax.models.layers import param
 from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.sharding import constrain
+
+# The expert buffers' layout: experts over `expert`, the rows over the other batch axes.
+BUFFERS = ("act_experts", "batch_within_expert", None, "act_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,22 +105,39 @@ def auxiliary_loss(statistics: dict[str, jax.Array], config) -> jax.Array:
     ) + config.router_z_loss * jnp.mean(statistics["z_loss"])
 
 
-# The metrics.jsonl fields of a mixture of experts, each a summary over its MoE layers.
-METRIC_NAMES = ("moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction")
+# The metrics.jsonl fields of a mixture of experts that summarise its MoE layers.
+SUMMARY_NAMES = ("moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction")
 
 
-def metrics_of(statistics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The layers' statistics as metrics: the losses' means, the worst load, the mean drop.
+def moe_layers(config) -> list[int]:
+    """The layers (from 0) that have experts."""
+    return [layer for layer in range(config.layers) if config.is_moe_layer(layer)]
 
-    moe_expert_load is the busiest expert's tokens over the mean expert's, in the worst
-    layer (1 is even); moe_dropped_fraction the share of choices capacity dropped.
+
+def metric_names(config) -> tuple[str, ...]:
+    """Every metrics.jsonl field of a mixture of experts: the summary, then per layer."""
+    layers = moe_layers(config)
+    loads = tuple(f"moe_layer_load/{layer}" for layer in layers)
+    return SUMMARY_NAMES + loads + tuple(f"moe_layer_dropped/{layer}" for layer in layers)
+
+
+def metrics_of(statistics: dict[str, jax.Array], config) -> dict[str, jax.Array]:
+    """The MoE layers' statistics as metrics (`metric_names`), each an fp32 scalar.
+
+    moe_expert_load is the busiest expert's tokens over the mean expert's in the worst
+    layer (1 is even), moe_dropped_fraction the share of choices capacity dropped over
+    every MoE layer; moe_layer_load/L and moe_layer_dropped/L are layer L's own.
     """
-    return {
+    metrics = {
         "moe_balance_loss": jnp.mean(statistics["balance_loss"]),
         "moe_z_loss": jnp.mean(statistics["z_loss"]),
         "moe_expert_load": jnp.max(statistics["expert_load"]),
         "moe_dropped_fraction": jnp.mean(statistics["dropped_fraction"]),
     }
+    for index, layer in enumerate(moe_layers(config)):
+        metrics[f"moe_layer_load/{layer}"] = statistics["expert_load"][index]
+        metrics[f"moe_layer_dropped/{layer}"] = statistics["dropped_fraction"][index]
+    return metrics
 
 
 def route(logits_BxTxX: jax.Array, shape: MoeShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -201,6 +222,9 @@ class MoeFeedForward(nnx.Module):
         slot_BxTxK = jnp.where(kept_BxTxK, chosen_BxTxK * C + seat_BxTxK, X * C)
         inputs_BxSxD = jax.vmap(_dispatch, in_axes=(0, 0, None))(cast(h_BxTxD), slot_BxTxK, X * C)
         inputs_XxBxCxD = inputs_BxSxD[:, : X * C].reshape(B, X, C, D).swapaxes(0, 1)
+        # Expert parallelism (mesh.expert): each expert's buffers go to its devices, which
+        # held other rows of the batch until now: XLA makes this reshard an all-to-all.
+        inputs_XxBxCxD = constrain(inputs_XxBxCxD, BUFFERS)
         outputs_XxBxCxD = swiglu(
             inputs_XxBxCxD,
             cast(self.gate_kernel[...]),
@@ -208,7 +232,9 @@ class MoeFeedForward(nnx.Module):
             cast(self.down_kernel[...]),
             ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
         )
+        outputs_XxBxCxD = constrain(outputs_XxBxCxD, BUFFERS)
         outputs_BxSxD = outputs_XxBxCxD.swapaxes(0, 1).reshape(B, X * C, D)
+        outputs_BxSxD = constrain(outputs_BxSxD, ("batch", None, "act_embed"))  # back: all-to-all
         spill_Bx1xD = jnp.zeros((B, 1, D), outputs_BxSxD.dtype)
         outputs_BxSxD = jnp.concatenate([outputs_BxSxD, spill_Bx1xD], axis=1)
         chosen_outputs_BxTxKxD = jax.vmap(lambda rows, slots: rows[slots])(

@@ -20,9 +20,12 @@ metrics cannot be read.
                            without a measured peak, plan.json's GPU plan (plan --target)
     memory-near-limit      peak device memory (or the GPU plan's) over 90% of the limit
     recompiles             the train step compiled again after its first compilation
+    expert-imbalance       a MoE layer's busiest expert takes over 2x the mean expert's tokens
+    dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in paisoar_jax/tools/findings.py and memory_findings.py.
+The checks and their thresholds are in paisoar_jax/tools/findings.py, memory_findings.py and
+moe_findings.py.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import findings
+from paisoar_jax.tools import findings, moe_findings
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.findings import Finding, Run
 from paisoar_jax.tools.memory_findings import memory_headroom
@@ -54,6 +57,8 @@ CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     findings.diverging,
     memory_headroom,
     findings.recompiles,
+    moe_findings.expert_imbalance,
+    moe_findings.dropped_tokens,
 )
 
 

@@ -467,7 +467,8 @@ def mesh_shape(run: Run) -> dict[str, int] | None:
     if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
         return None  # the rest of the devices: how many, only the run knew
     data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
-    return {"data": data, "stage": mesh.stages, "fsdp": fsdp, "tensor": mesh.tensor}
+    shape = {"data": data, "stage": mesh.stages, "fsdp": fsdp, "expert": mesh.experts}
+    return shape | {"tensor": mesh.tensor}
 
 
 def recompiles(run: Run) -> Finding | None:

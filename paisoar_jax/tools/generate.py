@@ -66,6 +66,7 @@ def placement(config, count: int) -> list[str]:
         fsdp, tensor = 1, 1
     overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
     overrides += ["mesh.dcn_data=1", "mesh.dcn_fsdp=1", "model.attention=auto"]
+    overrides += ["mesh.expert=1", "mesh.dcn_expert=1"]  # each device all the experts
     # Decoding does not pipeline: a pipelined run's stages are placed as FSDP is.
     overrides += ["mesh.stage=1", "mesh.dcn_stage=1", "train.pipeline_microbatches=0"]
     overrides += ["train.pipeline_repeats=1"]

@@ -1,0 +1,82 @@
+"""The doctor's checks of a mixture of experts: a layer's experts imbalanced, or dropping.
+
+Both read the per-layer fields a MoE run logs (models/moe.py: moe_layer_load/L, the busiest
+expert's tokens over the mean expert's in layer L, and moe_layer_dropped/L, the share of
+that layer's choices its capacity dropped), as medians over the later half of the log steps:
+the router is still learning to balance in the first ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from paisoar_jax.tools.findings import Finding, Run, percent
+
+LOAD_LIMIT = 2.0  # the busiest expert over twice the mean expert's tokens
+DROP_LIMIT = 0.03  # over 3% of a layer's choices dropped
+
+
+def _layer_medians(run: Run, prefix: str) -> dict[int, float]:
+    """{layer: the median of its `prefix/layer` field over the later half of the logs}."""
+    later = run.records[len(run.records) // 2 :]
+    values: dict[int, list[float]] = {}
+    for record in later:
+        for key, value in record.items():
+            if key.startswith(f"{prefix}/") and value is not None:
+                values.setdefault(int(key.rsplit("/", 1)[1]), []).append(value)
+    return {layer: statistics.median(found) for layer, found in values.items()}
+
+
+def _stronger_balance(run: Run) -> str:
+    weight = run.config.model.router_aux_loss
+    stronger = 0.01 if weight == 0 else 2 * weight
+    return (
+        f"`model.router_aux_loss={stronger:g}`: weigh the balance loss more "
+        f"(now {weight:g}), so the router spreads the tokens"
+    )
+
+
+def expert_imbalance(run: Run) -> Finding | None:
+    """A layer's busiest expert takes over twice the tokens of the mean expert."""
+    loads = _layer_medians(run, "moe_layer_load")
+    over = {layer: load for layer, load in loads.items() if load > LOAD_LIMIT}
+    if not over:
+        return None
+    worst = max(over, key=over.get)
+    fixes = [_stronger_balance(run)]
+    if run.config.model.expert_capacity_factor == 0:
+        fixes.append(
+            "`model.expert_capacity_factor=1.25`: cap each expert's tokens, so the busiest "
+            "one no longer sets the layer's time (its overflow is dropped: watch "
+            "moe_dropped_fraction)"
+        )
+    evidence = (
+        f"layer {worst}'s busiest expert takes {over[worst]:.1f}x the mean expert's tokens "
+        f"(median of the later log steps; {len(over)} of {len(loads)} MoE layers over "
+        f"{LOAD_LIMIT:g}x)"
+    )
+    title = f"the experts of layer {worst} are imbalanced"
+    return Finding("expert-imbalance", title, evidence, tuple(fixes))
+
+
+def dropped_tokens(run: Run) -> Finding | None:
+    """A layer's capacity drops over 3% of its tokens' expert choices."""
+    drops = _layer_medians(run, "moe_layer_dropped")
+    over = {layer: share for layer, share in drops.items() if share > DROP_LIMIT}
+    if not over:
+        return None
+    worst = max(over, key=over.get)
+    factor = run.config.model.expert_capacity_factor
+    fixes = (
+        f"`model.expert_capacity_factor={max(2 * factor, factor + 0.5):g}`: more seats per "
+        f"expert (now {factor:g})",
+        _stronger_balance(run) + " and overflows less",
+        "`model.expert_capacity_factor=0`: drop nothing (each expert then computes every "
+        "token of the sequence: slower)",
+    )
+    evidence = (
+        f"layer {worst} drops {percent(over[worst])} of its expert choices (median of the "
+        f"later log steps; {len(over)} of {len(drops)} MoE layers over {DROP_LIMIT:.0%})"
+    )
+    title = f"layer {worst} drops tokens"
+    return Finding("dropped-tokens", title, evidence, fixes)
