@@ -27,6 +27,16 @@ def _layer_medians(run: Run, prefix: str) -> dict[int, float]:
     return {layer: statistics.median(found) for layer, found in values.items()}
 
 
+def _worst_over(run: Run, prefix: str, limit: float) -> tuple[int, float, str] | None:
+    """(the worst layer, its median, "n of m MoE layers") where a layer is over `limit`."""
+    medians = _layer_medians(run, prefix)
+    over = {layer: value for layer, value in medians.items() if value > limit}
+    if not over:
+        return None
+    worst = max(over, key=over.get)
+    return worst, over[worst], f"{len(over)} of {len(medians)} MoE layers"
+
+
 def _stronger_balance(run: Run) -> str:
     weight = run.config.model.router_aux_loss
     stronger = 0.01 if weight == 0 else 2 * weight
@@ -38,11 +48,10 @@ def _stronger_balance(run: Run) -> str:
 
 def expert_imbalance(run: Run) -> Finding | None:
     """A layer's busiest expert takes over twice the tokens of the mean expert."""
-    loads = _layer_medians(run, "moe_layer_load")
-    over = {layer: load for layer, load in loads.items() if load > LOAD_LIMIT}
-    if not over:
+    found = _worst_over(run, "moe_layer_load", LOAD_LIMIT)
+    if found is None:
         return None
-    worst = max(over, key=over.get)
+    worst, load, layers = found
     fixes = [_stronger_balance(run)]
     if run.config.model.expert_capacity_factor == 0:
         fixes.append(
@@ -51,9 +60,8 @@ def expert_imbalance(run: Run) -> Finding | None:
             "moe_dropped_fraction)"
         )
     evidence = (
-        f"layer {worst}'s busiest expert takes {over[worst]:.1f}x the mean expert's tokens "
-        f"(median of the later log steps; {len(over)} of {len(loads)} MoE layers over "
-        f"{LOAD_LIMIT:g}x)"
+        f"layer {worst}'s busiest expert takes {load:.1f}x the mean expert's tokens "
+        f"(median of the later log steps; {layers} over {LOAD_LIMIT:g}x)"
     )
     title = f"the experts of layer {worst} are imbalanced"
     return Finding("expert-imbalance", title, evidence, tuple(fixes))
@@ -61,11 +69,10 @@ def expert_imbalance(run: Run) -> Finding | None:
 
 def dropped_tokens(run: Run) -> Finding | None:
     """A layer's capacity drops over 3% of its tokens' expert choices."""
-    drops = _layer_medians(run, "moe_layer_dropped")
-    over = {layer: share for layer, share in drops.items() if share > DROP_LIMIT}
-    if not over:
+    found = _worst_over(run, "moe_layer_dropped", DROP_LIMIT)
+    if found is None:
         return None
-    worst = max(over, key=over.get)
+    worst, share, layers = found
     factor = run.config.model.expert_capacity_factor
     fixes = (
         f"`model.expert_capacity_factor={max(2 * factor, factor + 0.5):g}`: more seats per "
@@ -75,8 +82,8 @@ def dropped_tokens(run: Run) -> Finding | None:
         "token of the sequence: slower)",
     )
     evidence = (
-        f"layer {worst} drops {percent(over[worst])} of its expert choices (median of the "
-        f"later log steps; {len(over)} of {len(drops)} MoE layers over {DROP_LIMIT:.0%})"
+        f"layer {worst} drops {percent(share)} of its expert choices (median of the later "
+        f"log steps; {layers} over {DROP_LIMIT:.0%})"
     )
     title = f"layer {worst} drops tokens"
     return Finding("dropped-tokens", title, evidence, fixes)
