@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TINY, run_module, run_modules
 from flax import nnx
-from test_hf import gpt2, llama, mixtral
+from test_hf import gpt2, llama, mixtral, qwen3_moe
 
 from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.errors import UserError
@@ -83,9 +83,10 @@ def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     }
 
 
-def test_a_mixtral_generates_transformers_greedy_tokens(devices, tmp_path):
+@pytest.mark.parametrize("build", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_generates_transformers_greedy_tokens(devices, tmp_path, build):
     """A mixture of experts decodes token by token through its router, as transformers does."""
-    model = mixtral()
+    model = build()
     model.save_pretrained(tmp_path / "hf")
     hf.hf_import(tmp_path / "hf", tmp_path / "ours")
     ours = Model(tmp_path / "ours", devices[:1])

@@ -73,6 +73,62 @@ def mixtral():
     return model
 
 
+def qwen3_moe():
+    """A 2-layer Qwen3-MoE: heads wider than width / heads, normed queries and keys, 4
+    experts of their own width, 2 per token with the weights not renormalised.
+
+    Its norms' scales are randomised (they start at one) and its routers scaled up, as
+    Mixtral's above.
+    """
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20.0)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
+    return model
+
+
+def qwen3():
+    """A 2-layer dense Qwen3, tied: heads of width 32 over a width of 64, queries and keys
+    normed (their scales randomised)."""
+    config = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
+    return model
+
+
 def gpt2(tied=True):
     config = transformers.GPT2Config(
         vocab_size=96,
@@ -104,17 +160,19 @@ def our_logits(export_dir, devices, mesh=("mesh.data=1",)):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """{name: (HF model, HF dir, our export dir)} for a GQA Llama, a GPT-2 and a Mixtral."""
+    """{name: (HF model, HF dir, our export dir)}: a GQA Llama, a GPT-2, a Mixtral, a Qwen3-MoE."""
     root = tmp_path_factory.mktemp("hf")
     models = {}
-    for name, model in (("llama", llama()), ("gpt2", gpt2()), ("mixtral", mixtral())):
+    builders = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+    for name, build in builders.items():
+        model = build()
         model.save_pretrained(root / name)
         hf.hf_import(root / name, root / f"{name}_ours")
         models[name] = (model, root / name, root / f"{name}_ours")
     return models
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]])
 def test_imported_logits_match_transformers(imported, devices, name, mesh):
     model, _, ours = imported[name]
@@ -149,7 +207,7 @@ def test_both_spellings_of_rope_scaling_are_read(imported):
     assert hf.model_config_from_hf(spelled_4x, where).rope_factor == 8.0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen3_moe"])
 def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, devices, tmp_path, name):
     _, _, ours = imported[name]
     logits, params = our_logits(ours, devices[:1])
@@ -162,7 +220,7 @@ def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, device
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
 
 
-@pytest.mark.parametrize("build", [lambda: llama(tied=True), lambda: gpt2(tied=False)])
+@pytest.mark.parametrize("build", [lambda: llama(tied=True), lambda: gpt2(tied=False), qwen3])
 def test_tied_llama_and_untied_gpt2_round_trip_with_their_token_ids(build, devices, tmp_path):
     model = build()
     model.save_pretrained(tmp_path / "hf")

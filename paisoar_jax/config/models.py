@@ -16,7 +16,7 @@ from paisoar_jax.errors import UserError
 
 # The keys of the model section that only model.name=llama reads.
 LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
-LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length")
+LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "qk_norm")
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
@@ -58,6 +58,10 @@ class LanguageModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_length: int = 8192
+    # llama only: each attention head's width (0: width / heads; Qwen3's head_dim is wider),
+    # and an RMSNorm of each head's queries and keys before the rotary positions (Qwen3's).
+    head_width: int = 0
+    qk_norm: bool = False
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when
@@ -86,13 +90,14 @@ class LanguageModelConfig:
             raise UserError(
                 f"model.mlp_width must be >= 0 (0 means 4 * width), got {self.mlp_width}"
             )
-        if self.width % self.heads:
+        if self.width % self.heads and not self.head_width:
             raise UserError(
                 f"model.width={self.width} is not divisible by model.heads={self.heads}"
             )
-        if self.position == "rotary" and (self.width // self.heads) % 2:
+        if self.position == "rotary" and self.head_size % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
+        check_at_least("model", self, {"head_width": 0})
         check_at_least("model", self, {"max_positions": 0})
         if self.max_positions and self.seq_len > self.max_positions:
             raise UserError(
@@ -118,6 +123,11 @@ class LanguageModelConfig:
     def positions(self) -> int:
         """The positions the model holds: max_positions, or seq_len when it is 0."""
         return self.max_positions or self.seq_len
+
+    @property
+    def head_size(self) -> int:
+        """The width of one attention head: head_width, or width / heads when it is 0."""
+        return self.head_width or self.width // self.heads
 
     @property
     def key_value_heads(self) -> int:

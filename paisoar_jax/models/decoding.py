@@ -21,7 +21,7 @@ from paisoar_jax.sharding import constrain
 
 def empty_cache(config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Zero keys and values (L x B x S x K x E) for `length` positions."""
-    shape = (config.layers, batch, length, config.key_value_heads, config.width // config.heads)
+    shape = (config.layers, batch, length, config.key_value_heads, config.head_size)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 

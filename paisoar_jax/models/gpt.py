@@ -349,7 +349,8 @@ class Decoder(nnx.Module):
         the active parameters: a mixture of experts leaves out the experts a token skips.
         """
         active = param_count - inactive_parameters(config)
-        return 6 * active + 12 * config.layers * config.width * config.seq_len
+        attention_width = config.heads * config.head_size  # the width, unless heads are wider
+        return 6 * active + 12 * config.layers * attention_width * config.seq_len
 
 
 class GPT(Decoder):

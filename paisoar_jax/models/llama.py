@@ -38,11 +38,14 @@ MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in fp32 (HF's LlamaRMSNorm)."""
+    """x / rms(x) * scale over the last axis, computed in fp32 (HF's LlamaRMSNorm).
 
-    def __init__(self, width: int, epsilon: float, rngs: nnx.Rngs):
+    `axis`: the scale's logical axis name (`embed`, or `head_dim` for a head's norm).
+    """
+
+    def __init__(self, width: int, epsilon: float, rngs: nnx.Rngs, axis: str = "embed"):
         self.epsilon = epsilon
-        self.scale = param(rngs, nnx.initializers.ones, (width,), ("embed",))
+        self.scale = param(rngs, nnx.initializers.ones, (width,), (axis,))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         """The normalised stream, fp32."""
@@ -58,7 +61,7 @@ def inverse_frequencies(config: LanguageModelConfig) -> jax.Array:
     `factor`, those shorter than original_length / high_freq_factor are kept, and the band
     between blends the two.
     """
-    head_width = config.width // config.heads
+    head_width = config.head_size
     inverse = 1.0 / (config.rope_theta ** (jnp.arange(0, head_width, 2) / head_width))
     if config.rope_scaling == "none":
         return inverse
@@ -95,7 +98,7 @@ class Block(DecoderBlock):
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)
-        E = D // H
+        E = config.head_size
         normal = nnx.initializers.normal(config.init_std)
         residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
         self.policy = policy
@@ -105,6 +108,9 @@ class Block(DecoderBlock):
         self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
+        if config.qk_norm:  # Qwen3: each head's queries and keys normed, before the rotation
+            self.q_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
+            self.k_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
         self.mlp_norm = RMSNorm(D, config.norm_eps, rngs)
         self.moe = experts_of(config, policy, rngs, layer)
         if self.moe is None:
@@ -120,6 +126,9 @@ class Block(DecoderBlock):
         q_BxTxHxE = constrain(matmul("btd,dhe->bthe", h_BxTxD, self.q_kernel[...], "q"), heads)
         k_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.k_kernel[...], "k"), heads)
         v_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.v_kernel[...], "v"), heads)
+        if hasattr(self, "q_norm"):
+            q_BxTxHxE = self.policy.cast_to_compute(self.q_norm(q_BxTxHxE))
+            k_BxTxKxE = self.policy.cast_to_compute(self.k_norm(k_BxTxKxE))
         return rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary), v_BxTxKxE
 
     def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:

@@ -180,7 +180,7 @@ def _attention(config: Config) -> str | None:
     if not hasattr(model, "attention"):
         return None
     policy = get_policy(config.precision.policy)
-    return resolve_attention(model.attention, policy, model.width // model.heads)
+    return resolve_attention(model.attention, policy, model.head_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,8 +23,11 @@ ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-FAMILY = {"gpt2": "gpt", "llama": "llama", "mixtral": "llama"}  # HF model_type -> model.name
+# HF model_type -> model.name: Mixtral and Qwen3 are Llamas with experts, or heads normed.
+FAMILY = {"gpt2": "gpt"} | {name: "llama" for name in ("llama", "mixtral", "qwen3", "qwen3_moe")}
 Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
 
 
@@ -98,6 +101,18 @@ MIXTRAL_EXPERTS = (
     _expert("up_kernel", "w3"),
     _expert("down_kernel", "w2"),
 )
+# Qwen3-MoE's: a Llama MLP per expert.
+QWEN3_EXPERTS = (
+    _transposed("blocks.moe.router_kernel", "model.layers.{i}.mlp.gate.weight"),
+    _transposed("blocks.moe.gate_kernel", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
+    _transposed("blocks.moe.up_kernel", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
+    _transposed("blocks.moe.down_kernel", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
+)
+# Qwen3's norms of each head's queries and keys.
+QK_NORMS = (
+    Tensor("blocks.q_norm.scale", "model.layers.{i}.self_attn.q_norm.weight"),
+    Tensor("blocks.k_norm.scale", "model.layers.{i}.self_attn.k_norm.weight"),
+)
 
 
 def _split_qkv(array, config):
@@ -148,13 +163,20 @@ def tensors_of(model: LanguageModelConfig) -> tuple[Tensor, ...]:
     """Every tensor of the HF form of `model`: GPT-2's, Llama's, or Mixtral's."""
     if model.name == "gpt":
         return GPT2
-    return LLAMA + (MIXTRAL_EXPERTS if model.experts else LLAMA_MLP)
+    mlp = {"mixtral": MIXTRAL_EXPERTS, "qwen3_moe": QWEN3_EXPERTS}.get(hf_type(model), LLAMA_MLP)
+    return LLAMA + (QK_NORMS if model.qk_norm else ()) + mlp
 
 
 def hf_type(model: LanguageModelConfig) -> str:
-    """The HF model_type of our model section: gpt2, llama or mixtral."""
+    """The HF model_type of our model section: gpt2, llama, mixtral, qwen3 or qwen3_moe.
+
+    A llama with its heads' queries and keys normed is a Qwen3; with experts too, a
+    Qwen3-MoE. With experts alone it is a Mixtral.
+    """
     if model.name == "gpt":
         return "gpt2"
+    if model.qk_norm:
+        return "qwen3_moe" if model.experts else "qwen3"
     return "mixtral" if model.experts else "llama"
 
 
@@ -191,16 +213,19 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
             tie_embeddings=hf.get("tie_word_embeddings", True),
         )
     width, heads = hf["hidden_size"], hf["num_attention_heads"]
+    windowed = hf.get("use_sliding_window", hf.get("sliding_window") is not None)
     refused = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         "attention_bias": hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
-        "head_dim": (hf.get("head_dim") or width // heads) != width // heads,
-        "sliding_window": hf.get("sliding_window") is not None,  # Mixtral's: full attention
+        "sliding_window": windowed,  # every layer attends to all the window
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1,  # Qwen3-MoE's
+        "mlp_only_layers": bool(hf.get("mlp_only_layers")),
     }
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
+    head_width = hf.get("head_dim") or width // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -227,38 +252,88 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         tie_embeddings=hf.get("tie_word_embeddings", False),
+        head_width=0 if head_width * heads == width else head_width,
+        qk_norm=hf["model_type"] in ("qwen3", "qwen3_moe"),
         **scaling,
         **_experts_from_hf(hf),
     )
 
 
 def _experts_from_hf(hf: dict) -> dict:
-    """The MoE keys of a Mixtral's config.json ({} for a Llama): dropless, softmax top-k."""
-    if hf.get("model_type") != "mixtral":
+    """The MoE keys of a Mixtral's or Qwen3-MoE's config.json ({} for the others).
+
+    Both route dropless, softmax top-k; Mixtral renormalises the chosen weights always,
+    Qwen3-MoE where norm_topk_prob says so, and its experts have their own width.
+    """
+    if hf["model_type"] not in ("mixtral", "qwen3_moe"):
         return {}
-    return dict(
-        experts=hf["num_local_experts"],
+    keys = dict(
+        experts=hf.get("num_local_experts") or hf["num_experts"],  # Qwen3-MoE: 4.x's name
         experts_per_token=hf["num_experts_per_tok"],
         router_aux_loss=float(hf.get("router_aux_loss_coef", 0.02)),
     )
+    if hf["model_type"] == "qwen3_moe":
+        keys |= dict(
+            expert_mlp_width=hf["moe_intermediate_size"],
+            router_renormalize=bool(hf.get("norm_topk_prob", False)),
+        )
+    return keys
 
 
-def _mixtral_json(model: LanguageModelConfig) -> dict:
-    """The keys a MixtralForCausalLM adds to a Llama's, once HF's Mixtral can hold `model`."""
+def _variant_json(model: LanguageModelConfig) -> dict:
+    """What a Mixtral, Qwen3 or Qwen3-MoE adds to (or changes in) a Llama's config.json."""
+    variant = hf_type(model)
+    if variant == "llama":
+        return {}
+    if variant == "mixtral":
+        return _mixtral_json(model)
+    settings = {
+        "architectures": [ARCHITECTURES[variant]],
+        "model_type": variant,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+    if variant == "qwen3":
+        return settings
+    _check_routing(model, "Qwen3-MoE", renormalized=model.router_renormalize)
+    return settings | {
+        "num_experts": model.experts,  # transformers 4.x's name
+        "num_local_experts": model.experts,  # 5.x's
+        "num_experts_per_tok": model.experts_per_token,
+        "moe_intermediate_size": model.expert_mlp_width or model.mlp_width or 4 * model.width,
+        "norm_topk_prob": model.router_renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": model.router_aux_loss,
+    }
+
+
+def _check_routing(model: LanguageModelConfig, name: str, renormalized: bool) -> None:
+    """HF's MoE routes softmax top-k on every layer, with no shared experts: refuses others."""
     differences = {
         "model.router": model.router != "softmax",
-        "model.router_renormalize": not model.router_renormalize,
+        "model.router_renormalize": model.router_renormalize != renormalized,
         "model.shared_experts": model.shared_experts != 0,
         "model.moe_every": model.moe_every != 1,
-        "model.expert_mlp_width": model.expert_mlp_width not in (0, model.mlp_width),
     }
     for key, differs in differences.items():
         if differs:
             value = getattr(model, key.removeprefix("model."))
+            renormalizes = " (and renormalises the chosen)" if name == "Mixtral" else ""
             raise UserError(
-                f"an HF Mixtral routes softmax top-k, renormalised, on every layer, with no "
-                f"shared experts of their own width: this model has {key}={value}"
+                f"an HF {name} routes softmax top-k{renormalizes} on every layer with no "
+                f"shared experts: this model has {key}={value}"
             )
+
+
+def _mixtral_json(model: LanguageModelConfig) -> dict:
+    """The keys a MixtralForCausalLM adds to a Llama's, once HF's Mixtral can hold `model`."""
+    _check_routing(model, "Mixtral", renormalized=True)
+    if model.expert_mlp_width not in (0, model.mlp_width):
+        raise UserError(
+            f"an HF Mixtral's experts are model.mlp_width={model.mlp_width} wide: this model "
+            f"has model.expert_mlp_width={model.expert_mlp_width}"
+        )
     return {
         "architectures": [ARCHITECTURES["mixtral"]],
         "model_type": "mixtral",
@@ -312,7 +387,7 @@ def hf_config(model: LanguageModelConfig) -> dict:
         "num_hidden_layers": model.layers,
         "num_attention_heads": model.heads,
         "num_key_value_heads": model.key_value_heads,
-        "head_dim": model.width // model.heads,
+        "head_dim": model.head_size,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
         "rope_scaling": rope_scaling,
@@ -320,4 +395,4 @@ def hf_config(model: LanguageModelConfig) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": model.tie_embeddings,
-    } | (_mixtral_json(model) if model.experts else {})
+    } | _variant_json(model)
