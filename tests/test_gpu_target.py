@@ -101,6 +101,18 @@ def test_decoders_in_bf16_use_cudnn_attention_and_16_bit_matmuls_only(config_nam
 
 
 @pytest.mark.gpu_aot
+def test_experts_split_over_8_h200_trade_tokens_by_overlapped_all_to_all():
+    found = target_plan("qwen3_30b_a3b", "mesh.data=1", "mesh.expert=8", "model.layers=4")
+    kernels = found["target"]
+    assert kernels["fits"] and kernels["attention"] == "cudnn"
+    all_to_all = [row for row in kernels["collectives"] if row["kind"] == "all-to-all"]
+    assert all_to_all and all(row["overlapped"] for row in all_to_all)
+    # The only fp32 matmuls are the router's (its logits in fp32 by design), forward and back.
+    routers = kernels["fp32_matmuls"]
+    assert routers and all("btd,dx->btx" in name for name in routers), routers
+
+
+@pytest.mark.gpu_aot
 def test_llama3_8b_fits_on_fsdp_and_not_on_data_parallel_without_remat():
     sharded = target_plan("llama3_8b", "mesh.data=1", "mesh.fsdp=8")
     assert sharded["target"]["fits"] and sharded["target"]["memory_share"] < 0.5
