@@ -183,6 +183,17 @@ def test_imported_logits_match_transformers(imported, devices, name, mesh):
     assert difference < 1e-4, difference
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_imported_experts_split_over_expert_x_fsdp_give_transformers_logits(
+    imported, devices, name
+):
+    model, _, ours = imported[name]
+    mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+    logits, params = our_logits(ours, devices[:4], mesh)
+    assert params["blocks"]["moe"]["gate_kernel"].sharding.spec[1] in ("expert", ("expert",))
+    assert np.abs(logits - torch_logits(model)).max() < 1e-4
+
+
 def test_the_import_writes_a_config_that_fine_tunes(imported):
     config = load_config(str(imported["llama"][2] / "config.yaml"))
     assert (config.model.name, config.model.kv_heads, config.model.rope_scaling) == (
