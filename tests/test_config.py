@@ -121,6 +121,7 @@ def test_sections_are_frozen():
         (["model.experts=4", "model.moe_every=2"], "set model.scan_layers=false"),
         (["model.experts=4", "model.moe_every=9"], "no layer would have experts"),
         (["model.experts=4", "model.router_aux_loss=-1"], "model.router_aux_loss must be a"),
+        (["model.experts=4", "model.router_bias_rate=-1"], "model.router_bias_rate must be a"),
         (["model.experts=4", "mesh.stage=2"], "model.experts does not pipeline yet"),
         (["model.experts=4", "precision.policy=fp8"], "does not cover the experts' matmuls"),
         (["model.experts=4", "model.router=top1"], "'top1' is not one of softmax, sigmoid"),

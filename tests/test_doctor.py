@@ -414,7 +414,8 @@ def test_an_imbalanced_and_dropping_moe_layer_is_named(tmp_path):
     assert imbalance.title == "the experts of layer 1 are imbalanced"
     assert imbalance.evidence.startswith("layer 1's busiest expert takes 3.0x the mean")
     assert imbalance.fixes[0].startswith("`model.router_aux_loss=0.02`")
-    assert "`model.expert_capacity_factor=1.25`" in imbalance.fixes[1]  # dropless now
+    assert imbalance.fixes[1].startswith("`model.router_bias_rate=0.001`")
+    assert "`model.expert_capacity_factor=1.25`" in imbalance.fixes[2]  # dropless now
     assert drops.evidence.startswith("layer 1 drops 20% of its expert choices")
     assert drops.fixes[0].startswith("`model.expert_capacity_factor=0.5`")
 

@@ -254,6 +254,7 @@ def test_a_moe_run_resumes_exactly_on_another_expert_split(tmp_path):
     from conftest import resumable_run
 
     settings = [*MOE, *LLAMA, "model.expert_capacity_factor=1.0", "mesh.data=2", "mesh.fsdp=2"]
+    settings += ["model.router_bias_rate=0.01"]  # its biases are saved and restored too
     straight = resumable_run(tmp_path / "straight", [*settings, "mesh.expert=2"], 6)
     resumable_run(tmp_path / "cut", [*settings, "mesh.expert=2"], 3)
     resumed = resumable_run(tmp_path / "cut", [*settings, "mesh.data=4"], 6)
@@ -270,7 +271,8 @@ def test_a_moe_run_resumes_exactly_on_another_expert_split(tmp_path):
         ["precision.policy=bf16", "mesh.zero=1", "mesh.tensor=2"],
         ["precision.policy=fp16", "train.grad_accum=2", "mesh.expert=2"],
         ["model.router=sigmoid", "model.shared_experts=1", "model.router_z_loss=0.001"],
-        ["model.name=gpt", "model.scan_layers=false", "model.layers=4", "model.moe_every=2"],
+        ["model.name=gpt", "model.scan_layers=false", "model.layers=4", "model.moe_every=2"]
+        + ["model.router_bias_rate=0.001"],
     ],
 )
 def test_every_moe_setting_trains(devices, overrides):
@@ -286,3 +288,36 @@ def test_every_moe_setting_trains(devices, overrides):
         assert 0 <= float(metrics["moe_dropped_fraction"]) < 1
     # That the setting compiles and trains: the numbers are checked against one device above.
     assert all(np.isfinite(values))
+
+
+def test_bias_balancing_moves_each_experts_bias_toward_the_even_load():
+    """DeepSeek-V3's loss-free balancing: the bias shifts the choice, never the weights."""
+    shape = MoeShape(experts=4, experts_per_token=2, bias_rate=0.1)
+    module = layer(shape)
+    module.router_bias[...] = jnp.array([0.0, 0.0, 0.0, 5.0])  # expert 3 chosen by all
+    h = np.random.default_rng(1).normal(size=(B, T, WIDTH)).astype(np.float32)
+    logits = _logits(module, h)
+    weights, chosen, _ = route(logits, shape, module.router_bias[...])
+    assert np.all(np.any(np.asarray(chosen) == 3, axis=-1))  # the bias chose it for every token
+    scores = np.asarray(jax.nn.softmax(logits, axis=-1))
+    picked = np.take_along_axis(scores, np.asarray(chosen), axis=-1)
+    np.testing.assert_allclose(weights, picked / picked.sum(-1, keepdims=True), rtol=1e-6)
+    _, statistics = module(h)
+    counts = np.bincount(np.asarray(chosen).ravel(), minlength=4)
+    expected = module.router_bias[...] + 0.1 * np.sign(counts.mean() - counts)
+    np.testing.assert_allclose(statistics["router_bias"], expected, rtol=1e-6)
+    assert float(statistics["router_bias"][3]) == pytest.approx(4.9)  # the busiest: down
+
+
+def test_bias_balancing_is_model_state_the_step_moves(devices):
+    """A train step writes every layer's next bias into the state; the loss is unaffected."""
+    from conftest import build_run, token_batches
+
+    overrides = [*MOE, *LLAMA, "model.router=sigmoid", "model.router_bias_rate=0.01"]
+    mesh = ["mesh.data=2", "mesh.expert=2"]
+    _, _, _, state, train_step = build_run([*overrides, *mesh], devices[:4])
+    assert np.all(np.asarray(state.model_state["blocks"]["moe"]["router_bias"]) == 0)
+    state, _ = train_step(state, token_batches(1)[0])
+    bias = np.asarray(state.model_state["blocks"]["moe"]["router_bias"])
+    assert bias.shape == (2, 4)  # layers x experts
+    assert np.all(np.isclose(np.abs(bias), 0.01) | (bias == 0)) and np.any(bias != 0)

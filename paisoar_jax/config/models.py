@@ -20,6 +20,7 @@ LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "q
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
+MOE_KEYS += ("router_bias_rate",)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class LanguageModelConfig:
     router_renormalize: bool = True  # the chosen experts' weights sum to 1 (Mixtral)
     router_aux_loss: float = 0.01  # the balance loss's weight in the loss (Switch's)
     router_z_loss: float = 0.0  # the router z-loss's weight (ST-MoE uses 0.001)
+    # DeepSeek-V3's balancing without a loss: a per-expert bias on the scores that choose
+    # (not on the weights), moved by this much after each batch toward the even load (0: off)
+    router_bias_rate: float = 0.0
 
     def __post_init__(self):
         if self.name == "llama":  # its positions are always rotary: config.yaml says so
@@ -148,7 +152,7 @@ class LanguageModelConfig:
                 f"model.experts_per_token={self.experts_per_token} is more than the "
                 f"model.experts={self.experts} there are"
             )
-        keys = ("expert_capacity_factor", "router_aux_loss", "router_z_loss")
+        keys = ("expert_capacity_factor", "router_aux_loss", "router_z_loss", "router_bias_rate")
         check_finite_non_negative("model", self, keys)
         if self.moe_every > self.layers:
             raise UserError(

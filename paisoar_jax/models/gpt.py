@@ -436,12 +436,17 @@ def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, config):
         step = wrap_block_call(functools.partial(_block_step, graphdef, rotary), remat_policy, True)
         if config.experts == 0:  # a plain scan, or the pipeline of mesh.stage > 1 (pipeline.py)
             return scan_layers(step, x_BxTxD, stacked_state), {}
-        return scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
+        x_BxTxD, statistics = scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
+        if "router_bias" in statistics:  # bias balancing: the stack's next biases
+            blocks.moe.router_bias[...] = statistics.pop("router_bias")
+        return x_BxTxD, statistics
     per_layer = []
     for block in blocks:
         graphdef, block_state = nnx.split(block)
         step = functools.partial(_block_step, graphdef, rotary)
         x_BxTxD, statistics = wrap_block_call(step, remat_policy, scanned)(x_BxTxD, block_state)
+        if "router_bias" in statistics:
+            block.moe.router_bias[...] = statistics.pop("router_bias")
         per_layer += [statistics] if statistics else []
     if not per_layer:
         return x_BxTxD, {}

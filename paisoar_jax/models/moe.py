@@ -21,6 +21,12 @@ for few experts; a grouped matmul (`jax.lax.ragged_dot`) that computes only the 
 routed is the GPU path still owed. Shared experts (DeepSeek) are one more SwiGLU every
 token goes through, unweighted.
 
+Bias balancing (model.router_bias_rate, DeepSeek-V3's loss-free balancing): a per-expert
+bias is added to the scores that choose the experts, not to the weights that combine them;
+after each batch every expert's bias moves by the rate toward the even load (up for an expert
+below the mean load, down above it). The bias is model state, not a parameter: the layer
+returns its next value among its statistics ("router_bias") and the decoder writes it back.
+
 Losses (`balance_loss`, `z_loss`), over every token of the batch: the balance loss is
 Switch's, as Hugging Face's Mixtral computes it for one layer: X x sum over experts of (the
 expert's share of the choices made, before capacity) x (its mean router probability); 1 x K
@@ -59,6 +65,7 @@ class MoeShape:
     router: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # the chosen experts' weights sum to 1
     shared_experts: int = 0  # DeepSeek: this many experts' width of SwiGLU every token takes
+    bias_rate: float = 0.0  # DeepSeek-V3: the choosing bias's step toward even load (0: none)
 
     def capacity(self, tokens: int) -> int:
         """Seats per expert for a group of `tokens` tokens."""
@@ -78,6 +85,7 @@ def shape_of(config) -> MoeShape:
         router=config.router,
         renormalize=config.router_renormalize,
         shared_experts=config.shared_experts,
+        bias_rate=config.router_bias_rate,
     )
 
 
@@ -140,11 +148,14 @@ def metrics_of(statistics: dict[str, jax.Array], config) -> dict[str, jax.Array]
     return metrics
 
 
-def route(logits_BxTxX: jax.Array, shape: MoeShape) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(
+    logits_BxTxX: jax.Array, shape: MoeShape, bias_X: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(weights B x T x K, chosen experts B x T x K, probabilities B x T x X), all fp32.
 
     The probabilities are what the balance loss averages: the softmax, or the sigmoid
-    scores normalised to sum to 1 per token.
+    scores normalised to sum to 1 per token. `bias_X` (bias balancing) shifts the scores
+    that choose, not the weights of the chosen.
     """
     logits = float32_island(logits_BxTxX)
     if shape.router == "softmax":
@@ -154,6 +165,9 @@ def route(logits_BxTxX: jax.Array, shape: MoeShape) -> tuple[jax.Array, jax.Arra
         scores_BxTxX = jax.nn.sigmoid(logits)
         probabilities_BxTxX = scores_BxTxX / jnp.sum(scores_BxTxX, axis=-1, keepdims=True)
     weights_BxTxK, chosen_BxTxK = jax.lax.top_k(scores_BxTxX, shape.experts_per_token)
+    if bias_X is not None:
+        _, chosen_BxTxK = jax.lax.top_k(scores_BxTxX + bias_X, shape.experts_per_token)
+        weights_BxTxK = jnp.take_along_axis(scores_BxTxX, chosen_BxTxK, axis=-1)
     if shape.renormalize:
         weights_BxTxK = weights_BxTxK / jnp.sum(weights_BxTxK, axis=-1, keepdims=True)
     return weights_BxTxK, chosen_BxTxK, probabilities_BxTxX
@@ -203,6 +217,8 @@ class MoeFeedForward(nnx.Module):
         self.gate_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.up_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.down_kernel = param(rngs, normal, (X, F, D), ("experts", "mlp", "embed"))
+        if shape.bias_rate:  # state the forward pass moves: the decoder writes it back
+            self.router_bias = nnx.BatchStat(jnp.zeros((X,)), out_sharding=("router",))
         if shape.shared_experts:
             S = shape.shared_experts * F
             self.shared_gate_kernel = param(rngs, normal, (D, S), ("embed", "mlp"))
@@ -215,7 +231,8 @@ class MoeFeedForward(nnx.Module):
         B, T, D = h_BxTxD.shape
         X, C = shape.experts, shape.capacity(T)
         logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
-        weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape)
+        bias_X = self.router_bias[...] if shape.bias_rate else None
+        weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape, bias_X)
         seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
         # Each kept choice's slot in its row's X x C buffer; a dropped one goes to slot X C,
         # a spill row past the buffers that no expert reads and that gives back zeros.
@@ -257,6 +274,10 @@ class MoeFeedForward(nnx.Module):
             "expert_load": jnp.max(load_X) / jnp.maximum(jnp.mean(load_X), 1e-9),
             "dropped_fraction": jnp.mean(jnp.logical_not(kept_BxTxK).astype(jnp.float32)),
         }
+        if shape.bias_rate:  # each expert's bias a step toward the mean load of the choices
+            chosen_X = jnp.sum(jax.nn.one_hot(chosen_BxTxK, X), axis=(0, 1, 2))
+            step_X = shape.bias_rate * jnp.sign(jnp.mean(chosen_X) - chosen_X)
+            statistics["router_bias"] = jax.lax.stop_gradient(bias_X + step_X)
         return y_BxTxD, statistics
 
 

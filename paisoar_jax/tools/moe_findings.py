@@ -53,6 +53,11 @@ def expert_imbalance(run: Run) -> Finding | None:
         return None
     worst, load, layers = found
     fixes = [_stronger_balance(run)]
+    if run.config.model.router_bias_rate == 0:
+        fixes.append(
+            "`model.router_bias_rate=0.001`: DeepSeek-V3's balancing without a loss (a "
+            "per-expert bias moves the choices toward the even load, not the gradients)"
+        )
     if run.config.model.expert_capacity_factor == 0:
         fixes.append(
             "`model.expert_capacity_factor=1.25`: cap each expert's tokens, so the busiest "
