@@ -271,6 +271,7 @@ def test_a_moe_run_resumes_exactly_on_another_expert_split(tmp_path):
         ["precision.policy=bf16", "mesh.zero=1", "mesh.tensor=2"],
         ["precision.policy=fp16", "train.grad_accum=2", "mesh.expert=2"],
         ["model.router=sigmoid", "model.shared_experts=1", "model.router_z_loss=0.001"],
+        ["precision.policy=fp8"],  # the attention in fp8, the experts in bf16
         ["model.name=gpt", "model.scan_layers=false", "model.layers=4", "model.moe_every=2"]
         + ["model.router_bias_rate=0.001"],
     ],

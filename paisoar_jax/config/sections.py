@@ -418,11 +418,6 @@ class Config:
                 f"model.experts does not pipeline yet ({self.mesh.describe_stages()}): the "
                 "router statistics leave the stack per layer; set mesh.stage=1"
             )
-        if self.precision.policy == "fp8":
-            raise UserError(
-                "precision.policy=fp8 does not cover the experts' matmuls yet: use bf16 with "
-                "model.experts"
-            )
 
     def _check_grad_comm(self) -> None:
         """mesh.grad_comm against the pipeline and the precision (grad_comm.py)."""

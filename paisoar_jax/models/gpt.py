@@ -211,6 +211,9 @@ def experts_of(config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, laye
     return MoeFeedForward(config.width, shape_of(config), policy, config.init_std, rngs)
 
 
+ATTENTION_MATMULS = ("qkv", "out")  # a GPT block's fp8 matmuls when experts are its MLP
+
+
 class Block(DecoderBlock):
     """One pre-LN transformer block: x + attention(norm(x)), then x + mlp(norm(x)).
 
@@ -238,8 +241,11 @@ class Block(DecoderBlock):
             self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
             self.mlp_out_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
             self.mlp_out_bias = param(rngs, zeros, (D,), ("embed",))
-        # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state.
-        self.fp8 = fp8.block_dots(policy)
+        # precision.policy=fp8: each of the four matmuls keeps its own fp8 scaling state (with
+        # experts, the attention's two: the experts' matmuls run in bf16).
+        self.fp8 = fp8.block_dots(
+            policy, ATTENTION_MATMULS if self.moe is not None else fp8.BLOCK_MATMULS
+        )
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         cast = self.policy.cast_to_compute

@@ -35,6 +35,7 @@ from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.sharding import constrain
 
 MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
+ATTENTION_MATMULS = MATMULS[:4]  # with experts as the MLP: theirs run in bf16
 
 
 class RMSNorm(nnx.Module):
@@ -117,7 +118,7 @@ class Block(DecoderBlock):
             self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
             self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
             self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
-        self.fp8 = fp8.block_dots(policy, MATMULS)
+        self.fp8 = fp8.block_dots(policy, ATTENTION_MATMULS if self.moe is not None else MATMULS)
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
         matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
