@@ -26,6 +26,7 @@ from conftest import PYTHON, TINY, build_run, subprocess_env
 
 from paisoar_jax import memory
 from paisoar_jax.tools import plan
+from paisoar_jax.tools.plan_table import format_table
 
 FP32 = 4
 # TINY's model: vocab 256 (the default), width 64, 32 tokens, 2 layers, learned positions.
@@ -163,6 +164,22 @@ def test_cli_prints_a_table_for_the_default_config(tmp_path):
     # Every parameter's sharding: FSDP splits the stacked MLP kernel over fsdp.
     assert "blocks.mlp_in_kernel" in table and "[-, fsdp, -]" in table
     assert len(table.splitlines()) < 60
+
+
+def test_a_mixture_of_experts_shows_its_split_and_its_all_to_all():
+    moe = ["model.name=llama", "model.experts=4", "model.mlp_width=48", "model.kv_heads=2"]
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
+    status, out, err = run_plan("--json", *TINY, *moe, *mesh)
+    assert status == 0, err
+    experts = json.loads(out)["experts"]
+    # 2 layers x 4 experts x (gate, up, down) of 64 x 48, over expert=2 and fsdp=2 (embed).
+    expert_bytes = LAYERS * 4 * 3 * WIDTH * 48 * FP32 // 4
+    assert experts["experts_per_device"] == 2
+    assert experts["expert_bytes_per_device"] == expert_bytes
+    assert experts["all_to_all_bytes"] > 0 and experts["all_to_all_seconds"] > 0
+    table = format_table(json.loads(out))
+    assert "experts: 4, 2 per token, capacity factor 0 (dropless)" in table
+    assert "mesh data=2 fsdp=2 expert=2 tensor=1" in table
 
 
 @pytest.mark.parametrize(

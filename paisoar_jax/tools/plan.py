@@ -51,7 +51,7 @@ from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import memory
 from paisoar_jax.oom import memory_fixes
-from paisoar_jax.tools import cli, fit_search, gpu_target, hlo
+from paisoar_jax.tools import cli, fit_search, gpu_target, hlo, plan_reports
 from paisoar_jax.tools.plan_table import format_table
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
@@ -282,7 +282,8 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             for op in found_collectives
         ],
         "unknown_trip_counts": unknown_loops,
-        "pipeline": _pipeline_report(schedule, by_kind),
+        "pipeline": plan_reports.pipeline_report(schedule, by_kind),
+        "experts": plan_reports.experts_report(model, layout, mesh, by_kind),
         "link": {"name": link_name, "gb_per_s": gb_per_s},
         "peak_tflops": peak,
         "peak_source": peak_source,
@@ -330,25 +331,6 @@ def _by_dtype(found: list, gb_per_s: float) -> list[dict[str, Any]]:
         for key in ("count", "bytes", "seconds"):
             row[key] = row.get(key, 0) + totals.get(key, 0)
     return sorted(rows.values(), key=lambda row: (hlo.KINDS.index(row["kind"]), row["dtype"]))
-
-
-def _pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:
-    """The schedule, its bubble and the stage-to-stage (collective-permute) bytes; or None."""
-    if schedule is None:
-        return None
-    permutes = by_kind.get("collective-permute", {})
-    return {
-        "schedule": schedule.schedule,
-        "stages": schedule.stages,
-        "microbatches": schedule.microbatches,
-        "repeats": schedule.repeats,
-        "iterations": schedule.iterations,
-        "bubble": schedule.bubble,
-        # Each iteration sends one micro-batch's activations forward and their gradient
-        # back: 2 x iterations permutes of a micro-batch's activations per device.
-        "p2p_bytes": permutes.get("bytes", 0),
-        "p2p_seconds": permutes.get("seconds", 0.0),
-    }
 
 
 def write_plan(path: pathlib.Path, result: dict) -> None:

@@ -23,6 +23,22 @@ def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _experts_lines(report: dict[str, Any] | None) -> list[str]:
+    """The mixture-of-experts section of the table (nothing for a dense model)."""
+    if report is None:
+        return []
+    capacity = report["capacity_factor"] or "0 (dropless)"
+    return [
+        "",
+        f"experts: {report['experts']}, {report['experts_per_token']} per token, capacity "
+        f"factor {capacity}",
+        f"  {report['experts_per_device']} per device (mesh.expert={report['expert_shards']}), "
+        f"their parameters {format_bytes(report['expert_bytes_per_device'])} per device",
+        f"  tokens to their experts and back {format_bytes(report['all_to_all_bytes']):>10} per "
+        f"device per step (all-to-all), {_duration(report['all_to_all_seconds'])}",
+    ]
+
+
 def format_count(number: float) -> str:
     """A count as 842K, 124M or 1.31B."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -49,9 +65,11 @@ def _example_shape(result: dict) -> str:
 
 def format_table(result: dict) -> str:
     """The plan as a short aligned table."""
-    # A mesh without pipeline stages reads as before: data, fsdp, tensor.
+    # A mesh without pipeline stages or experts split reads as before: data, fsdp, tensor.
     mesh = " ".join(
-        f"{axis}={size}" for axis, size in result["mesh"].items() if axis != "stage" or size > 1
+        f"{axis}={size}"
+        for axis, size in result["mesh"].items()
+        if axis not in ("stage", "expert") or size > 1
     )
     where = "simulated cpu" if result["simulated"] else result["platform"]
     if "target" in result:
@@ -104,6 +122,7 @@ def format_table(result: dict) -> str:
         f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
     ]
     lines += _pipeline_lines(result.get("pipeline"))
+    lines += _experts_lines(result.get("experts"))
     if "target" in result:
         lines += gpu_target.report_lines(result["target"])
     if "fit" in result:
