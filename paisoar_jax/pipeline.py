@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 
 import jax
@@ -150,19 +151,17 @@ def scan_layers(step: Callable, x, stacked, *, with_outputs: bool = False):
 
     In a pipelined run (mesh.stage > 1) the layers run as a pipeline over the stage axis
     and x's leading axis is the batch; elsewhere this is `jax.lax.scan`. `with_outputs`:
-    returns (x, every layer's y stacked), which a pipeline cannot give yet.
+    returns (x, every layer's y stacked); each y a dict of fp32 scalars (a mixture of
+    experts' router statistics), which a pipeline averages over its micro-batches and
+    batch shards.
     """
     context = _ACTIVE.get()
     if context is None:
         final, outputs = jax.lax.scan(step, x, stacked)
         return (final, outputs) if with_outputs else final
-    if with_outputs:
-        raise UserError(
-            "a stack whose layers report outputs (a mixture of experts' router statistics) "
-            "does not pipeline yet: set mesh.stage=1 and mesh.dcn_stage=1"
-        )
     context.stacks += 1
-    return _pipelined(step, x, stacked, context.pipeline)
+    final, outputs = _pipelined(step, x, stacked, context.pipeline, with_outputs)
+    return (final, outputs) if with_outputs else final
 
 
 def _batch_shards() -> int:
@@ -269,8 +268,12 @@ def _next_stage_backward(_, cotangent):
 _next_stage.defvjp(_next_stage_forward, _next_stage_backward)
 
 
-def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
-    """The stack as a pipeline; see the module docstring for the schedule."""
+def _pipelined(step: Callable, x, stacked, pipeline: Pipeline, with_outputs: bool = False):
+    """(the stack as a pipeline, its layers' outputs or None); see the module docstring.
+
+    `with_outputs`: each layer's y (a dict of fp32 scalars) averaged over the micro-batches
+    and the batch shards, stacked in layer order; without, the ys are dropped.
+    """
     stages, micro, repeats = pipeline.stages, pipeline.microbatches, pipeline.repeats
     if repeats > 1 and micro < stages:
         raise UserError(
@@ -288,6 +291,17 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
     one_row = jax.tree.map(lambda a: a[0, 0], inputs)
     stream = zeros(one_row, stages, shards)  # [S, P, b, ...]: each stage's row
     parked = zeros(jax.tree.map(lambda a: a[:, 0], inputs), stages, shards)  # [S, P, M, b, ...]
+    # The layers' outputs (router statistics), summed per cell and lap: [S, P, R, L / (S R)].
+    sums = None
+    if with_outputs:
+        per_group = jax.tree.leaves(stacked)[0].shape[0] // (stages * repeats)
+        cell_weights = jax.tree.map(lambda w: w[0, 0], weights)
+        outputs_shape = jax.eval_shape(
+            lambda: jax.lax.scan(step, one_row, _compute_weights(cell_weights, stacked, 0))[1]
+        )
+        sums = jax.tree.map(
+            lambda y: jnp.zeros((stages, shards, repeats, per_group), jnp.float32), outputs_shape
+        )
 
     def run_stage(stage, row, parked_row, stage_weights, shard_inputs, t):
         """One stage's work at iteration t: its layers of lap (t - stage) // M on its row."""
@@ -301,7 +315,12 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
         working = (t - stage >= 0) & (t - stage < micro * repeats)
         row = jax.tree.map(lambda r: jnp.where(working, r, jnp.zeros_like(r)), row)
         own_lap = jnp.clip((t - stage) // micro, 0, repeats - 1)
-        return jax.lax.scan(step, row, _compute_weights(stage_weights, stacked, own_lap))[0]
+        row, outputs = jax.lax.scan(step, row, _compute_weights(stage_weights, stacked, own_lap))
+        if not with_outputs:
+            return row, None
+        # The cell's layers' outputs, in its lap's slot; nothing from a fill or drain turn.
+        slot = jax.nn.one_hot(own_lap, repeats) * working
+        return row, jax.tree.map(lambda y: slot[:, None] * y.astype(jnp.float32), outputs)
 
     def park(parked_row, received, t):
         """Stage 0 keeps what the last stage finished at t (lap k // M of micro-batch k % M)."""
@@ -323,13 +342,28 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline):
     stage_ids = jnp.arange(stages)
 
     def iteration(carry, t):
-        stream, parked = carry
+        stream, parked, sums = carry
         with sharding.batch_vmapped(), active(None, reset=True):  # a nested stack: a scan
-            done = per_cell(stage_ids, stream, parked, weights, inputs, t)
+            done, outputs = per_cell(stage_ids, stream, parked, weights, inputs, t)
         # Each row moves one stage on; the last stage's wraps round to stage 0.
         stream = _pin(jax.tree.map(_next_stage, done), STAGE_AXIS, sharding.BATCH_AXES)
-        return (stream, park_cells(parked, stream, t)), None
+        if with_outputs:
+            sums = _pin(jax.tree.map(jnp.add, sums, outputs), STAGE_AXIS, sharding.BATCH_AXES)
+        return (stream, park_cells(parked, stream, t), sums), None
 
-    (_, parked), _ = jax.lax.scan(iteration, (stream, parked), jnp.arange(pipeline.iterations))
+    carry = (stream, parked, sums)
+    (_, parked, sums), _ = jax.lax.scan(iteration, carry, jnp.arange(pipeline.iterations))
     finished = jax.tree.map(lambda a: a[0].swapaxes(0, 1), parked)  # [M, P, b, ...]
-    return _join_batch(finished)
+    if not with_outputs:
+        return _join_batch(finished), None
+    return _join_batch(finished), jax.tree.map(functools.partial(_layer_means, micro), sums)
+
+
+def _layer_means(microbatches: int, sums: jax.Array) -> jax.Array:
+    """[S, P, R, L / (S R)] sums over the micro-batches -> [L] means, in layer order.
+
+    Group (lap r, stage s) holds layers (r S + s) L / (S R) .. (see `_stage_weights`); each
+    layer's outputs are averaged over the micro-batches and the batch shards.
+    """
+    per_cell = jnp.mean(sums, axis=1) / microbatches  # [S, R, L / (S R)]
+    return per_cell.swapaxes(0, 1).reshape(-1)

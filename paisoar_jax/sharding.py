@@ -281,5 +281,9 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
     within = tuple(axis for axis in left or () if axis != "expert") or None
     rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
+    # Inside batch_vmapped the vmapped batch axes are taken: no other rule may name them
+    # (a pipeline's cells hold their experts whole).
+    taken = set(BATCH_AXES) - set(left or ())
+    rules["act_experts"] = None if "expert" in taken else rules["act_experts"]
     spec = PartitionSpec(*(rules[axis] if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)

@@ -122,7 +122,7 @@ def test_sections_are_frozen():
         (["model.experts=4", "model.moe_every=9"], "no layer would have experts"),
         (["model.experts=4", "model.router_aux_loss=-1"], "model.router_aux_loss must be a"),
         (["model.experts=4", "model.router_bias_rate=-1"], "model.router_bias_rate must be a"),
-        (["model.experts=4", "mesh.stage=2"], "model.experts does not pipeline yet"),
+        (["model.experts=4", "mesh.stage=2", "model.router_bias_rate=0.01"], "does not pipeline"),
         (["model.experts=4", "model.router=top1"], "'top1' is not one of softmax, sigmoid"),
         (["mesh.expert=2"], "mesh.expert splits a mixture's experts, and this model has none"),
         (["model.experts=4", "mesh.expert=3"], "does not split over the 3 expert shards"),

@@ -83,6 +83,34 @@ def test_pipelined_steps_equal_one_device(model, mesh, devices):
     assert_steps_match(params, reference_params)
 
 
+# A mixture of experts whose capacity drops choices, with its router's losses in the loss.
+MOE4 = (*LLAMA4, "model.experts=4", "model.mlp_width=64", "model.expert_capacity_factor=1.0")
+MOE4 += ("model.router_z_loss=0.001",)
+
+
+@pytest.mark.parametrize("repeats", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_pipelined_mixture_of_experts_steps_as_one_device_accumulating(repeats, devices):
+    """Its router statistics per micro-batch, averaged: those of one device's grad_accum."""
+
+    def steps(overrides, devices):
+        config, mesh, _, state, train_step = build_run([*MOE4, *overrides], devices)
+        initial, records = jax.device_get(state.params), []
+        with jax.set_mesh(mesh):
+            for batch in token_batches(2, batch=config.train.global_batch):
+                state, metrics = train_step(state, batch)
+                records.append({name: float(value) for name, value in metrics.items()})
+        return records, (initial, jax.device_get(state.params))
+
+    stages = ["mesh.data=1", "mesh.stage=2", "train.pipeline_microbatches=4"]
+    pipelined, params = steps([*stages, f"train.pipeline_repeats={repeats}"], devices[:2])
+    accumulated, reference = steps(["mesh.data=1", "train.grad_accum=4"], devices[:1])
+    for name in ("loss", "moe_balance_loss", "moe_z_loss", "moe_dropped_fraction"):
+        found = [record[name] for record in pipelined]
+        np.testing.assert_allclose(found, [record[name] for record in accumulated], rtol=1e-5)
+    assert pipelined[0]["moe_layer_load/3"] == pytest.approx(accumulated[0]["moe_layer_load/3"])
+    assert_steps_match(params, reference)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",

@@ -413,10 +413,11 @@ class Config:
                 f"mesh.grad_comm={self.mesh.grad_comm} does not combine with mesh.expert > 1 "
                 "yet: use mesh.grad_comm=fp32"
             )
-        if self.mesh.stages > 1:
+        if self.mesh.stages > 1 and self.model.router_bias_rate:
             raise UserError(
-                f"model.experts does not pipeline yet ({self.mesh.describe_stages()}): the "
-                "router statistics leave the stack per layer; set mesh.stage=1"
+                f"model.router_bias_rate does not pipeline yet ({self.mesh.describe_stages()}): "
+                "each stage's micro-batches would move the biases on their own; set "
+                "model.router_bias_rate=0 (balance with model.router_aux_loss)"
             )
 
     def _check_grad_comm(self) -> None:
