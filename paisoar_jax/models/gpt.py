@@ -440,7 +440,9 @@ def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, config):
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
         step = wrap_block_call(functools.partial(_block_step, graphdef, rotary), remat_policy, True)
-        if config.experts == 0:  # a plain scan, or the pipeline of mesh.stage > 1 (pipeline.py)
+        # A plain scan, or the pipeline of mesh.stage > 1 (pipeline.py); only a mixture of
+        # experts' blocks have outputs to collect.
+        if config.experts == 0:
             return scan_layers(step, x_BxTxD, stacked_state), {}
         x_BxTxD, statistics = scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
         if "router_bias" in statistics:  # bias balancing: the stack's next biases

@@ -16,10 +16,16 @@ Compute (`MoeFeedForward`). Each kept choice has a slot, expert x C + seat, in i
 buffers: the tokens are scattered into X x B x C x D expert buffers (memory linear in the
 tokens, no one-hot over tokens and seats), every expert runs its SwiGLU on its buffer as
 one batched matmul, and each token gathers its choices' outputs back, weighted by the
-router. Dropless (C = T) therefore computes X / K times the tokens' work: fine on CPU and
-for few experts; a grouped matmul (`jax.lax.ragged_dot`) that computes only the tokens
-routed is the GPU path still owed. Shared experts (DeepSeek) are one more SwiGLU every
-token goes through, unweighted.
+router. Dropless (C = T) therefore computes X / K times the tokens' work: fine for few
+experts; many want a capacity factor. (`jax.lax.ragged_dot`, the grouped matmul that would
+compute only the routed tokens, compiles at jax 0.10.2 to one dense matmul over every
+expert, for the H200 as for the CPU: no saving.) Shared experts (DeepSeek) are one more
+SwiGLU every token goes through, unweighted.
+
+Expert parallelism (mesh.expert). The experts' weights are split over the `expert` axis,
+and the batch too; the buffers are pinned to experts over `expert` and rows over the other
+batch axes (BUFFERS), so XLA moves each expert's tokens to its devices and the outputs back
+by two all-to-alls, capacity-padded.
 
 Bias balancing (model.router_bias_rate, DeepSeek-V3's loss-free balancing): a per-expert
 bias is added to the scores that choose the experts, not to the weights that combine them;
