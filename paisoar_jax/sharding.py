@@ -1,7 +1,7 @@
 """The device mesh, the logical-axis rules and the shardings they give.
 
 Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...). One short
-table maps them to the mesh axes (data, stage, fsdp, tensor); the ZeRO stage only changes
+table maps them to the mesh axes (data, stage, fsdp, expert, tensor); the ZeRO stage only changes
 where `embed` goes:
 
     stage   parameters embed ->   optimizer state embed ->
@@ -11,9 +11,10 @@ where `embed` goes:
 
 Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output channels go
 where `embed` goes; a stacked model's `layers` axis goes over `stage` (pipeline.py: each
-pipeline stage holds its contiguous group of blocks). The batch is split over
-(data, fsdp). ZeRO-2 is the same program as ZeRO-1 here: XLA reduce-scatters the gradients
-straight into the optimizer-state layout.
+pipeline stage holds its contiguous group of blocks); a mixture's stacked `experts` go over
+`expert` (models/moe.py). The batch is split over (data, fsdp, expert). ZeRO-2 is the same
+program as ZeRO-1 here: XLA reduce-scatters the gradients straight into the
+optimizer-state layout.
 """
 
 from __future__ import annotations
