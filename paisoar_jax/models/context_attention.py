@@ -1,0 +1,131 @@
+"""Causal attention over a sequence split across devices: all-gather or ring (issue 34).
+
+With context parallelism each device of the `context` axis holds a slice of every
+sequence's tokens. Attention needs every earlier token's keys and values, so one of:
+
+- `gathered_attention`: each device gathers every slice's keys and values (one all-gather
+  of K and V per layer; memory O(T) per device for them) and attends from its own queries.
+- `ring_attention`: the key/value slices travel round the ring of devices (`ppermute`,
+  C - 1 hops); each device attends from its queries to the slice it holds at each hop and
+  folds the result into an online softmax (running maximum, sum and output, in fp32), so
+  no device ever holds more than two slices.
+
+Both run inside `jax.shard_map` over the context axis and take each token's global
+position (and, for packed documents, its segment), so causality and document masks hold
+whatever order the tokens are laid out in. That is what causal load balancing needs:
+`balanced_order` lays the sequence out so that device i holds chunk i and chunk 2C - 1 - i
+of 2C chunks, one from the front and one from the back, and every device does the same
+work (a plain split gives the last device all the attention and the first almost none).
+
+Shape suffixes: B batch, T tokens on this device, S key/value tokens, H query heads,
+K key/value heads, G = H / K query heads per key/value head, E head width, C devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def balanced_order(length: int, shards: int) -> np.ndarray:
+    """The token order that balances causal attention: device i holds chunks i, 2C - 1 - i.
+
+    `length` tokens in 2 x `shards` equal chunks; returns the positions in layout order
+    (split evenly over the devices, device i's slice is chunk i then chunk 2C - 1 - i).
+    """
+    if length % (2 * shards):
+        raise ValueError(f"{length} tokens do not cut into 2 x {shards} equal chunks")
+    chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(shards)])
+
+
+def _block_scores(q_BxTxHxE, k_BxSxKxE, allowed_BxTxS) -> jax.Array:
+    """fp32 logits of T queries against S keys, -inf where not allowed: B x K x G x T x S."""
+    B, T, H, E = q_BxTxHxE.shape
+    K = k_BxSxKxE.shape[2]
+    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, K, H // K, E).astype(jnp.float32)
+    logits = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxSxKxE.astype(jnp.float32))
+    logits = logits / np.sqrt(E)
+    return jnp.where(allowed_BxTxS[:, None, None], logits, -jnp.inf)
+
+
+def _allowed(q_positions_BxT, k_positions_BxS, q_segments_BxT, k_segments_BxS) -> jax.Array:
+    """Causal by global position, and within one document when segments are given."""
+    allowed = q_positions_BxT[:, :, None] >= k_positions_BxS[:, None, :]
+    if q_segments_BxT is not None:
+        allowed &= q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :]
+    return allowed
+
+
+def _finish(output_BxKxGxTxE, total_BxKxGxT, dtype) -> jax.Array:
+    """Normalised output as B x T x H x E (a row with nothing allowed gives zeros)."""
+    B, K, G, T, E = output_BxKxGxTxE.shape
+    normed = output_BxKxGxTxE / jnp.maximum(total_BxKxGxT, 1e-30)[..., None]
+    return normed.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, E).astype(dtype)
+
+
+def gathered_attention(
+    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, axis: str, segments_BxT=None
+) -> jax.Array:
+    """Attention of this device's queries to every device's keys and values (all-gathered).
+
+    Inside shard_map over `axis`; positions (and segments) are this device's tokens'.
+    """
+    gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+    k_BxSxKxE, v_BxSxKxE, k_positions = gather(k_BxTxKxE), gather(v_BxTxKxE), gather(positions_BxT)
+    k_segments = None if segments_BxT is None else gather(segments_BxT)
+    allowed = _allowed(positions_BxT, k_positions, segments_BxT, k_segments)
+    logits = _block_scores(q_BxTxHxE, k_BxSxKxE, allowed)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    output = jnp.einsum("bkgts,bske->bkgte", weights, v_BxSxKxE.astype(jnp.float32))
+    return _finish(output, jnp.sum(weights, axis=-1), q_BxTxHxE.dtype)
+
+
+def ring_attention(
+    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, axis: str, segments_BxT=None
+) -> jax.Array:
+    """Attention of this device's queries to every slice, the slices passed round the ring.
+
+    Inside shard_map over `axis`. At each of the C hops the device attends to the slice it
+    holds, folds it into the online softmax (fp32), and passes the slice on to the next
+    device (a ppermute the compute of the hop does not wait on, so XLA's scheduler may
+    overlap the two; the last hop's pass is one more than needed, owed).
+    """
+    shards = jax.lax.axis_size(axis)
+    ring = [(device, (device + 1) % shards) for device in range(shards)]
+    B, T, H, E = q_BxTxHxE.shape
+    K = k_BxTxKxE.shape[2]
+    with_segments = segments_BxT is not None
+    segments = segments_BxT if with_segments else jnp.zeros_like(positions_BxT)
+
+    def hop(carry, _):
+        peak, total, output, k, v, k_positions, k_segments = carry
+        allowed = _allowed(
+            positions_BxT, k_positions, segments if with_segments else None, k_segments
+        )
+        logits = _block_scores(q_BxTxHxE, k, allowed)
+        new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
+        safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        rescale = jnp.exp(jnp.where(jnp.isfinite(peak), peak, 0.0) - safe_peak)
+        rescale = jnp.where(jnp.isfinite(peak), rescale, 0.0)
+        weights = jnp.exp(logits - safe_peak[..., None])
+        total = total * rescale + jnp.sum(weights, axis=-1)
+        block = jnp.einsum("bkgts,bske->bkgte", weights, v.astype(jnp.float32))
+        output = output * rescale[..., None] + block
+        passed = [jax.lax.ppermute(x, axis, ring) for x in (k, v, k_positions, k_segments)]
+        return (new_peak, total, output, *passed), None
+
+    G = H // K
+    start = (
+        jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, E), jnp.float32),
+        k_BxTxKxE,
+        v_BxTxKxE,
+        positions_BxT,
+        segments,
+    )
+    (_, total, output, *_), _ = jax.lax.scan(hop, start, None, length=shards)
+    return _finish(output, total, q_BxTxHxE.dtype)
