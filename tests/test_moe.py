@@ -322,3 +322,23 @@ def test_bias_balancing_is_model_state_the_step_moves(devices):
     bias = np.asarray(state.model_state["blocks"]["moe"]["router_bias"])
     assert bias.shape == (2, 4)  # layers x experts
     assert np.all(np.isclose(np.abs(bias), 0.01) | (bias == 0)) and np.any(bias != 0)
+
+
+def test_packed_documents_route_through_the_experts(devices):
+    """Packed rows (data.packing=documents) carry their segments past the MoE blocks."""
+    from conftest import build_run
+
+    overrides = [*MOE, *LLAMA, "data.packing=documents", "mesh.data=2", "mesh.expert=2"]
+    _, _, _, state, train_step = build_run(overrides, devices[:4])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (16, 33), dtype=np.int32)
+    segments = np.repeat([[0] * 12 + [1] * 20], 16, axis=0).astype(np.int32)
+    positions = np.concatenate([np.arange(12), np.arange(20)])[None].repeat(16, 0)
+    batch = {
+        "tokens": tokens,
+        "loss_mask": np.ones((16, 32), bool),
+        "segments": segments,
+        "positions": positions.astype(np.int32),
+    }
+    state, metrics = train_step(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["moe_balance_loss"]) > 0
