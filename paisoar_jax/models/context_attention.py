@@ -90,8 +90,8 @@ def ring_attention(
 
     Inside shard_map over `axis`. At each of the C hops the device attends to the slice it
     holds, folds it into the online softmax (fp32), and passes the slice on to the next
-    device (a ppermute the compute of the hop does not wait on, so XLA's scheduler may
-    overlap the two; the last hop's pass is one more than needed, owed).
+    device (a ppermute the hop's compute does not wait on, so XLA's scheduler may overlap
+    the two): C - 1 passes in all.
     """
     shards = jax.lax.axis_size(axis)
     ring = [(device, (device + 1) % shards) for device in range(shards)]
@@ -100,8 +100,9 @@ def ring_attention(
     with_segments = segments_BxT is not None
     segments = segments_BxT if with_segments else jnp.zeros_like(positions_BxT)
 
-    def hop(carry, _):
-        peak, total, output, k, v, k_positions, k_segments = carry
+    def fold(softmax, k, v, k_positions, k_segments):
+        """The online softmax (peak, total, output) with one more key/value slice in it."""
+        peak, total, output = softmax
         allowed = _allowed(
             positions_BxT, k_positions, segments if with_segments else None, k_segments
         )
@@ -113,19 +114,21 @@ def ring_attention(
         weights = jnp.exp(logits - safe_peak[..., None])
         total = total * rescale + jnp.sum(weights, axis=-1)
         block = jnp.einsum("bkgts,bske->bkgte", weights, v.astype(jnp.float32))
-        output = output * rescale[..., None] + block
-        passed = [jax.lax.ppermute(x, axis, ring) for x in (k, v, k_positions, k_segments)]
-        return (new_peak, total, output, *passed), None
+        return new_peak, total, output * rescale[..., None] + block
+
+    def hop(carry, _):
+        softmax, held = carry
+        softmax = fold(softmax, *held)
+        return (softmax, [jax.lax.ppermute(x, axis, ring) for x in held]), None
 
     G = H // K
-    start = (
+    softmax = (
         jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
         jnp.zeros((B, K, G, T), jnp.float32),
         jnp.zeros((B, K, G, T, E), jnp.float32),
-        k_BxTxKxE,
-        v_BxTxKxE,
-        positions_BxT,
-        segments,
     )
-    (_, total, output, *_), _ = jax.lax.scan(hop, start, None, length=shards)
+    held = [k_BxTxKxE, v_BxTxKxE, positions_BxT, segments]
+    # C - 1 hops that fold and pass, then the last slice folded where it arrived.
+    (softmax, held), _ = jax.lax.scan(hop, (softmax, held), None, length=shards - 1)
+    _, total, output = fold(softmax, *held)
     return _finish(output, total, q_BxTxHxE.dtype)
