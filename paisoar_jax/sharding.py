@@ -282,9 +282,14 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
     within = tuple(axis for axis in left or () if axis != "expert") or None
     rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
-    # Inside batch_vmapped the vmapped batch axes are taken: no other rule may name them
-    # (a pipeline's cells hold their experts whole).
+    # Inside batch_vmapped the vmapped batch axes are taken: no rule may name them (so a
+    # pipeline's cells hold their experts whole).
     taken = set(BATCH_AXES) - set(left or ())
-    rules["act_experts"] = None if "expert" in taken else rules["act_experts"]
-    spec = PartitionSpec(*(rules[axis] if axis else None for axis in logical_axes))
+    spec = PartitionSpec(*(_free(rules[axis], taken) if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _free(entry: str | tuple[str, ...] | None, taken: set[str]) -> tuple[str, ...] | None:
+    """A rule's mesh axes without those `taken` by a batch vmap (None when none are left)."""
+    axes = (entry,) if isinstance(entry, str) else entry or ()
+    return tuple(axis for axis in axes if axis not in taken) or None

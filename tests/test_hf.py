@@ -28,105 +28,94 @@ ROPE |= {"original_max_position_embeddings": 64, "rope_type": "llama3"}
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 24))
 
 
+# The attention every tiny decoder below shares: 2 layers of width 64, 4 query heads over 2
+# key/value heads, 64 positions.
+ATTENTION = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def built(model_class, config, decisive_routers=False, random_head_norms=False):
+    """`model_class(config)` from torch seed 0, in eval mode, its weights then adjusted.
+
+    `decisive_routers`: the routers scaled up so each token's top experts are clear choices
+    (a near tie would be broken by the last bit of float rounding, differently in torch and
+    XLA). `random_head_norms`: the query and key norms' scales randomised (they start at
+    one, which would hide a mapping that drops them).
+    """
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if decisive_routers:
+                layer.mlp.gate.weight.mul_(20.0)
+            if random_head_norms:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
+    return model
+
+
 def llama(tied=False, vocab_size=96):
     """A 2-layer Llama with grouped-query attention (4 query heads over 2) and Llama-3 rope."""
     config = transformers.LlamaConfig(
+        **ATTENTION,
         vocab_size=vocab_size,
-        hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         rope_parameters={**ROPE, "rope_theta": 5000.0},
     )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return built(transformers.LlamaForCausalLM, config)
 
 
 def mixtral():
-    """A 2-layer Mixtral: 4 experts, 2 per token, over the Llama above's attention.
-
-    Its routers are scaled up so each token's top two experts are clear choices: a near
-    tie would be broken by the last bit of float rounding, differently in torch and XLA.
-    """
+    """A 2-layer Mixtral: 4 experts, 2 per token, over the Llama above's attention."""
     config = transformers.MixtralConfig(
+        **ATTENTION,
         vocab_size=96,
-        hidden_size=64,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.mul_(20.0)
-    return model
+    return built(transformers.MixtralForCausalLM, config, decisive_routers=True)
 
 
 def qwen3_moe():
     """A 2-layer Qwen3-MoE: heads wider than width / heads, normed queries and keys, 4
-    experts of their own width, 2 per token with the weights not renormalised.
-
-    Its norms' scales are randomised (they start at one) and its routers scaled up, as
-    Mixtral's above.
-    """
+    experts of their own width, 2 per token with the weights not renormalised."""
     config = transformers.Qwen3MoeConfig(
+        **ATTENTION,
         vocab_size=96,
-        hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         num_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.mul_(20.0)
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
-    return model
+    model_class = transformers.Qwen3MoeForCausalLM
+    return built(model_class, config, decisive_routers=True, random_head_norms=True)
 
 
 def qwen3():
     """A 2-layer dense Qwen3, tied: heads of width 32 over a width of 64, queries and keys
-    normed (their scales randomised)."""
+    normed."""
     config = transformers.Qwen3Config(
+        **ATTENTION,
         vocab_size=96,
-        hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=64,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
-    return model
+    return built(transformers.Qwen3ForCausalLM, config, random_head_norms=True)
 
 
 def gpt2(tied=True):

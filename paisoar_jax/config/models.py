@@ -134,6 +134,11 @@ class LanguageModelConfig:
         return self.head_width or self.width // self.heads
 
     @property
+    def expert_width(self) -> int:
+        """Each expert's SwiGLU hidden width: expert_mlp_width, else mlp_width, else 4 x width."""
+        return self.expert_mlp_width or self.mlp_width or 4 * self.width
+
+    @property
     def key_value_heads(self) -> int:
         """The key/value heads: kv_heads, or heads when it is 0 (no grouping)."""
         return self.kv_heads or self.heads

@@ -86,7 +86,7 @@ def shape_of(config) -> MoeShape:
     return MoeShape(
         experts=config.experts,
         experts_per_token=config.experts_per_token,
-        mlp_width=config.expert_mlp_width or config.mlp_width,
+        mlp_width=config.expert_width,
         capacity_factor=config.expert_capacity_factor,
         router=config.router,
         renormalize=config.router_renormalize,
@@ -103,8 +103,7 @@ def inactive_parameters(config) -> int:
     """
     if not config.experts:
         return 0
-    shape = shape_of(config)
-    expert_parameters = 3 * config.width * (shape.mlp_width or 4 * config.width)
+    expert_parameters = 3 * config.width * config.expert_width
     moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.layers))
     return moe_layers * (config.experts - config.experts_per_token) * expert_parameters
 
@@ -272,8 +271,8 @@ class MoeFeedForward(nnx.Module):
                 cast(self.shared_down_kernel[...]),
                 ("btd,df->btf", "btf,fd->btd"),
             )
-        kept_picks_BxTxKxX = jax.nn.one_hot(chosen_BxTxK, X) * kept_BxTxK[..., None]
-        load_X = jnp.sum(kept_picks_BxTxKxX, axis=(0, 1, 2))
+        picks_BxTxKxX = jax.nn.one_hot(chosen_BxTxK, X)
+        load_X = jnp.sum(picks_BxTxKxX * kept_BxTxK[..., None], axis=(0, 1, 2))
         statistics = {
             "balance_loss": balance_loss(chosen_BxTxK, probabilities_BxTxX),
             "z_loss": z_loss(logits_BxTxX),
@@ -281,7 +280,7 @@ class MoeFeedForward(nnx.Module):
             "dropped_fraction": jnp.mean(jnp.logical_not(kept_BxTxK).astype(jnp.float32)),
         }
         if shape.bias_rate:  # each expert's bias a step toward the mean load of the choices
-            chosen_X = jnp.sum(jax.nn.one_hot(chosen_BxTxK, X), axis=(0, 1, 2))
+            chosen_X = jnp.sum(picks_BxTxKxX, axis=(0, 1, 2))  # before capacity drops
             step_X = shape.bias_rate * jnp.sign(jnp.mean(chosen_X) - chosen_X)
             statistics["router_bias"] = jax.lax.stop_gradient(bias_X + step_X)
         return y_BxTxD, statistics

@@ -285,14 +285,14 @@ def _variant_json(model: LanguageModelConfig) -> dict:
     variant = hf_type(model)
     if variant == "llama":
         return {}
-    if variant == "mixtral":
-        return _mixtral_json(model)
     settings = {
         "architectures": [ARCHITECTURES[variant]],
         "model_type": variant,
-        "use_sliding_window": False,
         "sliding_window": None,
     }
+    if variant == "mixtral":
+        return settings | _mixtral_experts(model)
+    settings["use_sliding_window"] = False
     if variant == "qwen3":
         return settings
     _check_routing(model, "Qwen3-MoE", renormalized=model.router_renormalize)
@@ -300,7 +300,7 @@ def _variant_json(model: LanguageModelConfig) -> dict:
         "num_experts": model.experts,  # transformers 4.x's name
         "num_local_experts": model.experts,  # 5.x's
         "num_experts_per_tok": model.experts_per_token,
-        "moe_intermediate_size": model.expert_mlp_width or model.mlp_width or 4 * model.width,
+        "moe_intermediate_size": model.expert_width,
         "norm_topk_prob": model.router_renormalize,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
@@ -326,8 +326,8 @@ def _check_routing(model: LanguageModelConfig, name: str, renormalized: bool) ->
             )
 
 
-def _mixtral_json(model: LanguageModelConfig) -> dict:
-    """The keys a MixtralForCausalLM adds to a Llama's, once HF's Mixtral can hold `model`."""
+def _mixtral_experts(model: LanguageModelConfig) -> dict:
+    """A MixtralForCausalLM's expert keys, once HF's Mixtral can hold `model`'s experts."""
     _check_routing(model, "Mixtral", renormalized=True)
     if model.expert_mlp_width not in (0, model.mlp_width):
         raise UserError(
@@ -335,12 +335,9 @@ def _mixtral_json(model: LanguageModelConfig) -> dict:
             f"has model.expert_mlp_width={model.expert_mlp_width}"
         )
     return {
-        "architectures": [ARCHITECTURES["mixtral"]],
-        "model_type": "mixtral",
         "num_local_experts": model.experts,
         "num_experts_per_tok": model.experts_per_token,
         "router_aux_loss_coef": model.router_aux_loss,
-        "sliding_window": None,
     }
 
 

@@ -6,10 +6,11 @@ returns a small dict for plan.json and the table, or None when the run has no su
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
+
+from paisoar_jax.memory import per_device_bytes
 
 
 def pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:
@@ -40,13 +41,11 @@ def experts_report(model, layout, mesh, by_kind: dict[str, dict]) -> dict[str, A
     if not getattr(model, "experts", 0):
         return None
     shards = mesh.shape["expert"]
-    leaves = jax.tree_util.tree_leaves_with_path(layout.abstract_state.params)
-    placements = jax.tree.leaves(layout.shardings.params)
-    expert_bytes = 0
-    for (path, value), placement in zip(leaves, placements, strict=True):
-        if "moe" in jax.tree_util.keystr(path) and "router" not in jax.tree_util.keystr(path):
-            shard = placement.shard_shape(value.shape)
-            expert_bytes += math.prod(shard) * value.dtype.itemsize
+    experts = [  # the experts' kernels (and shared experts'), not the routers
+        value
+        for path, value in jax.tree_util.tree_leaves_with_path(layout.abstract_state.params)
+        if "moe" in jax.tree_util.keystr(path) and "router" not in jax.tree_util.keystr(path)
+    ]
     exchange = by_kind.get("all-to-all", {})
     return {
         "experts": model.experts,
@@ -54,7 +53,7 @@ def experts_report(model, layout, mesh, by_kind: dict[str, dict]) -> dict[str, A
         "capacity_factor": model.expert_capacity_factor,
         "expert_shards": shards,
         "experts_per_device": model.experts // shards,
-        "expert_bytes_per_device": expert_bytes,
+        "expert_bytes_per_device": per_device_bytes(experts),
         "all_to_all_bytes": exchange.get("bytes", 0),
         "all_to_all_seconds": exchange.get("seconds", 0.0),
     }
