@@ -1,5 +1,6 @@
 """The MoE feed-forward against a token-by-token reference: routing, seats, drops, losses."""
 
+import json
 import math
 
 import jax
@@ -342,3 +343,52 @@ def test_packed_documents_route_through_the_experts(devices):
     }
     state, metrics = train_step(state, batch)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["moe_balance_loss"]) > 0
+
+
+def test_a_model_of_ones_own_trains_its_moe_layer_through_fit(devices, tmp_path):
+    """The README's way for `fit`: the layer's statistics go into one's own loss."""
+    import optax
+
+    import paisoar_jax
+
+    class Classifier(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(2, 16, rngs=rngs)
+            shape = MoeShape(experts=4, experts_per_token=2, mlp_width=16)
+            self.experts = MoeFeedForward(16, shape, get_policy("fp32"), 0.1, rngs)
+            self.out = nnx.Linear(16, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.embed(x)[:, None, :]  # one token per example
+            y, statistics = self.experts(h)
+            return self.out((h + y)[:, 0]), statistics
+
+    def loss(model, batch, rng):
+        logits, statistics = model(batch["x"])
+        labels = batch["y"]
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return cross_entropy + 0.01 * statistics["balance_loss"], {
+            "load": statistics["expert_load"]
+        }
+
+    x = np.random.default_rng(0).normal(size=(1024, 2)).astype(np.float32)
+    data = {"x": x, "y": (x[:, 0] * x[:, 1] > 0).astype(np.int32)}
+    settings = ["train.steps=60", "run.progress=false", "mesh.data=4", "mesh.fsdp=2"]
+    settings += [f"run.dir={tmp_path}", "run.tensorboard=false", "train.log_every=20"]
+    result = paisoar_jax.fit(
+        None, settings, model=Classifier, loss=loss, optimizer=optax.adam(3e-3), data=data
+    )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert result["final_loss"] < records[0]["loss"] and records[-1]["load"] >= 1
+    logits, statistics = result.model(x[:4])  # the trained module, as written
+    assert logits.shape == (4, 2) and set(statistics) >= {"balance_loss", "expert_load"}
+    with pytest.raises(paisoar_jax.UserError, match="a model of your own cannot use it yet"):
+        paisoar_jax.fit(
+            None,
+            [*settings, "mesh.expert=2"],
+            model=Classifier,
+            loss=loss,
+            optimizer=optax.adam(3e-3),
+            data=data,
+            exit_on_error=False,
+        )

@@ -397,10 +397,11 @@ class Config:
         """A mixture of experts (model.experts > 0) against the mesh and the precision."""
         shards = self.mesh.experts
         if not isinstance(self.model, LanguageModelConfig) or self.model.experts == 0:
-            if shards > 1:
+            if shards > 1:  # (fit checks its overrides on the zoo's dense default first)
                 raise UserError(
-                    "mesh.expert splits a mixture's experts, and this model has none: set "
-                    "model.experts, or split the batch with mesh.data"
+                    "mesh.expert splits the experts of the zoo's decoders (model.experts), and "
+                    "this model has none (a model of your own cannot use it yet): split the "
+                    "batch with mesh.data"
                 )
             return
         if self.model.experts % shards:
