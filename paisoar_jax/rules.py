@@ -120,6 +120,7 @@ def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, .
         "data": ("data",),
         "stage": ("stage",),
         "expert": ("expert",),
+        "context": ("context",),
         "tensor": ("tensor",),
         "fsdp": table["embed"],
     }

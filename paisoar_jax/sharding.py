@@ -1,7 +1,8 @@
 """The device mesh, the logical-axis rules and the shardings they give.
 
 Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...). One short
-table maps them to the mesh axes (data, stage, fsdp, expert, tensor); the ZeRO stage only changes
+table maps them to the mesh axes (data, stage, fsdp, expert, context, tensor); the ZeRO stage
+only changes
 where `embed` goes:
 
     stage   parameters embed ->   optimizer state embed ->
@@ -12,7 +13,9 @@ where `embed` goes:
 Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output channels go
 where `embed` goes; a stacked model's `layers` axis goes over `stage` (pipeline.py: each
 pipeline stage holds its contiguous group of blocks); a mixture's stacked `experts` go over
-`expert` (models/moe.py). The batch is split over (data, fsdp, expert). ZeRO-2 is the same
+`expert` (models/moe.py). The batch is split over (data, fsdp, expert), and each sequence's
+tokens over `context` (models/context_attention.py; every context device reads the same
+rows, which are tiny, and keeps its own slice of their activations). ZeRO-2 is the same
 program as ZeRO-1 here: XLA reduce-scatters the gradients straight into the
 optimizer-state layout.
 """
@@ -32,7 +35,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 
-MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+# The axes a reader is told of only when they split.
+OPTIONAL_AXES = ("stage", "expert", "context")
 # The batch is split over expert too: outside the experts that axis is one more data axis.
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -40,7 +45,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 # the batch split over (data, fsdp) instead of inventing a layout from the weights.
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
-    "length": None,
+    "length": "context",  # context parallelism: each device its slice of every sequence
     "act_embed": None,
     "act_heads": "tensor",
     "act_mlp": "tensor",
@@ -77,9 +82,9 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
 def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], list[int]]:
     """Resolves -1 in the ici sizes and checks that ici x dcn covers every device."""
     ici = [mesh_config.data, mesh_config.stage, mesh_config.fsdp, mesh_config.expert]
-    ici.append(mesh_config.tensor)
+    ici += [mesh_config.context, mesh_config.tensor]
     dcn = [mesh_config.dcn_data, mesh_config.dcn_stage, mesh_config.dcn_fsdp]
-    dcn += [mesh_config.dcn_expert, 1]
+    dcn += [mesh_config.dcn_expert, mesh_config.dcn_context, 1]
     if ici.count(-1) > 1:
         raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
     if -1 in dcn:
@@ -99,15 +104,15 @@ def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], 
 
 
 def _describe(mesh_config: MeshConfig) -> str:
-    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage, expert and dcn sizes only when set)."""
+    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage, expert, context, dcn only when set)."""
     parts = [
         f"{axis}={getattr(mesh_config, axis)}"
         for axis in MESH_AXES
-        if axis not in ("stage", "expert") or getattr(mesh_config, axis) != 1
+        if axis not in OPTIONAL_AXES or getattr(mesh_config, axis) != 1
     ]
     parts += [
         f"{key}={getattr(mesh_config, key)}"
-        for key in ("dcn_data", "dcn_stage", "dcn_fsdp", "dcn_expert")
+        for key in ("dcn_data", "dcn_stage", "dcn_fsdp", "dcn_expert", "dcn_context")
         if getattr(mesh_config, key) != 1
     ]
     return ",".join(parts)
@@ -119,9 +124,9 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
     ici, dcn = _mesh_sizes(mesh_config, len(devices))
     if math.prod(dcn) > 1 and math.prod(dcn) != jax.process_count():
         raise UserError(
-            f"mesh.dcn_data x dcn_stage x dcn_fsdp x dcn_expert = {math.prod(dcn)} must equal the "
-            f"number "
-            f"of processes ({jax.process_count()}): the dcn axes span processes"
+            f"mesh.dcn_data x dcn_stage x dcn_fsdp x dcn_expert x dcn_context = {math.prod(dcn)} "
+            f"must equal the number of processes ({jax.process_count()}): the dcn axes span "
+            "processes"
         )
     if math.prod(dcn) > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(
@@ -136,12 +141,21 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    """The mesh's axis sizes for a reader: `stage` and `expert` only when they split."""
+    """The mesh's axis sizes for a reader: stage, expert and context only when they split."""
     return {
-        axis: size
-        for axis, size in mesh.shape.items()
-        if axis not in ("stage", "expert") or size > 1
+        axis: size for axis, size in mesh.shape.items() if axis not in OPTIONAL_AXES or size > 1
     }
+
+
+def context_shards() -> int:
+    """How many ways the sequences are split in the mesh being traced under (1: whole).
+
+    1 outside a mesh, and while `sequence_whole` holds (decoding runs unsplit).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or _LENGTH_AXIS.get() is None:
+        return 1
+    return mesh.shape.get("context", 1)
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -186,12 +200,13 @@ def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
     """(slot, slots): which share of each global batch this process reads, of how many.
 
     One share per process, except where processes hold the same rows of the batch: the
-    pipeline stages of `mesh.dcn_stage` each run every row, so the processes of one
-    (data, fsdp) position read the same examples. `mesh`: default, the one set by
-    jax.set_mesh; outside one, this process's index and the process count.
+    pipeline stages of `mesh.dcn_stage` (and the context shards of `mesh.dcn_context`)
+    each run every row, so the processes of one batch position read the same examples.
+    `mesh`: default, the one set by jax.set_mesh; outside one, this process's index and
+    the process count.
     """
     mesh = jax.sharding.get_mesh() if mesh is None else mesh
-    if mesh.empty or mesh.shape.get("stage", 1) == 1:
+    if mesh.empty or mesh.shape.get("stage", 1) == mesh.shape.get("context", 1) == 1:
         return jax.process_index(), jax.process_count()
     rows = batch_sharding(mesh).devices_indices_map((batch_shards(mesh),))
     held: dict[int, set[int]] = {}
@@ -257,6 +272,23 @@ _BATCH_AXES_LEFT: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.C
 )
 
 
+# The mesh axis of the activations' `length` axis: context, or None while decoding (one new
+# token at a time does not split).
+_LENGTH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "paisoar_jax_length_axis", default="context"
+)
+
+
+@contextlib.contextmanager
+def sequence_whole() -> Iterator[None]:
+    """While tracing code whose sequences stay whole on every device (cached decoding)."""
+    token = _LENGTH_AXIS.set(None)
+    try:
+        yield
+    finally:
+        _LENGTH_AXIS.reset(token)
+
+
 @contextlib.contextmanager
 def batch_vmapped(rest: tuple[str, ...] = ()) -> Iterator[None]:
     """While tracing a function vmapped over the batch shards: `batch` maps to `rest`.
@@ -282,6 +314,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
     within = tuple(axis for axis in left or () if axis != "expert") or None
     rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
+    rules["length"] = _LENGTH_AXIS.get()
     # Inside batch_vmapped the vmapped batch axes are taken: no rule may name them (so a
     # pipeline's cells hold their experts whole).
     taken = set(BATCH_AXES) - set(left or ())

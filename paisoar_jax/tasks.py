@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from paisoar_jax import output
@@ -29,8 +30,10 @@ from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, resolve_model_config
+from paisoar_jax.models.context_attention import balanced_order
 from paisoar_jax.precision import float32_island, get_policy
 from paisoar_jax.sample import generate
+from paisoar_jax.sharding import context_shards
 
 SAMPLE_PROMPT = b"def "  # the embedded corpus is Python source
 
@@ -274,17 +277,31 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Arr
     dense model).
     """
     tokens_BxT1 = batch["tokens"] if isinstance(batch, dict) else batch
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    masked = isinstance(batch, dict)
+    learned_BxT = batch["loss_mask"].astype(jnp.float32) if masked else jnp.ones(inputs_BxT.shape)
     documents = {}
-    if isinstance(batch, dict) and "segments" in batch:
+    if masked and "segments" in batch:
         documents = {"segments_BxT": batch["segments"], "positions_BxT": batch["positions"]}
+    shards = context_shards()
+    if shards > 1 and model.config.context_balance:
+        # Each context device gets a chunk from the front and one from the back of every
+        # sequence (equal causal work); the tokens keep their positions, and the loss is a
+        # sum over tokens, so the order changes nothing else.
+        order_T = balanced_order(inputs_BxT.shape[1], shards)
+        documents.setdefault(
+            "positions_BxT", jnp.broadcast_to(np.arange(len(order_T)), inputs_BxT.shape)
+        )
+        inputs_BxT, targets_BxT, learned_BxT = (
+            x[:, order_T] for x in (inputs_BxT, targets_BxT, learned_BxT)
+        )
+        documents = {name: x[:, order_T] for name, x in documents.items()}
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.
-    logits_BxTxV, statistics = model.logits_and_statistics(tokens_BxT1[:, :-1], **documents)
+    logits_BxTxV, statistics = model.logits_and_statistics(inputs_BxT, **documents)
     logits_BxTxV = float32_island(logits_BxTxV)
-    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, tokens_BxT1[:, 1:])
-    if isinstance(batch, dict):
-        return losses_BxT, batch["loss_mask"].astype(jnp.float32), statistics
-    return losses_BxT, jnp.ones_like(losses_BxT), statistics
+    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+    return losses_BxT, learned_BxT, statistics
 
 
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:

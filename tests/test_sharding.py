@@ -17,13 +17,15 @@ from paisoar_jax.errors import UserError
         (MeshConfig(data=-1, tensor=4), {"data": 2, "tensor": 4}),
         (MeshConfig(stage=2, fsdp=2), {"data": 2, "stage": 2, "fsdp": 2}),
         (MeshConfig(fsdp=2, expert=2), {"data": 2, "fsdp": 2, "expert": 2}),
+        (MeshConfig(fsdp=2, context=2), {"data": 2, "fsdp": 2, "context": 2}),
     ],
 )
 def test_mesh_shapes(mesh_config, shape, devices):
     """The axes not named in `shape` have size 1."""
     mesh = sharding.build_mesh(mesh_config, devices)
-    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1} | shape
-    assert mesh.axis_names == ("data", "stage", "fsdp", "expert", "tensor")
+    whole = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert dict(mesh.shape) == whole | shape
+    assert mesh.axis_names == ("data", "stage", "fsdp", "expert", "context", "tensor")
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 

@@ -45,6 +45,13 @@ class LanguageModelConfig:
     tie_embeddings: bool = True
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
+    # With mesh.context > 1 (models/context_attention.py): how attention reaches the keys and
+    # values of the other devices' tokens: gather (an all-gather of K and V per layer) or
+    # ring (K and V passed round the context devices, an online softmax); context_balance
+    # lays each sequence out so every device gets a chunk from the front and one from the
+    # back (equal causal work), seq_len cutting into 2 x context pieces.
+    context_attention: Literal["gather", "ring"] = "gather"
+    context_balance: bool = True
     # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
     fp32_logits: bool = True

@@ -26,7 +26,7 @@ from paisoar_jax.errors import UserError
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes (data, stage, fsdp, expert, tensor); -1 fills the rest."""
+    """Device mesh with axes (data, stage, fsdp, expert, context, tensor); -1 fills the rest."""
 
     data: int = -1  # pure data parallelism within a host (ici)
     stage: int = 1  # pipeline stages: the layer stack split into this many groups
@@ -36,6 +36,10 @@ class MeshConfig:
     # reach their experts' devices and come back by all-to-all; models/moe.py)
     expert: int = 1
     dcn_expert: int = 1  # expert parallelism across hosts/slices (dcn)
+    # Context parallelism: every sequence's tokens split over this axis (long windows; the
+    # attention across the split: model.context_attention, models/context_attention.py)
+    context: int = 1
+    dcn_context: int = 1  # context parallelism across hosts/slices (dcn)
     dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
     dcn_stage: int = 1  # pipeline stages across hosts/slices (dcn)
     dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
@@ -70,7 +74,7 @@ class MeshConfig:
                 raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
         if self.bucket_mb < 0:
             raise UserError(f"mesh.bucket_mb must be >= 0 (0: XLA's own), got {self.bucket_mb}")
-        for key in ("stage", "dcn_stage", "expert", "dcn_expert"):
+        for key in ("stage", "dcn_stage", "expert", "dcn_expert", "context", "dcn_context"):
             if getattr(self, key) < 1:
                 raise UserError(f"mesh.{key} must be a positive size, got {getattr(self, key)}")
 
@@ -78,6 +82,11 @@ class MeshConfig:
     def experts(self) -> int:
         """Expert-parallel shards over all hosts: expert x dcn_expert."""
         return self.expert * self.dcn_expert
+
+    @property
+    def contexts(self) -> int:
+        """Context-parallel shards of each sequence over all hosts: context x dcn_context."""
+        return self.context * self.dcn_context
 
     @property
     def stages(self) -> int:
@@ -392,6 +401,34 @@ class Config:
         self._check_pipeline()
         self._check_grad_comm()
         self._check_experts()
+        self._check_context()
+
+    def _check_context(self) -> None:
+        """Context parallelism (mesh.context > 1) against the model, its window and the mesh."""
+        shards = self.mesh.contexts
+        if shards == 1:
+            return
+        if not isinstance(self.model, LanguageModelConfig):
+            raise UserError(
+                "mesh.context splits the sequences of the zoo's decoders (gpt, llama); this "
+                "model cannot split its inputs that way: split the batch with mesh.data"
+            )
+        model = self.model
+        pieces = 2 * shards if model.context_balance else shards
+        if model.seq_len % pieces:
+            how = "2 x " * model.context_balance
+            raise UserError(
+                f"model.seq_len={model.seq_len} does not cut into {how}{shards} equal pieces "
+                f"for mesh.context x mesh.dcn_context = {shards}"
+                + (" with model.context_balance=true" if model.context_balance else "")
+            )
+        if model.attention == "cudnn":
+            raise UserError(
+                "model.attention=cudnn does not split over mesh.context: the context split "
+                "runs its own attention (model.context_attention); use model.attention=auto"
+            )
+        if self.mesh.experts > 1:
+            raise UserError("mesh.context and mesh.expert do not combine yet: use one of them")
 
     def _check_experts(self) -> None:
         """A mixture of experts (model.experts > 0) against the mesh and the precision."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 
 def balanced_order(length: int, shards: int) -> np.ndarray:
@@ -122,13 +123,44 @@ def ring_attention(
         return (softmax, [jax.lax.ppermute(x, axis, ring) for x in held]), None
 
     G = H // K
+    # Each device's running softmax is its own (varying over the axis, as scan's carry must
+    # be from the start).
+    varying = lambda x: jax.lax.pcast(x, axis, to="varying")  # noqa: E731
     softmax = (
-        jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, G, T), jnp.float32),
-        jnp.zeros((B, K, G, T, E), jnp.float32),
+        varying(jnp.full((B, K, G, T), -jnp.inf, jnp.float32)),
+        varying(jnp.zeros((B, K, G, T), jnp.float32)),
+        varying(jnp.zeros((B, K, G, T, E), jnp.float32)),
     )
     held = [k_BxTxKxE, v_BxTxKxE, positions_BxT, segments]
     # C - 1 hops that fold and pass, then the last slice folded where it arrived.
     (softmax, held), _ = jax.lax.scan(hop, (softmax, held), None, length=shards - 1)
     _, total, output = fold(softmax, *held)
     return _finish(output, total, q_BxTxHxE.dtype)
+
+
+STRATEGIES = {"gather": gathered_attention, "ring": ring_attention}
+
+
+def split_attention(
+    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT, strategy: str
+) -> jax.Array:
+    """Attention over sequences split across the mesh's `context` axis (inside a jit).
+
+    Global arrays in, global out: only the context axis turns manual (a shard_map over
+    it), so the batch and the heads stay wherever the data, fsdp and tensor axes put them.
+    `strategy`: gather or ring (model.context_attention).
+    """
+    local = STRATEGIES[strategy]
+    tokens = PartitionSpec(None, "context")
+    if segments_BxT is None:
+        body = lambda q, k, v, positions: local(q, k, v, positions, "context")  # noqa: E731
+        arguments = (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT)
+    else:
+        body = lambda q, k, v, positions, segments: local(  # noqa: E731
+            q, k, v, positions, "context", segments
+        )
+        arguments = (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
+    split = jax.shard_map(
+        body, in_specs=(tokens,) * len(arguments), out_specs=tokens, axis_names={"context"}
+    )
+    return split(*arguments)

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8, output
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.context_attention import split_attention
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
@@ -29,7 +30,7 @@ from paisoar_jax.pipeline import scan_layers
 from paisoar_jax.platform import compile_platform, is_target_compile
 from paisoar_jax.precision import Policy, float32_island, matmul_fp32_out
 from paisoar_jax.remat import wrap_block_call
-from paisoar_jax.sharding import constrain
+from paisoar_jax.sharding import constrain, context_shards, sequence_whole
 
 
 def _layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -168,18 +169,29 @@ class DecoderBlock(nnx.Module):
     moe: MoeFeedForward | None = None
 
     def __call__(
-        self, x_BxTxD: jax.Array, rotary: tuple | None, segments_BxT: jax.Array | None = None
+        self,
+        x_BxTxD: jax.Array,
+        rotary: tuple | None,
+        segments_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(the block's output, its router statistics: {} without experts).
 
         `rotary` holds (sin, cos) tables or None for learned positions; `segments_BxT`:
-        packed documents, each attending only within itself.
+        packed documents, each attending only within itself. With the sequence split over
+        mesh.context, `positions_BxT` says where each token is (the layout may be balanced):
+        a token attends to those of its document at positions up to its own.
         """
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
-        # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
-        attention_BxTxHxE = attention(
-            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT
-        )
+        if context_shards() > 1:
+            attention_BxTxHxE = split_attention(
+                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT, self.context
+            )
+        else:
+            # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
+            attention_BxTxHxE = attention(
+                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT
+            )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
     def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
@@ -229,6 +241,7 @@ class Block(DecoderBlock):
         zeros = nnx.initializers.zeros
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, D // H)
+        self.context = config.context_attention  # gather or ring, with mesh.context > 1
         self.attention_norm = _layer_norm(D, config.norm_eps, rngs)
         self.qkv_kernel = param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
         self.qkv_bias = param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
@@ -314,7 +327,11 @@ class Decoder(nnx.Module):
         Each statistic has a leading axis of the MoE layers (models/moe.py says what they
         are); the loss adds the router's losses from them (moe.auxiliary_loss).
         """
-        if segments_BxT is None:
+        # Split over mesh.context, attention needs each token's position (the layout may
+        # be balanced); packed documents bring theirs.
+        if positions_BxT is None and (segments_BxT is not None or context_shards() > 1):
+            positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        if positions_BxT is None:
             x_BxTxD, rotary = self._embed(tokens_BxT, 0)
             x_BxTxD, statistics = run_blocks(
                 self.blocks, x_BxTxD, rotary, self.remat_policy, self.config
@@ -333,10 +350,12 @@ class Decoder(nnx.Module):
 
     def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array) -> tuple:
         """(logits, cache) for tokens at positions index.. with the cache of those before."""
-        x_BxTxD, rotary = self._embed(tokens_BxT, index)
-        scanned = self.config.scan_layers
-        x_BxTxD, cache = decode_blocks(self.blocks, x_BxTxD, rotary, cache, index, scanned)
-        return output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD))), cache
+        with sequence_whole():  # decoding runs unsplit, whatever mesh.context is
+            x_BxTxD, rotary = self._embed(tokens_BxT, index)
+            scanned = self.config.scan_layers
+            x_BxTxD, cache = decode_blocks(self.blocks, x_BxTxD, rotary, cache, index, scanned)
+            logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
+        return logits, cache
 
     def _embed(
         self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
@@ -469,7 +488,7 @@ class PackedRows(NamedTuple):
     """
 
     stream: jax.Array  # B x T x D
-    segments: jax.Array  # B x T int32: each token's document
+    segments: jax.Array | None  # B x T int32: each token's document (None: one per row)
     positions: jax.Array  # B x T int32: each token's position in its document
 
 
@@ -483,7 +502,7 @@ def _block_step(graphdef, rotary, x, block_state):
     # Back to the stream's dtype: a block forced to another policy stays a drop-in.
     if isinstance(x, PackedRows):
         tables = None if rotary is None else rotary(x.positions)
-        out_BxTxD, statistics = block(x.stream, tables, x.segments)
+        out_BxTxD, statistics = block(x.stream, tables, x.segments, x.positions)
         return x._replace(stream=out_BxTxD.astype(x.stream.dtype)), statistics
     out_BxTxD, statistics = block(x, rotary)
     return out_BxTxD.astype(x.dtype), statistics

@@ -104,6 +104,7 @@ class Block(DecoderBlock):
         residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, E)
+        self.context = config.context_attention  # gather or ring, with mesh.context > 1
         self.attention_norm = RMSNorm(D, config.norm_eps, rngs)
         self.q_kernel = param(rngs, normal, (D, H, E), ("embed", "heads", "head_dim"))
         self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))

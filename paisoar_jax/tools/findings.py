@@ -468,7 +468,7 @@ def mesh_shape(run: Run) -> dict[str, int] | None:
         return None  # the rest of the devices: how many, only the run knew
     data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
     shape = {"data": data, "stage": mesh.stages, "fsdp": fsdp, "expert": mesh.experts}
-    return shape | {"tensor": mesh.tensor}
+    return shape | {"context": mesh.contexts, "tensor": mesh.tensor}
 
 
 def recompiles(run: Run) -> Finding | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from paisoar_jax.memory import format_bytes
+from paisoar_jax.sharding import OPTIONAL_AXES
 from paisoar_jax.tools import fit_search, gpu_target
 
 
@@ -65,11 +66,11 @@ def _example_shape(result: dict) -> str:
 
 def format_table(result: dict) -> str:
     """The plan as a short aligned table."""
-    # A mesh without pipeline stages or experts split reads as before: data, fsdp, tensor.
+    # A mesh without stages, experts or context split reads as before: data, fsdp, tensor.
     mesh = " ".join(
         f"{axis}={size}"
         for axis, size in result["mesh"].items()
-        if axis not in ("stage", "expert") or size > 1
+        if axis not in OPTIONAL_AXES or size > 1
     )
     where = "simulated cpu" if result["simulated"] else result["platform"]
     if "target" in result:
