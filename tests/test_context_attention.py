@@ -94,3 +94,29 @@ def test_the_balanced_order_gives_each_device_a_front_and_a_back_chunk():
     assert len(set(work)) == 1
     with pytest.raises(ValueError, match="do not cut into 2 x 4 equal chunks"):
         balanced_order(12, 4)
+
+
+@pytest.mark.parametrize("attention", [gathered_attention, ring_attention], ids=["gather", "ring"])
+def test_queries_in_chunks_give_the_same_values_and_gradients(attention, devices, monkeypatch):
+    """Each device's 8 queries attended 2 at a time (4 chunks, recomputed in backward)."""
+    from paisoar_jax.models import context_attention
+
+    monkeypatch.setattr(context_attention, "QUERY_CHUNK", 2)
+    q, k, v, segments = inputs(3)
+    order = balanced_order(T, 8)
+    positions = np.broadcast_to(order, (B, T)).astype(np.int32)
+    target = np.random.default_rng(4).normal(size=(B, T, H, E)).astype(np.float32)
+
+    def split_loss(q, k, v):
+        out = split(attention, q, k, v, positions, segments[:, order], devices)
+        return jnp.sum(out * target[:, order])
+
+    def whole_loss(q, k, v):
+        return jnp.sum(reference(q, k, v, jnp.asarray(segments)) * target)
+
+    laid_out = [x[:, order] for x in (q, k, v)]
+    found_loss, found = jax.value_and_grad(split_loss, argnums=(0, 1, 2))(*laid_out)
+    expected_loss, expected = jax.value_and_grad(whole_loss, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(float(found_loss), float(expected_loss), rtol=1e-5)
+    for got, want in zip(found, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want)[:, order], atol=1e-5)

@@ -28,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from paisoar_jax.platform import compile_platform
+from paisoar_jax.precision import float32_island
+
 
 def balanced_order(length: int, shards: int) -> np.ndarray:
     """The token order that balances causal attention: device i holds chunks i, 2C - 1 - i.
@@ -39,6 +42,12 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
         raise ValueError(f"{length} tokens do not cut into 2 x {shards} equal chunks")
     chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
     return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(shards)])
+
+
+# Queries attended at a time: one chunk's fp32 logits (heads x chunk x keys) are live, and
+# the backward pass recomputes them (what flash attention saves), so a device's memory for
+# attention grows with its keys, not with its keys x its queries.
+QUERY_CHUNK = 512
 
 
 def _block_scores(q_BxTxHxE, k_BxSxKxE, allowed_BxTxS) -> jax.Array:
@@ -59,6 +68,51 @@ def _allowed(q_positions_BxT, k_positions_BxS, q_segments_BxT, k_segments_BxS) -
     return allowed
 
 
+def _partial_softmax(queries, keys) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(peak, total, output) of queries over keys: an unnormalised softmax, in fp32.
+
+    `queries` = (q_BxTxHxE, positions_BxT, segments_BxT or None), `keys` = (k_BxSxKxE,
+    v_BxSxKxE, positions_BxS, segments_BxS or None). peak and total are B x K x G x T,
+    output B x K x G x T x E; a query with no key allowed has peak -inf and total 0.
+    """
+    q_BxTxHxE, q_positions, q_segments = queries
+    k_BxSxKxE, v_BxSxKxE, k_positions, k_segments = keys
+    allowed = _allowed(q_positions, k_positions, q_segments, k_segments)
+    logits = _block_scores(q_BxTxHxE, k_BxSxKxE, allowed)
+    peak = jnp.max(logits, axis=-1)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
+    output = jnp.einsum("bkgts,bske->bkgte", weights, v_BxSxKxE.astype(jnp.float32))
+    return peak, jnp.sum(weights, axis=-1), output
+
+
+def _merge(first, second) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Two partial softmaxes of the same queries over disjoint keys, as one."""
+    (peak_a, total_a, output_a), (peak_b, total_b, output_b) = first, second
+    peak = jnp.maximum(peak_a, peak_b)
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    scale_a = jnp.where(jnp.isfinite(peak_a), jnp.exp(peak_a - safe), 0.0)
+    scale_b = jnp.where(jnp.isfinite(peak_b), jnp.exp(peak_b - safe), 0.0)
+    total = total_a * scale_a + total_b * scale_b
+    return peak, total, output_a * scale_a[..., None] + output_b * scale_b[..., None]
+
+
+def _chunked_softmax(queries, keys) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`_partial_softmax` a chunk of QUERY_CHUNK queries at a time, recomputed in backward."""
+    q_BxTxHxE = queries[0]
+    B, T = q_BxTxHxE.shape[:2]
+    chunk = max(size for size in range(1, min(T, QUERY_CHUNK) + 1) if T % size == 0)
+    attend = jax.checkpoint(_partial_softmax)
+    if chunk == T:
+        return attend(queries, keys)
+    count = T // chunk
+    # Chunks first (B x T x ... -> count x B x chunk x ...), mapped one after another.
+    cut = lambda x: jnp.moveaxis(x.reshape(B, count, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+    peak, total, output = jax.lax.map(lambda part: attend(part, keys), jax.tree.map(cut, queries))
+    # count x B x K x G x chunk (x E) -> B x K x G x T (x E)
+    join = lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], T, *x.shape[5:])  # noqa: E731
+    return join(peak), join(total), join(output)
+
+
 def _finish(output_BxKxGxTxE, total_BxKxGxT, dtype) -> jax.Array:
     """Normalised output as B x T x H x E (a row with nothing allowed gives zeros)."""
     B, K, G, T, E = output_BxKxGxTxE.shape
@@ -73,15 +127,10 @@ def gathered_attention(
 
     Inside shard_map over `axis`; positions (and segments) are this device's tokens'.
     """
-    gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-    k_BxSxKxE, v_BxSxKxE, k_positions = gather(k_BxTxKxE), gather(v_BxTxKxE), gather(positions_BxT)
-    k_segments = None if segments_BxT is None else gather(segments_BxT)
-    allowed = _allowed(positions_BxT, k_positions, segments_BxT, k_segments)
-    logits = _block_scores(q_BxTxHxE, k_BxSxKxE, allowed)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-    output = jnp.einsum("bkgts,bske->bkgte", weights, v_BxSxKxE.astype(jnp.float32))
-    return _finish(output, jnp.sum(weights, axis=-1), q_BxTxHxE.dtype)
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+    keys = tuple(map(gather, (k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)))
+    _, total, output = _chunked_softmax((q_BxTxHxE, positions_BxT, segments_BxT), keys)
+    return _finish(output, total, q_BxTxHxE.dtype)
 
 
 def ring_attention(
@@ -98,29 +147,12 @@ def ring_attention(
     ring = [(device, (device + 1) % shards) for device in range(shards)]
     B, T, H, E = q_BxTxHxE.shape
     K = k_BxTxKxE.shape[2]
-    with_segments = segments_BxT is not None
-    segments = segments_BxT if with_segments else jnp.zeros_like(positions_BxT)
-
-    def fold(softmax, k, v, k_positions, k_segments):
-        """The online softmax (peak, total, output) with one more key/value slice in it."""
-        peak, total, output = softmax
-        allowed = _allowed(
-            positions_BxT, k_positions, segments if with_segments else None, k_segments
-        )
-        logits = _block_scores(q_BxTxHxE, k, allowed)
-        new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
-        safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        rescale = jnp.exp(jnp.where(jnp.isfinite(peak), peak, 0.0) - safe_peak)
-        rescale = jnp.where(jnp.isfinite(peak), rescale, 0.0)
-        weights = jnp.exp(logits - safe_peak[..., None])
-        total = total * rescale + jnp.sum(weights, axis=-1)
-        block = jnp.einsum("bkgts,bske->bkgte", weights, v.astype(jnp.float32))
-        return new_peak, total, output * rescale[..., None] + block
+    queries = (q_BxTxHxE, positions_BxT, segments_BxT)
 
     def hop(carry, _):
         softmax, held = carry
-        softmax = fold(softmax, *held)
-        return (softmax, [jax.lax.ppermute(x, axis, ring) for x in held]), None
+        softmax = _merge(softmax, _chunked_softmax(queries, held))
+        return (softmax, jax.tree.map(lambda x: jax.lax.ppermute(x, axis, ring), held)), None
 
     G = H // K
     # Each device's running softmax is its own (varying over the axis, as scan's carry must
@@ -131,10 +163,10 @@ def ring_attention(
         varying(jnp.zeros((B, K, G, T), jnp.float32)),
         varying(jnp.zeros((B, K, G, T, E), jnp.float32)),
     )
-    held = [k_BxTxKxE, v_BxTxKxE, positions_BxT, segments]
+    held = (k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
     # C - 1 hops that fold and pass, then the last slice folded where it arrived.
     (softmax, held), _ = jax.lax.scan(hop, (softmax, held), None, length=shards - 1)
-    _, total, output = fold(softmax, *held)
+    _, total, output = _merge(softmax, _chunked_softmax(queries, held))
     return _finish(output, total, q_BxTxHxE.dtype)
 
 
@@ -152,6 +184,12 @@ def split_attention(
     """
     local = STRATEGIES[strategy]
     tokens = PartitionSpec(None, "context")
+    dtype = q_BxTxHxE.dtype
+    if compile_platform() == "cpu":
+        # XLA:CPU aborts compiling the half-precision collectives of this shard_map's
+        # backward pass (AllReducePromotion: "Invalid binary instruction opcode copy"): on
+        # CPU they travel in fp32. GPUs keep the compute dtype on the wire.
+        q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = map(float32_island, (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE))
     if segments_BxT is None:
         body = lambda q, k, v, positions: local(q, k, v, positions, "context")  # noqa: E731
         arguments = (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT)
@@ -163,4 +201,4 @@ def split_attention(
     split = jax.shard_map(
         body, in_specs=(tokens,) * len(arguments), out_specs=tokens, axis_names={"context"}
     )
-    return split(*arguments)
+    return split(*arguments).astype(dtype)

@@ -1,0 +1,228 @@
+"""Sequences split over mesh.context give one device's losses, gradients and steps."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import assert_steps_match, assert_trees_close, build_run, token_batches
+from flax import nnx
+
+from paisoar_jax import sharding
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.models.context_attention import balanced_order
+from paisoar_jax.tasks import _token_losses
+from paisoar_jax.zoo import task_for
+
+LLAMA = ["model.name=llama", "model.kv_heads=2"]
+
+
+def loss_and_gradients(overrides, devices):
+    """(loss, gradients, compiled HLO text) of TINY + overrides on one fixed batch."""
+    config, mesh, layout, state, _ = build_run(overrides, devices)
+    task, batch = task_for(config), token_batches(1)[0]
+
+    def loss(params):
+        model = nnx.merge(layout.graphdef, params, state.model_state)
+        return task.loss(model, batch, jax.random.key(0))[0]
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(state.params).compile()
+        value, gradients = compiled(state.params)
+    return float(value), jax.device_get(gradients), compiled.as_text()
+
+
+@functools.cache
+def one_device(family: tuple[str, ...]):
+    return loss_and_gradients(["mesh.data=1", *family], jax.devices()[:1])
+
+
+CASES = [
+    ((), "gather", True),
+    ((), "ring", False),
+    (tuple(LLAMA), "ring", True),
+    (tuple(LLAMA), "gather", False),
+]
+SLOW_CASES = [
+    ((), "gather", False),
+    ((), "ring", True),
+    (tuple(LLAMA), "gather", True),
+    (tuple(LLAMA), "ring", False),
+]
+
+
+@pytest.mark.parametrize(
+    "family, strategy, balanced",
+    [*CASES, *(pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES)],
+    ids=lambda value: {(): "gpt", tuple(LLAMA): "llama"}.get(value, str(value)),
+)
+def test_context_8_gives_one_devices_loss_and_gradients(family, strategy, balanced, devices):
+    """Causal, 32 tokens over 8 devices (4 each): gpt's learned positions, llama's rotary."""
+    overrides = ["mesh.data=1", "mesh.context=8", f"model.context_attention={strategy}"]
+    overrides += [f"model.context_balance={str(balanced).lower()}", *family]
+    value, gradients, hlo = loss_and_gradients(overrides, devices)
+    expected_value, expected_gradients, _ = one_device(family)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    assert_trees_close(gradients, expected_gradients, 1e-5, "gradients")
+    # Each device holds its 4 tokens of the 16 x 32 batch's stream (width 64), and the
+    # keys and values travel by all-gather or by collective-permute round the ring.
+    assert "[16,4,64]" in hlo
+    assert ("collective-permute" in hlo) == (strategy == "ring")
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        ["mesh.data=2", "mesh.context=2", "mesh.stage=2"],
+    ],
+    ids=["context-fsdp-tensor", "context-stage-data"],
+)
+def test_context_composes_with_the_other_axes(mesh, devices):
+    """context=2 beside fsdp and tensor (heads split), or beside pipeline stages: llama."""
+    value, gradients, _ = loss_and_gradients([*mesh, *LLAMA], devices)
+    expected_value, expected_gradients, _ = one_device(tuple(LLAMA))
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    assert_trees_close(gradients, expected_gradients, 1e-5, "gradients")
+
+
+def test_training_steps_over_context_match_one_device(devices):
+    """Two AdamW steps with ZeRO-1, remat and grad accumulation: losses and params."""
+
+    def steps(mesh, devices):
+        overrides = [*LLAMA, "remat.policy=full", "train.grad_accum=2", "mesh.zero=1", *mesh]
+        _, _, _, state, train_step = build_run(overrides, devices)
+        initial, losses = jax.device_get(state.params), []
+        for batch in token_batches(2):
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return losses, (initial, jax.device_get(state.params))
+
+    single, single_state = steps(["mesh.data=1"], devices[:1])
+    split, split_state = steps(["mesh.data=2", "mesh.context=4"], devices)
+    np.testing.assert_allclose(split, single, rtol=1e-5)
+    assert_steps_match(split_state, single_state)
+
+
+@pytest.mark.parametrize("strategy", ["gather", "ring"])
+def test_packed_documents_over_context_give_each_documents_own_losses(strategy, devices):
+    """Three documents and padding in a row, split over 4 devices: each target's loss is
+    that of its document run alone on one device (padding excluded)."""
+    overrides = ["mesh.data=1", "mesh.context=4", "data.packing=documents", *LLAMA]
+    overrides += [f"model.context_attention={strategy}"]
+    _, mesh, layout, state, _ = build_run(overrides, devices[:4])
+    rng = np.random.default_rng(0)
+    lengths = [9, 13, 6]  # then 4 tokens of padding (segment 0)
+    segments = np.repeat([1, 2, 3, 0], [*lengths, 4]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in [*lengths, 4]]).astype(np.int32)
+    tokens = rng.integers(0, 256, (2, 33), dtype=np.int32)
+    batch = {
+        "tokens": tokens,
+        "loss_mask": np.broadcast_to(segments > 0, (2, 32)),
+        "segments": np.broadcast_to(segments, (2, 32)),
+        "positions": np.broadcast_to(positions, (2, 32)),
+    }
+
+    def token_losses(params, batch):
+        return _token_losses(nnx.merge(layout.graphdef, params, state.model_state), batch)[0]
+
+    with jax.set_mesh(mesh):
+        packed = np.array(jax.jit(token_losses)(state.params, batch))
+    packed[:, balanced_order(32, 4)] = packed.copy()  # back from the balanced layout
+    model = nnx.merge(layout.graphdef, jax.device_get(state.params), state.model_state)
+    start = 0
+    for length in lengths:
+        alone = tokens[:, start : start + length + 1]
+        logits = model(alone[:, :-1])
+        expected = optax.softmax_cross_entropy_with_integer_labels(logits, alone[:, 1:])
+        np.testing.assert_allclose(packed[:, start : start + length], expected, rtol=2e-5)
+        start += length
+
+
+def test_decoding_runs_unsplit_on_a_context_mesh(devices):
+    """The cached decoder on a context=4 mesh gives the full forward's next-token logits."""
+    from paisoar_jax.models.decoding import empty_cache
+
+    _, mesh, layout, state, _ = build_run(["mesh.data=2", "mesh.context=4", *LLAMA], devices)
+    tokens = token_batches(1, batch=2)[0][:, :12]
+    model = nnx.merge(layout.graphdef, state.params, state.model_state)
+
+    @jax.jit
+    def prefill_then_one(tokens):
+        cache = empty_cache(model.config, 2, 16, np.float32)
+        _, cache = model.decode(tokens[:, :11], cache, 0)
+        return model.decode(tokens[:, 11:], cache, 11)[0][:, 0]
+
+    with jax.set_mesh(mesh):
+        decoded = np.asarray(prefill_then_one(tokens))
+    whole = nnx.merge(layout.graphdef, jax.device_get(state.params), state.model_state)
+    np.testing.assert_allclose(decoded, whole(tokens)[:, 11], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["mesh.context=4", "model.seq_len=36"], "does not cut into 2 x 4 equal pieces"),
+        (
+            ["mesh.context=4", "model.seq_len=34", "model.context_balance=false"],
+            "does not cut into 4 equal pieces",
+        ),
+        (["mesh.context=2", "model.name=resnet"], "splits the sequences of the zoo's decoders"),
+        (["mesh.context=2", "model.attention=cudnn"], "model.attention=cudnn does not split"),
+        (["mesh.context=2", "mesh.expert=2", "model.experts=4"], "do not combine yet"),
+        (["mesh.context=0"], "mesh.context must be a positive size"),
+        (["model.context_attention=ulysses"], "model.context_attention"),
+    ],
+)
+def test_context_settings_that_cannot_work_are_refused_in_one_line(settings, message):
+    with pytest.raises(UserError, match=message) as refused:
+        load_config(None, settings)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_mesh_reads_the_context_axis(devices):
+    config = load_config(None, ["mesh.data=2", "mesh.context=4"])
+    mesh = sharding.build_mesh(config.mesh, devices)
+    assert sharding.mesh_sizes(mesh) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
+    assert sharding.batch_shards(mesh) == 2  # the context devices read the same rows
+
+
+@pytest.mark.slow
+def test_a_run_resumes_exactly_on_another_context_split(tmp_path):
+    """3 steps on mesh.context=4, resumed to 6 on context=2 = 6 steps straight."""
+    from conftest import resumable_run
+
+    settings = [*LLAMA, "mesh.data=2", "model.context_attention=ring"]
+    straight = resumable_run(tmp_path / "straight", [*settings, "mesh.context=4"], 6)
+    resumable_run(tmp_path / "cut", [*settings, "mesh.context=4"], 3)
+    resumed = resumable_run(tmp_path / "cut", [*settings, "mesh.context=2", "mesh.fsdp=2"], 6)
+    assert [resumed[step] for step in (4, 5, 6)] == pytest.approx(
+        [straight[step] for step in (4, 5, 6)], rel=1e-5
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision.policy=bf16", "mesh.zero=3", "mesh.fsdp=2", "mesh.context=2"],
+        ["precision.policy=fp16", "train.grad_accum=2", "mesh.context=4"]
+        + ["model.context_attention=ring"],
+        ["model.position=rotary", "model.scan_layers=false", "mesh.context=2", "mesh.tensor=2"],
+    ],
+    ids=["bf16-zero3", "fp16-accumulation-ring", "gpt-rotary-unrolled"],
+)
+def test_every_context_setting_trains_evaluates_and_samples(overrides, tmp_path):
+    """A run through the training loop: steps, an eval and the closing sample, all split."""
+    from conftest import TINY, run_records
+
+    from paisoar_jax.loop import train
+
+    settings = [*TINY, "mesh.data=-1", "train.steps=4", "train.eval_every=2"]
+    settings += ["train.sample_bytes=8", "train.log_every=1", f"run.dir={tmp_path}", *overrides]
+    train(load_config(None, settings))
+    records = run_records(tmp_path)
+    assert all(np.isfinite(record["loss"]) for record in records if "loss" in record)
+    assert any(np.isfinite(record.get("eval_loss", np.nan)) for record in records)
