@@ -1,14 +1,15 @@
 """The device mesh, the logical-axis rules and the shardings they give.
 
 Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...). One short
-table maps them to the mesh axes (data, stage, fsdp, expert, context, tensor); the ZeRO stage
-only changes
-where `embed` goes:
+table maps them to the mesh axes (data, stage, fsdp, expert, context, tensor); the ZeRO
+stage only changes where `embed` goes:
 
     stage   parameters embed ->   optimizer state embed ->
     0       fsdp                  fsdp                      (replicated over data)
     1, 2    fsdp                  data+fsdp                 (ZeRO-1/2: state and grads split)
     3       data+fsdp             data+fsdp                 (ZeRO-3 / FSDP over all of them)
+
+(with `context` beside fsdp in each: a context split's devices share the weights' shards.)
 
 Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output channels go
 where `embed` goes; a stacked model's `layers` axis goes over `stage` (pipeline.py: each
@@ -58,8 +59,11 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
 def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple[str, ...]]:
     """Logical parameter axis -> mesh axes, for params or for optimizer state."""
     split_over_data = zero >= 3 or (optimizer_state and zero >= 1)
+    # The devices of a context split hold the same rows, different tokens: FSDP splits the
+    # weights over them too (gathered per layer), or each would hold the whole model.
+    embed = ("data", "fsdp", "context") if split_over_data else ("fsdp", "context")
     return {
-        "embed": ("data", "fsdp") if split_over_data else ("fsdp",),
+        "embed": embed,
         "vocab": ("tensor",),
         "heads": ("tensor",),
         "kv_heads": ("tensor",),  # grouped-query attention: each tensor shard its kv heads
@@ -73,7 +77,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         # Image models: a conv's output channels go where `embed` goes (FSDP splits them),
         # its input channels, BatchNorm's vectors and the classes stay whole.
         "conv_in": (),
-        "conv_out": ("data", "fsdp") if split_over_data else ("fsdp",),
+        "conv_out": embed,
         "norm": (),
         "classes": (),
     }

@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
 TOOLS |= {"launch", "rank_output", "cli", "hf", "generate", "conversations"}
 TOOLS |= {"gpu_target", "gpu_kernels", "plan_table", "plan_variants", "fit_search"}
-TOOLS |= {"memory_findings", "hf_layouts", "moe_findings", "plan_reports"}
+TOOLS |= {"memory_findings", "hf_layouts", "moe_findings", "plan_reports", "context_split"}
 COMMANDS = {
     "plan",
     "doctor",

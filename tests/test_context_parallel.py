@@ -226,3 +226,51 @@ def test_every_context_setting_trains_evaluates_and_samples(overrides, tmp_path)
     records = run_records(tmp_path)
     assert all(np.isfinite(record["loss"]) for record in records if "loss" in record)
     assert any(np.isfinite(record.get("eval_loss", np.nan)) for record in records)
+
+
+def run_plan(*arguments):
+    """(exit status, the --json plan) of `plan --devices 8 TINY ...`, in this process."""
+    import contextlib
+    import io
+    import json
+
+    from conftest import TINY
+
+    from paisoar_jax.tools import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan.main(["--devices", "8", "--json", *TINY, *arguments])
+    assert status == 0, err.getvalue()
+    return json.loads(out.getvalue())
+
+
+def test_plan_shows_the_split_and_proposes_a_context_size(devices):
+    """The split's tokens and K/V bytes by hand; --context-for compiles each size."""
+    from paisoar_jax.tools.plan_table import format_table
+
+    result = run_plan(*LLAMA, "mesh.data=2", "mesh.context=4", "--context-for", "128")
+    split = result["context"]
+    assert split["tokens_per_device"] == 8 and split["context_shards"] == 4
+    # A slice: 8 rows per device x (K, V) x 8 tokens x 2 kv heads of 16, fp32 on CPU; a
+    # step: 2 layers x 2 passes (forward, backward; no remat) x 3 slices received.
+    hop = 8 * 2 * 8 * 2 * 16 * 4
+    assert split["kv_bytes_per_hop"] == hop
+    assert split["kv_bytes_per_step"] == 2 * 2 * 3 * hop
+    sizes = result["context_sizes"]["sizes"]
+    assert [row["context"] for row in sizes] == [1, 2, 4, 8]
+    whole, *split_sizes = [row["bytes"] for row in sizes]
+    assert max(split_sizes) < whole  # a split device holds less than a whole sequence's
+    assert result["context_sizes"]["proposal"] is None  # no limit: nothing to fit
+    table = format_table(result)
+    assert "context: mesh.context=4, 8 tokens per device, gather attention, balanced" in table
+    # Under a limit the whole sequence misses, the smallest split that fits is proposed.
+    limit = f"train.memory_limit_gb={(whole - 1) / 2**30}"
+    result = run_plan(*LLAMA, "mesh.data=2", "mesh.context=4", "--context-for", "128", limit)
+    assert [row["fits"] for row in result["context_sizes"]["sizes"]] == [False] + [True] * 3
+    assert result["context_sizes"]["proposal"] == [
+        "model.seq_len=128",
+        "mesh.context=2",
+        "mesh.data=4",
+    ]
+    assert "propose: model.seq_len=128 mesh.context=2 mesh.data=4" in format_table(result)

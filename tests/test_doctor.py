@@ -350,6 +350,17 @@ def every_check_firing(config_overrides):
         }
         for step, loss in enumerate([3.0, 2.0, 2.5, 3.0, math.nan], start=1)
     ]
+    context = {}
+    if config.mesh.contexts > 1:  # a ring hop's transfer outlasts its attention
+        context = {
+            "context": {
+                "context_shards": config.mesh.contexts,
+                "tokens_per_device": config.model.seq_len // config.mesh.contexts,
+                "hop_seconds": 2e-5,
+                "hop_attention_seconds": 1e-5,
+                "min_tokens_per_device": 2 * config.model.seq_len // config.mesh.contexts,
+            }
+        }
     if config.model.experts:  # layer 1's experts imbalanced and dropping
         for record in records:
             record.update({"moe_layer_load/0": 1.1, "moe_layer_load/1": 3.0})
@@ -359,6 +370,7 @@ def every_check_firing(config_overrides):
         "time_s": {"compute": 0.1, "communication": 0.2, "step_no_overlap": 0.3},
         "collectives": {"all-reduce": {"count": 2, "bytes": 2**30, "seconds": 0.2}},
         "link": {"name": "infiniband", "gb_per_s": 50.0},
+        **context,
     }
     return findings.Run(config.run_dir, config, records, plan_result)
 
@@ -389,6 +401,8 @@ def every_check_firing(config_overrides):
             "remat.policy=full",
         ],
         ["model.name=llama", "model.experts=4", "precision.policy=fp16"],
+        ["precision.loss_scale=dynamic", "mesh.stage=2", "train.pipeline_microbatches=2"]
+        + ["model.name=llama", "mesh.context=4", "model.context_attention=ring"],
     ],
 )
 def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
@@ -400,6 +414,7 @@ def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
     # A mixture of experts does not pipeline; the MoE checks need a MoE's records.
     moe = ["model.experts=4"] if run.config.model.experts else []
     expected -= {"pipeline-bubble"} if moe else {"expert-imbalance", "dropped-tokens"}
+    expected -= set() if run.config.mesh.contexts > 1 else {"context-bound"}
     assert names == expected
     for finding in results:
         assert any(OVERRIDE.search(fix) for fix in finding.fixes), finding
@@ -484,3 +499,15 @@ def test_a_data_parallel_run_bound_by_a_slow_link_is_told_about_grad_comm(health
     ]
     assert "`mesh.grad_comm=int8 mesh.grad_comm_error_feedback=true`" in fix
     assert f"int8 {steps['int8'] * 1e3:.3g} ms" in fix
+
+
+def test_a_context_split_that_communication_bounds(healthy_copy):
+    """plan.json of an 8-way context split of 32 tokens (4 a device) over 1 GbE."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        arguments = ["--devices", "8", *TINY, "mesh.data=1", "mesh.context=8", "--link", "1gbe"]
+        status = plan.main([*arguments, "--output", str(healthy_copy / "plan.json")])
+    assert status == 0, err.getvalue()
+    finding = found(healthy_copy)["context-bound"]
+    assert finding["evidence"].startswith("mesh.context=8 leaves 4 tokens per device")
+    assert finding["fixes"][0].startswith("`mesh.context=")

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from paisoar_jax.platform import compile_platform
-from paisoar_jax.precision import float32_island
+from paisoar_jax.precision import float32_island, matmul_fp32_out
 
 
 def balanced_order(length: int, shards: int) -> np.ndarray:
@@ -54,8 +54,9 @@ def _block_scores(q_BxTxHxE, k_BxSxKxE, allowed_BxTxS) -> jax.Array:
     """fp32 logits of T queries against S keys, -inf where not allowed: B x K x G x T x S."""
     B, T, H, E = q_BxTxHxE.shape
     K = k_BxSxKxE.shape[2]
-    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, K, H // K, E).astype(jnp.float32)
-    logits = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxSxKxE.astype(jnp.float32))
+    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, K, H // K, E)
+    # In the inputs' dtype, accumulated in fp32, forward and backward (16-bit gemms).
+    logits = matmul_fp32_out("btkge,bske->bkgts", q_BxTxKxGxE, k_BxSxKxE)
     logits = logits / np.sqrt(E)
     return jnp.where(allowed_BxTxS[:, None, None], logits, -jnp.inf)
 
@@ -81,7 +82,8 @@ def _partial_softmax(queries, keys) -> tuple[jax.Array, jax.Array, jax.Array]:
     logits = _block_scores(q_BxTxHxE, k_BxSxKxE, allowed)
     peak = jnp.max(logits, axis=-1)
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0)[..., None])
-    output = jnp.einsum("bkgts,bske->bkgte", weights, v_BxSxKxE.astype(jnp.float32))
+    # The weights in the values' dtype for the gemm (as flash attention rounds them).
+    output = matmul_fp32_out("bkgts,bske->bkgte", weights.astype(v_BxSxKxE.dtype), v_BxSxKxE)
     return peak, jnp.sum(weights, axis=-1), output
 
 

@@ -22,10 +22,11 @@ metrics cannot be read.
     recompiles             the train step compiled again after its first compilation
     expert-imbalance       a MoE layer's busiest expert takes over 2x the mean expert's tokens
     dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
+    context-bound          plan.json: a ring hop's keys and values outlast its attention
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in paisoar_jax/tools/findings.py, memory_findings.py and
-moe_findings.py.
+The checks and their thresholds are in paisoar_jax/tools/findings.py, memory_findings.py,
+moe_findings.py and context_split.py.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import findings, moe_findings
+from paisoar_jax.tools import context_split, findings, moe_findings
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.findings import Finding, Run
 from paisoar_jax.tools.memory_findings import memory_headroom
@@ -59,6 +60,7 @@ CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     findings.recompiles,
     moe_findings.expert_imbalance,
     moe_findings.dropped_tokens,
+    context_split.context_bound,
 )
 
 

@@ -30,6 +30,10 @@ no cuDNN attention).
 memory and collectives are then the GPU compiler's, and the plan adds its kernels
 (tools/gpu_kernels.py) and whether the step fits the device. The table is plan_table.py's.
 
+`--context-for LENGTH` compiles the step at LENGTH tokens for each mesh.context size and
+proposes the smallest that fits (tools/context_split.py; the table's context section shows
+any split's tokens per device, K/V bytes per step and whether the ring can hide them).
+
 `--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
 `python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.
 """
@@ -51,7 +55,7 @@ from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import memory
 from paisoar_jax.oom import memory_fixes
-from paisoar_jax.tools import cli, fit_search, gpu_target, hlo, plan_reports
+from paisoar_jax.tools import cli, context_split, fit_search, gpu_target, hlo, plan_reports
 from paisoar_jax.tools.plan_table import format_table
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
@@ -284,6 +288,9 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
         "unknown_trip_counts": unknown_loops,
         "pipeline": plan_reports.pipeline_report(schedule, by_kind),
         "experts": plan_reports.experts_report(model, layout, mesh, by_kind),
+        "context": context_split.context_report(
+            config, dict(mesh.shape), devices[0].platform, gb_per_s, peak * efficiency
+        ),
         "link": {"name": link_name, "gb_per_s": gb_per_s},
         "peak_tflops": peak,
         "peak_source": peak_source,
@@ -391,6 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --target: when the step does not fit (the device, or train.memory_limit_gb), "
         "compile it with each memory fix and propose the smallest change that fits",
     )
+    parser.add_argument(
+        "--context-for",
+        type=int,
+        default=0,
+        metavar="LENGTH",
+        help="compile the step at LENGTH tokens for each mesh.context size (its devices taken "
+        "from mesh.data) and propose the smallest that fits (with --target: the GPU; else "
+        "train.memory_limit_gb)",
+    )
     parser.add_argument("--hosts", type=int, default=1, metavar="H", help="with --target")
     parser.add_argument(
         "--devices-per-host", type=int, default=8, metavar="N", help="with --target"
@@ -442,6 +458,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             devices = cpu_devices(count) if count else jax.devices()
             result = plan(config, devices, link, efficiency, simulated=bool(count))
+        if args.context_for:
+            result["context_sizes"] = context_split.context_sizes(
+                config,
+                args.context_for,
+                len(devices),
+                lambda variant: plan(
+                    variant, devices, link, efficiency, bool(count), None, args.target
+                ),
+            )
         if args.compare_grad_comm:
             result["grad_comm_comparison"] = plan_variants.compare_grad_comm(
                 config, devices, efficiency, simulated=bool(count)

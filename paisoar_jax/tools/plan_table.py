@@ -40,6 +40,36 @@ def _experts_lines(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _context_lines(report: dict[str, Any] | None, sizes: dict[str, Any] | None) -> list[str]:
+    """The context-split section of the table, and the sizes `--context-for` compiled."""
+    lines = []
+    if report is not None:
+        hidden = report["hop_seconds"] <= report["hop_attention_seconds"]
+        lines += [
+            "",
+            f"context: mesh.context={report['context_shards']}, {report['tokens_per_device']} "
+            f"tokens per device, {report['strategy']} attention"
+            + (", balanced" if report["balanced"] else ""),
+            f"  keys and values {format_bytes(report['kv_bytes_per_step']):>10} per device per "
+            f"step (model), {_duration(report['kv_seconds_per_step'])}",
+            f"  per hop {_duration(report['hop_seconds'])} of transfer against "
+            f"{_duration(report['hop_attention_seconds'])} of attention: "
+            + ("hidden" if hidden else "exposed")
+            + f" (at least {report['min_tokens_per_device']} tokens per device hide it)",
+        ]
+    if sizes is not None:
+        lines += ["", f"context sizes for {sizes['length']} tokens (each compiled):"]
+        for row in sizes["sizes"]:
+            fits = {None: "", True: "  fits", False: "  does not fit"}[row["fits"]]
+            lines.append(
+                f"  mesh.context={row['context']:<3} {format_bytes(row['bytes']):>10} per "
+                f"device{fits}"
+            )
+        proposal = sizes["proposal"]
+        lines.append(f"  propose: {' '.join(proposal)}" if proposal else "  none fits")
+    return lines
+
+
 def format_count(number: float) -> str:
     """A count as 842K, 124M or 1.31B."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -124,6 +154,7 @@ def format_table(result: dict) -> str:
     ]
     lines += _pipeline_lines(result.get("pipeline"))
     lines += _experts_lines(result.get("experts"))
+    lines += _context_lines(result.get("context"), result.get("context_sizes"))
     if "target" in result:
         lines += gpu_target.report_lines(result["target"])
     if "fit" in result:

@@ -1,0 +1,149 @@
+"""What `plan` and `doctor` say of a sequence split over mesh.context (long context).
+
+Each device holds T / C of every sequence's tokens and needs the keys and values of the
+other C - 1 slices in every layer: an all-gather of them (model.context_attention=gather)
+or C - 1 hops round the ring (ring). Either way a device receives (C - 1) slices of K and
+V per layer and pass, and the backward pass sends their gradients back; a forward pass
+recomputed under remat moves them once more. Per hop, the ring's transfer of one slice
+can hide behind the attention of the slice it holds only while
+
+    2 x local x kv_heads x head_width x bytes / bandwidth
+        <= 4 x local^2 x heads x head_width / (peak x efficiency)
+
+so each device needs at least a minimum number of tokens (`min_tokens_per_device`):
+split further, and communication bounds the layer. This module computes those numbers
+from the config (a model, not a measurement: the compiled step's collectives are in
+plan's table beside them), `context_sizes` compiles the step at a target length for each
+context size (`plan --context-for LENGTH`), and `context_bound` is doctor's check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paisoar_jax.config import Config
+from paisoar_jax.sharding import BATCH_AXES
+from paisoar_jax.tools.findings import Finding, Run
+from paisoar_jax.tools.fit_search import apply, limit_bytes
+
+
+def context_report(
+    config: Config, mesh_shape: dict[str, int], platform: str, gb_per_s: float, peak: float
+) -> dict[str, Any] | None:
+    """The split's tokens per device, K/V bytes per step and per-hop times; None unsplit.
+
+    `peak`: TFLOP/s the compute reaches (peak x efficiency); `platform`: where the step
+    was compiled (XLA:CPU moves the keys and values in fp32).
+    """
+    shards = mesh_shape.get("context", 1)
+    if shards == 1:
+        return None
+    model, train = config.model, config.train
+    local = model.seq_len // shards
+    tensor = mesh_shape.get("tensor", 1)
+    heads = max(model.heads // tensor, 1)
+    kv_heads = max(model.key_value_heads // tensor, 1)
+    batch_shards = 1
+    for axis in BATCH_AXES:
+        batch_shards *= mesh_shape.get(axis, 1)
+    rows = train.global_batch // train.grad_accum // batch_shards  # per micro-batch
+    wire = 4 if platform == "cpu" or config.precision.policy == "fp32" else 2
+    hop_bytes = rows * 2 * local * kv_heads * model.head_size * wire  # K and V, one slice
+    passes = 2 + (config.remat.policy != "none")  # forward, backward, recomputed forward
+    step_bytes = model.layers * train.grad_accum * passes * (shards - 1) * hop_bytes
+    hop_seconds = hop_bytes / (gb_per_s * 1e9)
+    hop_flops = 4 * rows * local * local * heads * model.head_size  # scores and values
+    attention_seconds = hop_flops / (peak * 1e12)
+    return {
+        "context_shards": shards,
+        "strategy": model.context_attention,
+        "balanced": model.context_balance,
+        "tokens_per_device": local,
+        "kv_bytes_per_hop": hop_bytes,
+        "kv_bytes_per_step": step_bytes,
+        "kv_seconds_per_step": step_bytes / (gb_per_s * 1e9),
+        "hop_seconds": hop_seconds,
+        "hop_attention_seconds": attention_seconds,
+        # The hop's transfer scales with local, its attention with local^2.
+        "min_tokens_per_device": int(local * hop_seconds / attention_seconds) + 1,
+    }
+
+
+def context_sizes(
+    config: Config, length: int, devices: int, plan_of: Callable[[Config], dict[str, Any]]
+) -> dict[str, Any]:
+    """The step at `length` tokens compiled for each context size: its memory, its split.
+
+    Each size C takes its devices from mesh.data (data x context stays as configured);
+    the proposal is the smallest C that fits the device (or train.memory_limit_gb), as it
+    moves the least and leaves each device the most tokens.
+    """
+    spare = config.mesh.data * config.mesh.context if config.mesh.data > 0 else devices
+    rows = []
+    for shards in (size for size in range(1, spare + 1) if spare % size == 0):
+        pieces = 2 * shards if config.model.context_balance and shards > 1 else shards
+        if length % pieces:
+            continue
+        overrides = [f"model.seq_len={length}", f"mesh.context={shards}"]
+        overrides += [f"mesh.data={spare // shards}"]
+        if config.model.max_positions and config.model.max_positions < length:
+            overrides.append(f"model.max_positions={length}")
+        variant = apply(config, overrides)
+        if variant.train.global_batch % (spare // shards * variant.mesh.fsdp):
+            continue
+        result = plan_of(variant)
+        limit = _limit(variant, result)
+        row = {"context": shards, "overrides": overrides, "bytes": result["memory_bytes"]["total"]}
+        row["fits"] = None if limit is None else row["bytes"] <= limit
+        row["split"] = result.get("context")
+        rows.append(row)
+    fitting = [row for row in rows if row["fits"]]
+    return {
+        "length": length,
+        "sizes": rows,
+        "proposal": fitting[0]["overrides"] if fitting else None,
+    }
+
+
+def _limit(config: Config, result: dict[str, Any]) -> int | None:
+    """The bytes a step must fit: the GPU target's memory, else train.memory_limit_gb."""
+    if "target" in result:
+        return limit_bytes(config, result["target"]["device_memory_bytes"])
+    limit = config.train.memory_limit_gb
+    return int(limit * 2**30) if limit > 0 else None
+
+
+def context_bound(run: Run) -> Finding | None:
+    """plan.json says each ring hop's transfer outlasts the attention it could hide behind."""
+    split = (run.plan or {}).get("context")
+    if not split or split["hop_seconds"] <= split["hop_attention_seconds"]:
+        return None
+    shards, local, needed = (
+        split["context_shards"],
+        split["tokens_per_device"],
+        split["min_tokens_per_device"],
+    )
+    link = run.plan.get("link", {}).get("name", "the link")
+    evidence = (
+        f"mesh.context={shards} leaves {local} tokens per device: each hop's keys and values "
+        f"take {split['hop_seconds'] * 1e6:.3g} us on {link} against "
+        f"{split['hop_attention_seconds'] * 1e6:.3g} us of attention to hide behind "
+        f"(plan.json); the split needs at least {needed} tokens per device"
+    )
+    fewer = max(1, run.config.model.seq_len // max(needed, 1))
+    fixes = [
+        f"`mesh.context={_power_of_two_below(fewer, shards)}`: fewer, longer slices (the "
+        "devices this frees split the batch over mesh.data, or the weights over mesh.fsdp)",
+        "`model.seq_len` longer for the same split: the attention grows with the square of "
+        "the slice, its keys and values only linearly",
+    ]
+    return Finding("context-bound", "communication bounds the context split", evidence, fixes)
+
+
+def _power_of_two_below(limit: int, shards: int) -> int:
+    """The largest power of two below `shards` and at most `limit` (at least 1)."""
+    size = 1
+    while size * 2 < shards and size * 2 <= limit:
+        size *= 2
+    return size
