@@ -307,6 +307,21 @@ def batch_vmapped(rest: tuple[str, ...] = ()) -> Iterator[None]:
         _BATCH_AXES_LEFT.reset(token)
 
 
+def in_batch_vmap() -> bool:
+    """Whether the code being traced runs inside a vmap over batch shards (batch_vmapped)."""
+    return _BATCH_AXES_LEFT.get() != BATCH_AXES
+
+
+def activation_axes(logical: str) -> tuple[str, ...] | None:
+    """The mesh axes an activation's logical axis goes over here (None: whole).
+
+    As `constrain` maps it: the batch axes a batch vmap left, the length's while decoding.
+    """
+    left = _BATCH_AXES_LEFT.get()
+    rules = {**ACTIVATION_RULES, "batch": left, "length": _LENGTH_AXIS.get()}
+    return _free(rules[logical], set(BATCH_AXES) - set(left or ()))
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Pins an activation's layout by logical axis names; a no-op outside a mesh context.
 

@@ -492,6 +492,21 @@ def test_pipeline_stages_across_two_processes_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_context_split_across_two_processes_equals_one_process(tmp_path):
+    """mesh.dcn_context=2: each sequence's halves on the two processes, which read the same
+    rows (sharding.input_slot); the ring's keys and values cross between them."""
+    mesh = ["mesh.data=2", "mesh.context=2", "model.context_attention=ring", "train.steps=4"]
+    result = run_launcher(
+        *TWO_PROCESSES, "--", *RUN, *mesh, "mesh.dcn_context=2", f"run.dir={tmp_path / 'two'}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train_one(tmp_path / "one", "mesh.data=2", "mesh.context=4", *mesh[2:])
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3, 4]
+    assert two == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_compressed_gradients_on_two_processes_equal_one_process(tmp_path):
     """mesh.grad_comm=int8 with error feedback: 2 processes x 4 devices (dcn_data=2) give
     the losses of the same compressed run on 1 process x 8 devices."""

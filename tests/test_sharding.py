@@ -58,11 +58,16 @@ def test_batch_must_split_over_the_batch_axes(devices):
 
 
 def test_rules_by_zero_stage():
-    assert sharding.parameter_rules(0)["embed"] == ("fsdp",)
-    assert sharding.parameter_rules(0, optimizer_state=True)["embed"] == ("fsdp",)
-    assert sharding.parameter_rules(1)["embed"] == ("fsdp",)
-    assert sharding.parameter_rules(1, optimizer_state=True)["embed"] == ("data", "fsdp")
-    assert sharding.parameter_rules(3)["embed"] == ("data", "fsdp")
+    # The devices of a context split share the weights' shards as FSDP's do.
+    assert sharding.parameter_rules(0)["embed"] == ("fsdp", "context")
+    assert sharding.parameter_rules(0, optimizer_state=True)["embed"] == ("fsdp", "context")
+    assert sharding.parameter_rules(1)["embed"] == ("fsdp", "context")
+    assert sharding.parameter_rules(1, optimizer_state=True)["embed"] == (
+        "data",
+        "fsdp",
+        "context",
+    )
+    assert sharding.parameter_rules(3)["embed"] == ("data", "fsdp", "context")
     for zero in (0, 1, 3):
         assert sharding.parameter_rules(zero)["heads"] == ("tensor",)
         assert sharding.parameter_rules(zero)["mlp"] == ("tensor",)

@@ -422,10 +422,11 @@ class Config:
                 f"for mesh.context x mesh.dcn_context = {shards}"
                 + (" with model.context_balance=true" if model.context_balance else "")
             )
-        if model.attention == "cudnn":
+        if model.attention == "cudnn" and model.context_attention == "ring":
             raise UserError(
-                "model.attention=cudnn does not split over mesh.context: the context split "
-                "runs its own attention (model.context_attention); use model.attention=auto"
+                "model.attention=cudnn does not run in ring attention's hops (they fold "
+                "statistics cuDNN does not return): use model.context_attention=gather, or "
+                "model.attention=auto"
             )
         if self.mesh.experts > 1:
             raise UserError("mesh.context and mesh.expert do not combine yet: use one of them")

@@ -23,6 +23,8 @@ K key/value heads, G = H / K query heads per key/value head, E head width, C dev
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from paisoar_jax.platform import compile_platform
 from paisoar_jax.precision import float32_island, matmul_fp32_out
+from paisoar_jax.sharding import activation_axes, constrain, in_batch_vmap
 
 
 def balanced_order(length: int, shards: int) -> np.ndarray:
@@ -123,28 +126,50 @@ def _finish(output_BxKxGxTxE, total_BxKxGxT, dtype) -> jax.Array:
 
 
 def gathered_attention(
-    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, axis: str, segments_BxT=None
+    q_BxTxHxE,
+    k_BxTxKxE,
+    v_BxTxKxE,
+    positions_BxT,
+    axis: str,
+    segments_BxT=None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Attention of this device's queries to every device's keys and values (all-gathered).
 
     Inside shard_map over `axis`; positions (and segments) are this device's tokens'.
+    `implementation` cudnn (model.attention's choice on a GPU) runs cuDNN flash attention
+    over the gathered keys, the layout's causal and document mask as a dense bias; xla runs
+    the chunked softmax.
     """
     gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     keys = tuple(map(gather, (k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)))
+    if implementation == "cudnn":
+        allowed_BxTxS = _allowed(positions_BxT, keys[2], segments_BxT, keys[3])
+        return jax.nn.dot_product_attention(
+            q_BxTxHxE, keys[0], keys[1], mask=allowed_BxTxS[:, None], implementation="cudnn"
+        )
     _, total, output = _chunked_softmax((q_BxTxHxE, positions_BxT, segments_BxT), keys)
     return _finish(output, total, q_BxTxHxE.dtype)
 
 
 def ring_attention(
-    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, axis: str, segments_BxT=None
+    q_BxTxHxE,
+    k_BxTxKxE,
+    v_BxTxKxE,
+    positions_BxT,
+    axis: str,
+    segments_BxT=None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Attention of this device's queries to every slice, the slices passed round the ring.
 
     Inside shard_map over `axis`. At each of the C hops the device attends to the slice it
     holds, folds it into the online softmax (fp32), and passes the slice on to the next
     device (a ppermute the hop's compute does not wait on, so XLA's scheduler may overlap
-    the two): C - 1 passes in all.
+    the two): C - 1 passes in all. Each hop runs the chunked softmax in XLA whatever
+    `implementation` says (cuDNN's kernel does not return the statistics a fold needs).
     """
+    del implementation
     shards = jax.lax.axis_size(axis)
     ring = [(device, (device + 1) % shards) for device in range(shards)]
     B, T, H, E = q_BxTxHxE.shape
@@ -172,19 +197,53 @@ def ring_attention(
     return _finish(output, total, q_BxTxHxE.dtype)
 
 
+def _gathered_by_the_compiler(
+    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
+) -> jax.Array:
+    """The all-gather strategy written on global arrays, for a pipeline's cells.
+
+    The keys and values (and their positions) are pinned whole along the sequence, so the
+    compiler all-gathers them over `context`, while the queries keep their slices: each
+    device attends from its tokens to all of them (one softmax, no chunks).
+    """
+    whole = lambda x, axes: None if x is None else constrain(x, axes)  # noqa: E731
+    heads = ("batch", None, "act_heads", "head_dim")
+    keys = (
+        whole(k_BxTxKxE, heads),
+        whole(v_BxTxKxE, heads),
+        whole(positions_BxT, ("batch", None)),
+        whole(segments_BxT, ("batch", None)),
+    )
+    _, total, output = _partial_softmax((q_BxTxHxE, positions_BxT, segments_BxT), keys)
+    return _finish(output, total, q_BxTxHxE.dtype)
+
+
 STRATEGIES = {"gather": gathered_attention, "ring": ring_attention}
 
 
 def split_attention(
-    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT, strategy: str
+    q_BxTxHxE,
+    k_BxTxKxE,
+    v_BxTxKxE,
+    positions_BxT,
+    segments_BxT,
+    strategy: str,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Attention over sequences split across the mesh's `context` axis (inside a jit).
 
     Global arrays in, global out: only the context axis turns manual (a shard_map over
-    it), so the batch and the heads stay wherever the data, fsdp and tensor axes put them.
-    `strategy`: gather or ring (model.context_attention).
+    it), so the batch and the heads stay wherever the data, fsdp and tensor axes put them
+    (with cuDNN every axis turns manual, as the activations are split). `strategy`: gather
+    or ring (model.context_attention); `implementation`: the resolved model.attention
+    (cudnn or xla). Inside a pipeline's vmap over its cells, where a shard_map does not
+    lower, the compiler gathers the keys and values itself.
     """
-    local = STRATEGIES[strategy]
+    if in_batch_vmap():  # a pipeline's cell: no shard_map there
+        return _gathered_by_the_compiler(
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT
+        )
+    local = functools.partial(STRATEGIES[strategy], implementation=implementation)
     tokens = PartitionSpec(None, "context")
     dtype = q_BxTxHxE.dtype
     if compile_platform() == "cpu":
@@ -200,7 +259,16 @@ def split_attention(
             q, k, v, positions, "context", segments
         )
         arguments = (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT)
-    split = jax.shard_map(
-        body, in_specs=(tokens,) * len(arguments), out_specs=tokens, axis_names={"context"}
-    )
+    if implementation == "cudnn" and strategy == "gather":
+        # cuDNN's custom partitioner fails under a partly manual shard_map: every axis
+        # manual, each array split as the activations are (batch, tokens, heads).
+        batch = activation_axes("batch")
+        tokens = PartitionSpec(batch, "context")
+        heads = PartitionSpec(batch, "context", activation_axes("act_heads"))
+        specs = (heads,) * 3 + (tokens,) * (len(arguments) - 3)
+        split = jax.shard_map(body, in_specs=specs, out_specs=heads)
+    else:
+        split = jax.shard_map(
+            body, in_specs=(tokens,) * len(arguments), out_specs=tokens, axis_names={"context"}
+        )
     return split(*arguments).astype(dtype)

@@ -185,7 +185,13 @@ class DecoderBlock(nnx.Module):
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         if context_shards() > 1:
             attention_BxTxHxE = split_attention(
-                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxT, segments_BxT, self.context
+                q_BxTxHxE,
+                k_BxTxKxE,
+                v_BxTxKxE,
+                positions_BxT,
+                segments_BxT,
+                self.context,
+                self.attention_impl,
             )
         else:
             # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
