@@ -113,6 +113,19 @@ def test_experts_split_over_8_h200_trade_tokens_by_overlapped_all_to_all():
 
 
 @pytest.mark.gpu_aot
+def test_a_128k_window_split_over_8_h200_fits_with_cudnn_over_the_gathered_keys():
+    """llama3_8b_128k as shipped: one sequence of 131,072 tokens, 16,384 per device."""
+    found = target_plan("llama3_8b_128k", "train.global_batch=1")
+    kernels = found["target"]
+    assert kernels["fits"] and kernels["attention"] == "cudnn", kernels["attention_kernels"]
+    assert kernels["fp32_matmuls"] == [], kernels["fp32_matmuls"]
+    split = found["context"]
+    assert split["tokens_per_device"] == 16384 and split["strategy"] == "gather"
+    assert split["hop_seconds"] < split["hop_attention_seconds"]  # the transfer can hide
+    assert {"all-gather"} <= {row["kind"] for row in kernels["collectives"]}
+
+
+@pytest.mark.gpu_aot
 def test_llama3_8b_fits_on_fsdp_and_not_on_data_parallel_without_remat():
     sharded = target_plan("llama3_8b", "mesh.data=1", "mesh.fsdp=8")
     assert sharded["target"]["fits"] and sharded["target"]["memory_share"] < 0.5
