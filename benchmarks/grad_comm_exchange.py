@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import paisoar_jax
-from paisoar_jax import grad_comm, sharding
 from paisoar_jax.config import load_config
+from paisoar_jax.parallel import grad_comm, sharding
 from paisoar_jax.tools import hlo
 from paisoar_jax.tools.plan import LINKS
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax import pipeline
 from paisoar_jax.data.user_data import BatchData, ExampleData
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import pipeline
 from paisoar_jax.precision import Policy
 
 # Names the loop's records (and the eval step's row count) use: a user's metric may not.

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from paisoar_jax import sharding
 from paisoar_jax.config import Config
 from paisoar_jax.data.prefetch import global_batch
+from paisoar_jax.parallel import sharding
 
 # Eval batches dispatched before the host waits for their sums: enough to keep the device
 # busy, few enough that a long eval does not queue hundreds of executions (on XLA's CPU

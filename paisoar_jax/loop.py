@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax import gpu_flags, heartbeat, oom, output, sharding
+from paisoar_jax import gpu_flags, heartbeat, oom, output
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.pipeline import check_same_everywhere
@@ -26,6 +26,7 @@ from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.evaluation import evaluate
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
+from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.resume import make_checkpointer, resume_input, save, starting_point
 from paisoar_jax.run_lock import RunLock

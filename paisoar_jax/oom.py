@@ -25,10 +25,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from paisoar_jax import memory, pipeline
+from paisoar_jax import memory
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import format_bytes  # the units `plan` prints: both read alike
+from paisoar_jax.parallel import pipeline
 
 # XLA's words for an allocation that failed: "RESOURCE_EXHAUSTED: Out of memory allocating
 # N bytes." (CPU), "... Out of memory while trying to allocate N bytes." (GPU BFC allocator).

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax import sharding
+from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import float32_island
 from paisoar_jax.state import StateLayout
 

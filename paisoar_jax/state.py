@@ -19,10 +19,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from paisoar_jax import grad_comm, rules, sharding
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
-from paisoar_jax.pipeline import Pipeline, from_config
+from paisoar_jax.parallel import grad_comm, rules, sharding
+from paisoar_jax.parallel.pipeline import Pipeline, from_config
 from paisoar_jax.precision import Policy, get_policy, policy_lookup
 
 

@@ -21,7 +21,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import fp8, grad_comm, loss_scale, pipeline, sharding
+from paisoar_jax import fp8, loss_scale
+from paisoar_jax.parallel import grad_comm, pipeline, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
 

@@ -30,10 +30,10 @@ from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, resolve_model_config
-from paisoar_jax.models.context_attention import balanced_order
+from paisoar_jax.parallel.context import balanced_order
+from paisoar_jax.parallel.sharding import context_shards
 from paisoar_jax.precision import float32_island, get_policy
 from paisoar_jax.sample import generate
-from paisoar_jax.sharding import context_shards
 
 SAMPLE_PROMPT = b"def "  # the embedded corpus is Python source
 

@@ -19,10 +19,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax import pipeline, precision, remat, sharding
+from paisoar_jax import precision, remat
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
+from paisoar_jax.parallel import pipeline, sharding
 from paisoar_jax.state import StateLayout, state_layout
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]

@@ -11,8 +11,9 @@ from conftest import FIT_BASE, assert_steps_match, assert_trees_close, run_recor
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax import api, rules, sharding
+from paisoar_jax import api
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import rules, sharding
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads
 from paisoar_jax.workload import setup

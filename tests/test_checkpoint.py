@@ -9,11 +9,11 @@ import pytest
 from conftest import TINY, build_run, plan_run, token_batches
 from flax import struct
 
-from paisoar_jax import sharding
 from paisoar_jax.checkpoint import Checkpointer, check_writable, load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
+from paisoar_jax.parallel import sharding
 from paisoar_jax.tools.export import export
 
 DATA_STATE = {"position": 7}

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 from conftest import build_run, token_batches
 
-from paisoar_jax import sharding
 from paisoar_jax.compilation import CompiledStep, describe_change, signature
+from paisoar_jax.parallel import sharding
 
 
 def test_describe_change_names_the_input_and_how_it_changed():

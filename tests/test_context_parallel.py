@@ -9,10 +9,10 @@ import pytest
 from conftest import assert_steps_match, assert_trees_close, build_run, token_batches
 from flax import nnx
 
-from paisoar_jax import sharding
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.models.context_attention import balanced_order
+from paisoar_jax.parallel import sharding
+from paisoar_jax.parallel.context import balanced_order
 from paisoar_jax.tasks import _token_losses
 from paisoar_jax.zoo import task_for
 
@@ -246,8 +246,8 @@ def test_every_context_setting_trains_evaluates_and_samples(overrides, tmp_path)
     assert any(np.isfinite(record.get("eval_loss", np.nan)) for record in records)
 
 
-def run_plan(*arguments):
-    """(exit status, the --json plan) of `plan --devices 8 TINY ...`, in this process."""
+def run_plan(*arguments, status=0):
+    """The --json plan of `plan --devices 8 TINY ...` in this process (or its error line)."""
     import contextlib
     import io
     import json
@@ -258,8 +258,12 @@ def run_plan(*arguments):
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = plan.main(["--devices", "8", "--json", *TINY, *arguments])
-    assert status == 0, err.getvalue()
+        found = plan.main(["--devices", "8", "--json", *TINY, *arguments])
+    assert found == status, err.getvalue()
+    if status:
+        lines = err.getvalue().strip().splitlines()
+        assert len(lines) == 1 and out.getvalue() == "", lines
+        return lines[0]
     return json.loads(out.getvalue())
 
 
@@ -282,6 +286,7 @@ def test_plan_shows_the_split_and_proposes_a_context_size(devices):
     assert result["context_sizes"]["proposal"] is None  # no limit: nothing to fit
     table = format_table(result)
     assert "context: mesh.context=4, 8 tokens per device, gather attention, balanced" in table
+    assert "no limit to fit: give --target or train.memory_limit_gb" in table
     # Under a limit the whole sequence misses, the smallest split that fits is proposed.
     limit = f"train.memory_limit_gb={(whole - 1) / 2**30}"
     result = run_plan(*LLAMA, "mesh.data=2", "mesh.context=4", "--context-for", "128", limit)
@@ -292,3 +297,37 @@ def test_plan_shows_the_split_and_proposes_a_context_size(devices):
         "mesh.data=4",
     ]
     assert "propose: model.seq_len=128 mesh.context=2 mesh.data=4" in format_table(result)
+
+
+def test_context_sizes_a_window_cannot_take_are_listed_with_the_reason(devices):
+    sizes = run_plan(*LLAMA, "mesh.data=8", "--context-for", "24")["context_sizes"]["sizes"]
+    assert [row["context"] for row in sizes] == [1, 2, 4, 8]
+    assert sizes[3] == {"context": 8, "skipped": "24 tokens do not cut into 16 equal pieces"}
+    assert all("bytes" in row for row in sizes[:3])
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--context-for", "0"], "--context-for '0' is not a number of tokens >= 1"),
+        (["--context-for", "abc"], "--context-for 'abc' is not a number of tokens >= 1"),
+    ],
+)
+def test_context_for_refuses_in_one_line(arguments, message, devices):
+    assert message in run_plan(*arguments, status=2)
+
+
+def test_context_for_refuses_an_image_model_in_one_line(devices):
+    import contextlib
+    import io
+
+    from conftest import TINY_RESNET
+
+    from paisoar_jax.tools import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan.main(["--devices", "8", *TINY_RESNET, "--context-for", "64"])
+    lines = err.getvalue().strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert "--context-for plans a decoder's window" in lines[0]

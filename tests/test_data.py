@@ -5,7 +5,6 @@ import jax
 import numpy as np
 import pytest
 
-from paisoar_jax import sharding
 from paisoar_jax.config import DataConfig, LanguageModelConfig, MeshConfig
 from paisoar_jax.data.pipeline import (
     GlobalBatches,
@@ -26,6 +25,7 @@ from paisoar_jax.data.sources import (
 )
 from paisoar_jax.data.user_data import _Rows
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 
 
 @pytest.fixture(scope="module")

@@ -351,7 +351,7 @@ def every_check_firing(config_overrides):
         for step, loss in enumerate([3.0, 2.0, 2.5, 3.0, math.nan], start=1)
     ]
     context = {}
-    if config.mesh.contexts > 1:  # a ring hop's transfer outlasts its attention
+    if config.mesh.contexts > 1:  # a slice's transfer outlasts the attention to it
         context = {
             "context": {
                 "context_shards": config.mesh.contexts,

@@ -12,10 +12,10 @@ from conftest import FIT_BASE, TINY, build_run, run_records
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax import sharding
 from paisoar_jax.config import load_config
 from paisoar_jax.data.documents import plan_windows
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools import convert
 from paisoar_jax.zoo import build_model, task_for

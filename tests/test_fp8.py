@@ -7,11 +7,11 @@ import pytest
 from conftest import TINY_RESNET, build_run, run_records, token_batches
 from flax import nnx
 
-from paisoar_jax import sharding
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.fp8 import Fp8Dot
 from paisoar_jax.loop import train
+from paisoar_jax.parallel import sharding
 from paisoar_jax.zoo import zoo_workload
 
 E4M3_MAX = 448.0

@@ -7,10 +7,10 @@ import pytest
 from conftest import TINY, build_run, resumable_run, run_records, token_batches
 from jax.sharding import NamedSharding, PartitionSpec
 
-from paisoar_jax import grad_comm
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
+from paisoar_jax.parallel import grad_comm
 from paisoar_jax.tools import hlo
 
 
@@ -80,7 +80,7 @@ STATS = np.random.default_rng(1).normal(3, 1, (8, 3)).astype(np.float32)  # [P, 
 def run_exchange(dtype, devices, hosts=8, zero=0, block=256, residual=False):
     """The mean of `shard_gradients` through the compressed exchange on a data=8 mesh."""
     config = load_config(None, [*TINY, f"mesh.grad_comm={dtype}", f"mesh.grad_comm_block={block}"])
-    from paisoar_jax.sharding import build_mesh
+    from paisoar_jax.parallel.sharding import build_mesh
 
     mesh = build_mesh(config.mesh, devices)
     gradients = shard_gradients()

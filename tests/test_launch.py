@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import heartbeat, sharding
+from paisoar_jax import heartbeat
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 from paisoar_jax.tools import hlo, launch
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
 

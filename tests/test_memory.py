@@ -3,8 +3,9 @@
 import jax
 import numpy as np
 
-from paisoar_jax import memory, sharding
+from paisoar_jax import memory
 from paisoar_jax.config import MeshConfig
+from paisoar_jax.parallel import sharding
 
 
 def test_per_device_bytes_of_arrays_and_of_their_shapes(devices):

@@ -19,13 +19,14 @@ from conftest import (
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax import api, pipeline
-from paisoar_jax import rules as rules_table
+from paisoar_jax import api
 from paisoar_jax.config import config_from_dict, load_config, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
 from paisoar_jax.memory import per_device_bytes
 from paisoar_jax.oom import memory_fixes
+from paisoar_jax.parallel import pipeline
+from paisoar_jax.parallel import rules as rules_table
 from paisoar_jax.step import loss_and_grads
 from paisoar_jax.tools import findings
 from paisoar_jax.tools.generate import placement

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import plan_run
 
-from paisoar_jax import sharding
+from paisoar_jax.parallel import sharding
 from paisoar_jax.remat import POLICIES
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from paisoar_jax import sharding
 from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ from conftest import TINY_RESNET, build_run, plan_run, run_module, run_modules, 
 from flax import nnx
 from PIL import Image
 
-from paisoar_jax import sharding
 from paisoar_jax.config import load_config
 from paisoar_jax.loop import train
+from paisoar_jax.parallel import sharding
 from paisoar_jax.tasks import ImageClassification, LanguageModelling
 from paisoar_jax.zoo import task_for
 

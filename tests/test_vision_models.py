@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from paisoar_jax import sharding
 from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import layers, resnet, vgg, vit
 from paisoar_jax.models.layers import VisionConfig
+from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import get_policy
 
 CLASSES = {"resnet": resnet.ResNet, "vgg": vgg.VGG, "vit": vit.ViT}

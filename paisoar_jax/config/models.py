@@ -45,7 +45,7 @@ class LanguageModelConfig:
     tie_embeddings: bool = True
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
-    # With mesh.context > 1 (models/context_attention.py): how attention reaches the keys and
+    # With mesh.context > 1 (parallel/context.py): how attention reaches the keys and
     # values of the other devices' tokens: gather (an all-gather of K and V per layer) or
     # ring (K and V passed round the context devices, an online softmax); context_balance
     # lays each sequence out so every device gets a chunk from the front and one from the

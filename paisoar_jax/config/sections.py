@@ -37,7 +37,7 @@ class MeshConfig:
     expert: int = 1
     dcn_expert: int = 1  # expert parallelism across hosts/slices (dcn)
     # Context parallelism: every sequence's tokens split over this axis (long windows; the
-    # attention across the split: model.context_attention, models/context_attention.py)
+    # attention across the split: model.context_attention, parallel/context.py)
     context: int = 1
     dcn_context: int = 1  # context parallelism across hosts/slices (dcn)
     dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
@@ -111,7 +111,7 @@ class ShardingConfig:
 
     Each parameter's sharding comes from, in this order: the first of `rules` whose regex
     is found in its dotted path (`blocks.0.attn.kernel`); else its own logical axis names
-    (flax `nnx.with_partitioning`), through the table in paisoar_jax/sharding.py; else the
+    (flax `nnx.with_partitioning`), through the table in paisoar_jax/parallel/sharding.py; else the
     default: whole on every device, except that under FSDP or ZeRO-3 a parameter of at
     least `min_split_size` elements is split on its largest dimension that the shard count
     divides. In a rule, `fsdp` (like the logical `embed`) also takes `data` under ZeRO-3

@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paisoar_jax.errors import UserError
-from paisoar_jax.sharding import input_slot
+from paisoar_jax.parallel.sharding import input_slot
 
 FINGERPRINT_SAMPLES = 16  # examples read (evenly spaced) to tell one dataset from another
 

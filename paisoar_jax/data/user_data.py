@@ -35,7 +35,7 @@ import numpy as np
 
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.errors import UserError
-from paisoar_jax.sharding import input_slot
+from paisoar_jax.parallel.sharding import input_slot
 
 
 class ExampleData:

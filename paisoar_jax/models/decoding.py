@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax.sharding import constrain
+from paisoar_jax.parallel.sharding import constrain
 
 
 def empty_cache(config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:

@@ -22,15 +22,15 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8, output
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.models.context_attention import split_attention
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
-from paisoar_jax.pipeline import scan_layers
+from paisoar_jax.parallel.context import split_attention
+from paisoar_jax.parallel.pipeline import scan_layers
+from paisoar_jax.parallel.sharding import constrain, context_shards, sequence_whole
 from paisoar_jax.platform import compile_platform, is_target_compile
 from paisoar_jax.precision import Policy, float32_island, matmul_fp32_out
 from paisoar_jax.remat import wrap_block_call
-from paisoar_jax.sharding import constrain, context_shards, sequence_whole
 
 
 def _layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:

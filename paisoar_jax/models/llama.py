@@ -31,8 +31,8 @@ from paisoar_jax.models.gpt import (
     resolve_attention,
 )
 from paisoar_jax.models.layers import build_blocks, param
+from paisoar_jax.parallel.sharding import constrain
 from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.sharding import constrain
 
 MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
 ATTENTION_MATMULS = MATMULS[:4]  # with experts as the MLP: theirs run in bf16

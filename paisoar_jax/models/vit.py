@@ -33,11 +33,11 @@ from paisoar_jax.models.layers import (
     resolve_config,
     run_block,
 )
-from paisoar_jax.pipeline import scan_layers
+from paisoar_jax.parallel.pipeline import scan_layers
+from paisoar_jax.parallel.sharding import constrain
 from paisoar_jax.platform import compile_platform
 from paisoar_jax.precision import Policy, float32_island
 from paisoar_jax.remat import wrap_block_call
-from paisoar_jax.sharding import constrain
 
 LAYER_NORM_EPSILON = 1e-6  # the ViT paper's (PyTorch's default is 1e-5)
 TOKEN_AXES = ("batch", "length", "act_embed")

@@ -41,8 +41,8 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
     """Times `batches` global batches of the configured pipeline after `warmup` of them."""
     import jax
 
-    from paisoar_jax import sharding
     from paisoar_jax.data.prefetch import DevicePrefetcher
+    from paisoar_jax.parallel import sharding
     from paisoar_jax.zoo import task_for
 
     mesh = sharding.build_mesh(config.mesh)

@@ -4,8 +4,8 @@ Each device holds T / C of every sequence's tokens and needs the keys and values
 other C - 1 slices in every layer: an all-gather of them (model.context_attention=gather)
 or C - 1 hops round the ring (ring). Either way a device receives (C - 1) slices of K and
 V per layer and pass, and the backward pass sends their gradients back; a forward pass
-recomputed under remat moves them once more. Per hop, the ring's transfer of one slice
-can hide behind the attention of the slice it holds only while
+recomputed under remat moves them once more. A slice's transfer (a ring hop, or the
+gather's share of it) can hide behind the attention to a slice only while
 
     2 x local x kv_heads x head_width x bytes / bandwidth
         <= 4 x local^2 x heads x head_width / (peak x efficiency)
@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paisoar_jax.config import Config
-from paisoar_jax.sharding import BATCH_AXES
+from paisoar_jax.config import Config, LanguageModelConfig
+from paisoar_jax.errors import UserError
+from paisoar_jax.parallel.sharding import BATCH_AXES
 from paisoar_jax.tools.findings import Finding, Run
 from paisoar_jax.tools.fit_search import apply, limit_bytes
 
@@ -65,7 +66,7 @@ def context_report(
         "kv_seconds_per_step": step_bytes / (gb_per_s * 1e9),
         "hop_seconds": hop_seconds,
         "hop_attention_seconds": attention_seconds,
-        # The hop's transfer scales with local, its attention with local^2.
+        # A slice's transfer scales with local, the attention to it with local^2.
         "min_tokens_per_device": int(local * hop_seconds / attention_seconds) + 1,
     }
 
@@ -75,35 +76,61 @@ def context_sizes(
 ) -> dict[str, Any]:
     """The step at `length` tokens compiled for each context size: its memory, its split.
 
-    Each size C takes its devices from mesh.data (data x context stays as configured);
-    the proposal is the smallest C that fits the device (or train.memory_limit_gb), as it
-    moves the least and leaves each device the most tokens.
+    train.global_batch stays, and each size C takes its devices from mesh.data (data x
+    context stays as configured), so a device holds the same tokens at every size (B x
+    length / devices); what changes is how: whole rows, or slices of more rows. A split
+    pays where a device would hold less than one row, and where the weights need the
+    context devices' share. The proposal is the smallest C that fits the device (or
+    train.memory_limit_gb): it moves the least. A size the window or the batch cannot
+    take is listed with the reason.
     """
-    spare = config.mesh.data * config.mesh.context if config.mesh.data > 0 else devices
+    check_decoder(config)
+    mesh = config.mesh
+    dcn = mesh.dcn_data * mesh.dcn_stage * mesh.dcn_fsdp * mesh.dcn_expert * mesh.dcn_context
+    others = mesh.stage * mesh.fsdp * mesh.expert * mesh.tensor * dcn
+    spare = mesh.data * mesh.context if mesh.data > 0 else devices // others
     rows = []
     for shards in (size for size in range(1, spare + 1) if spare % size == 0):
+        row: dict[str, Any] = {"context": shards}
+        rows.append(row)
         pieces = 2 * shards if config.model.context_balance and shards > 1 else shards
+        batch_shards = spare // shards * mesh.fsdp * mesh.expert
         if length % pieces:
+            row["skipped"] = f"{length} tokens do not cut into {pieces} equal pieces"
+            continue
+        if config.train.global_batch % batch_shards:
+            row["skipped"] = (
+                f"train.global_batch={config.train.global_batch} does not split over "
+                f"{batch_shards} batch shards"
+            )
             continue
         overrides = [f"model.seq_len={length}", f"mesh.context={shards}"]
         overrides += [f"mesh.data={spare // shards}"]
         if config.model.max_positions and config.model.max_positions < length:
             overrides.append(f"model.max_positions={length}")
         variant = apply(config, overrides)
-        if variant.train.global_batch % (spare // shards * variant.mesh.fsdp):
-            continue
         result = plan_of(variant)
         limit = _limit(variant, result)
-        row = {"context": shards, "overrides": overrides, "bytes": result["memory_bytes"]["total"]}
+        row |= {"overrides": overrides, "bytes": result["memory_bytes"]["total"]}
         row["fits"] = None if limit is None else row["bytes"] <= limit
         row["split"] = result.get("context")
-        rows.append(row)
-    fitting = [row for row in rows if row["fits"]]
+    fitting = [row for row in rows if row.get("fits")]
     return {
         "length": length,
+        "global_batch": config.train.global_batch,
+        "limited": any(row.get("fits") is not None for row in rows),
         "sizes": rows,
         "proposal": fitting[0]["overrides"] if fitting else None,
     }
+
+
+def check_decoder(config: Config) -> None:
+    """Raises UserError unless the config's model reads sequences (gpt, llama)."""
+    if not isinstance(config.model, LanguageModelConfig):
+        raise UserError(
+            "--context-for plans a decoder's window (model.name gpt or llama); this model "
+            "reads no sequences"
+        )
 
 
 def _limit(config: Config, result: dict[str, Any]) -> int | None:
@@ -115,7 +142,7 @@ def _limit(config: Config, result: dict[str, Any]) -> int | None:
 
 
 def context_bound(run: Run) -> Finding | None:
-    """plan.json says each ring hop's transfer outlasts the attention it could hide behind."""
+    """plan.json says a slice's keys and values take longer to move than to attend to."""
     split = (run.plan or {}).get("context")
     if not split or split["hop_seconds"] <= split["hop_attention_seconds"]:
         return None
@@ -126,10 +153,11 @@ def context_bound(run: Run) -> Finding | None:
     )
     link = run.plan.get("link", {}).get("name", "the link")
     evidence = (
-        f"mesh.context={shards} leaves {local} tokens per device: each hop's keys and values "
-        f"take {split['hop_seconds'] * 1e6:.3g} us on {link} against "
-        f"{split['hop_attention_seconds'] * 1e6:.3g} us of attention to hide behind "
-        f"(plan.json); the split needs at least {needed} tokens per device"
+        f"mesh.context={shards} leaves {local} tokens per device: each slice's keys and "
+        f"values take {split['hop_seconds'] * 1e6:.3g} us on {link} against "
+        f"{split['hop_attention_seconds'] * 1e6:.3g} us of attention to it to hide behind "
+        f"(plan.json, {split.get('strategy', 'ring')}); the split needs at least {needed} "
+        "tokens per device"
     )
     fewer = max(1, run.config.model.seq_len // max(needed, 1))
     fixes = [

@@ -22,7 +22,7 @@ metrics cannot be read.
     recompiles             the train step compiled again after its first compilation
     expert-imbalance       a MoE layer's busiest expert takes over 2x the mean expert's tokens
     dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
-    context-bound          plan.json: a ring hop's keys and values outlast its attention
+    context-bound          plan.json: a slice's keys and values move slower than it is attended
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
 The checks and their thresholds are in paisoar_jax/tools/findings.py, memory_findings.py,

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paisoar_jax import output, sharding
+from paisoar_jax import output
 from paisoar_jax.checkpoint import load_weights
 from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
+from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.convert import end_of_text_id

@@ -264,8 +264,8 @@ def placed_params(model: LanguageModelConfig, devices=None) -> tuple[dict, dict]
     import jax
     from flax import nnx
 
-    from paisoar_jax import rules, sharding
     from paisoar_jax.config import MeshConfig, ShardingConfig
+    from paisoar_jax.parallel import rules, sharding
 
     mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=-1), devices or jax.devices())
     state = _abstract_state(model)

@@ -56,8 +56,9 @@ def _per_call_ms(function, calls: int = CALLS) -> float:
 
 def bare_loop_ms(config: Config) -> float:
     """Milliseconds per step of the same jitted step fed a fresh host batch each step."""
-    from paisoar_jax import gpu_flags, sharding
+    from paisoar_jax import gpu_flags
     from paisoar_jax.compilation import one_step_at_a_time
+    from paisoar_jax.parallel import sharding
     from paisoar_jax.state import init_state
     from paisoar_jax.step import jit_train_step
     from paisoar_jax.workload import setup
@@ -90,11 +91,11 @@ def pieces_ms(config: Config) -> dict[str, float]:
     """Each per-step piece of the library's loop, timed alone (see the module docstring)."""
     from tqdm import tqdm
 
-    from paisoar_jax import sharding
     from paisoar_jax.compilation import signature
     from paisoar_jax.data.prefetch import global_batch
     from paisoar_jax.loop import _stop_agreed
     from paisoar_jax.metrics import MetricsWriter
+    from paisoar_jax.parallel import sharding
     from paisoar_jax.preemption import StopRequest
     from paisoar_jax.zoo import task_for
 

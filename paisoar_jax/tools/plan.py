@@ -137,7 +137,7 @@ def compile_step(
     """
     import jax
 
-    from paisoar_jax import sharding
+    from paisoar_jax.parallel import sharding
     from paisoar_jax.platform import compiling_for, is_target_compile_of
     from paisoar_jax.step import jit_train_step
     from paisoar_jax.workload import setup
@@ -212,7 +212,7 @@ def plan(
 
 def plan_and_collectives(config, devices, link, efficiency, simulated, workload, target=None):
     """(plan, the step's collectives as hlo.Collective): see `plan`."""
-    from paisoar_jax import rules
+    from paisoar_jax.parallel import rules
     from paisoar_jax.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
@@ -400,8 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--context-for",
-        type=int,
-        default=0,
+        default="",
         metavar="LENGTH",
         help="compile the step at LENGTH tokens for each mesh.context size (its devices taken "
         "from mesh.data) and propose the smallest that fits (with --target: the GPU; else "
@@ -425,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"--devices {args.devices!r} is not a whole number of devices"
         output.error(message, program=parser.prog)
         return 2
+    if args.context_for and not (args.context_for.isdigit() and int(args.context_for) > 0):
+        message = f"--context-for {args.context_for!r} is not a number of tokens >= 1"
+        output.error(message, program=parser.prog)
+        return 2
     for option, given in (("--flag-effects", args.flag_effects), ("--fit", args.fit)):
         if given and args.target is None:
             output.error(f"{option} compiles for a GPU: give --target", program=parser.prog)
@@ -441,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         efficiency = _fraction(args.efficiency)
         link = parse_link(args.link)
+        if args.context_for:  # before any compile
+            context_split.check_decoder(config)
         count = int(args.devices)
         if args.target is not None:
             per_host = count or args.devices_per_host
@@ -461,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.context_for:
             result["context_sizes"] = context_split.context_sizes(
                 config,
-                args.context_for,
+                int(args.context_for),
                 len(devices),
                 lambda variant: plan(
                     variant, devices, link, efficiency, bool(count), None, args.target

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from paisoar_jax.memory import format_bytes
-from paisoar_jax.sharding import OPTIONAL_AXES
+from paisoar_jax.parallel.sharding import OPTIONAL_AXES
 from paisoar_jax.tools import fit_search, gpu_target
 
 
@@ -51,22 +51,33 @@ def _context_lines(report: dict[str, Any] | None, sizes: dict[str, Any] | None) 
             f"tokens per device, {report['strategy']} attention"
             + (", balanced" if report["balanced"] else ""),
             f"  keys and values {format_bytes(report['kv_bytes_per_step']):>10} per device per "
-            f"step (model), {_duration(report['kv_seconds_per_step'])}",
-            f"  per hop {_duration(report['hop_seconds'])} of transfer against "
-            f"{_duration(report['hop_attention_seconds'])} of attention: "
+            f"step (modelled from the shapes), {_duration(report['kv_seconds_per_step'])}",
+            f"  per slice {_duration(report['hop_seconds'])} of transfer against "
+            f"{_duration(report['hop_attention_seconds'])} of attention to it: "
             + ("hidden" if hidden else "exposed")
             + f" (at least {report['min_tokens_per_device']} tokens per device hide it)",
         ]
     if sizes is not None:
-        lines += ["", f"context sizes for {sizes['length']} tokens (each compiled):"]
+        lines += [
+            "",
+            f"context sizes for {sizes['length']} tokens, train.global_batch="
+            f"{sizes['global_batch']} (each compiled; mesh.data gives way):",
+        ]
         for row in sizes["sizes"]:
+            if "skipped" in row:
+                lines.append(f"  mesh.context={row['context']:<3} skipped: {row['skipped']}")
+                continue
             fits = {None: "", True: "  fits", False: "  does not fit"}[row["fits"]]
             lines.append(
                 f"  mesh.context={row['context']:<3} {format_bytes(row['bytes']):>10} per "
                 f"device{fits}"
             )
-        proposal = sizes["proposal"]
-        lines.append(f"  propose: {' '.join(proposal)}" if proposal else "  none fits")
+        if sizes["proposal"]:
+            lines.append(f"  propose: {' '.join(sizes['proposal'])}")
+        elif sizes["limited"]:
+            lines.append("  none fits")
+        else:
+            lines.append("  no limit to fit: give --target or train.memory_limit_gb")
     return lines
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from paisoar_jax.models.context_attention import (
+from paisoar_jax.parallel.context import (
     balanced_order,
     gathered_attention,
     ring_attention,
@@ -99,9 +99,9 @@ def test_the_balanced_order_gives_each_device_a_front_and_a_back_chunk():
 @pytest.mark.parametrize("attention", [gathered_attention, ring_attention], ids=["gather", "ring"])
 def test_queries_in_chunks_give_the_same_values_and_gradients(attention, devices, monkeypatch):
     """Each device's 8 queries attended 2 at a time (4 chunks, recomputed in backward)."""
-    from paisoar_jax.models import context_attention
+    from paisoar_jax.parallel import context
 
-    monkeypatch.setattr(context_attention, "QUERY_CHUNK", 2)
+    monkeypatch.setattr(context, "QUERY_CHUNK", 2)
     q, k, v, segments = inputs(3)
     order = balanced_order(T, 8)
     positions = np.broadcast_to(order, (B, T)).astype(np.int32)

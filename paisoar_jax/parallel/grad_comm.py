@@ -49,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import output, sharding
+from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 
 DATA_AXIS = "data"
 

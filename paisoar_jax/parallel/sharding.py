@@ -15,7 +15,7 @@ Heads, MLP hidden and vocab go over `tensor` (Megatron style); conv output chann
 where `embed` goes; a stacked model's `layers` axis goes over `stage` (pipeline.py: each
 pipeline stage holds its contiguous group of blocks); a mixture's stacked `experts` go over
 `expert` (models/moe.py). The batch is split over (data, fsdp, expert), and each sequence's
-tokens over `context` (models/context_attention.py; every context device reads the same
+tokens over `context` (parallel/context.py; every context device reads the same
 rows, which are tiny, and keeps its own slice of their activations). ZeRO-2 is the same
 program as ZeRO-1 here: XLA reduce-scatters the gradients straight into the
 optimizer-state layout.

@@ -56,9 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from paisoar_jax import sharding
 from paisoar_jax.config import Config, check_stage_groups
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 
 STAGE_AXIS = "stage"
 

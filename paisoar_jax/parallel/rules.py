@@ -28,9 +28,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import output, sharding
+from paisoar_jax import output
 from paisoar_jax.config import ShardingConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.parallel import sharding
 
 
 def dotted_path(path) -> str:
