@@ -102,7 +102,8 @@ def test_a_sharded_model_generates_what_one_device_does(imported, devices, tmp_p
     config = load_config(str(ours / "config.yaml"), ["mesh.fsdp=2", "mesh.tensor=2"])
     (sharded / "config.yaml").write_text(dump_yaml(config))
     many = Model(sharded, devices)
-    assert dict(many.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+    whole = {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+    assert dict(many.mesh.shape) == whole
     one = Model(ours, devices[:1])
     assert many.generate(PROMPT, 8) == one.generate(PROMPT, 8)
     sampled = dict(greedy=False, temperature=0.8, top_k=5, seed=3)
