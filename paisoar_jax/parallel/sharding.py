@@ -315,10 +315,15 @@ def in_batch_vmap() -> bool:
 def activation_axes(logical: str) -> tuple[str, ...] | None:
     """The mesh axes an activation's logical axis goes over here (None: whole).
 
-    As `constrain` maps it: the batch axes a batch vmap left, the length's while decoding.
+    What `constrain` pins: the batch axes a batch vmap left, the length's while decoding.
     """
     left = _BATCH_AXES_LEFT.get()
-    rules = {**ACTIVATION_RULES, "batch": left, "length": _LENGTH_AXIS.get()}
+    # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
+    within = tuple(axis for axis in left or () if axis != "expert") or None
+    rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
+    rules["length"] = _LENGTH_AXIS.get()
+    # Inside batch_vmapped the vmapped batch axes are taken: no rule may name them (so a
+    # pipeline's cells hold their experts whole).
     return _free(rules[logical], set(BATCH_AXES) - set(left or ()))
 
 
@@ -329,15 +334,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    left = _BATCH_AXES_LEFT.get()
-    # A mixture's buffers split the batch over the batch axes but expert (models/moe.py).
-    within = tuple(axis for axis in left or () if axis != "expert") or None
-    rules = {**ACTIVATION_RULES, "batch": left, "batch_within_expert": within}
-    rules["length"] = _LENGTH_AXIS.get()
-    # Inside batch_vmapped the vmapped batch axes are taken: no rule may name them (so a
-    # pipeline's cells hold their experts whole).
-    taken = set(BATCH_AXES) - set(left or ())
-    spec = PartitionSpec(*(_free(rules[axis], taken) if axis else None for axis in logical_axes))
+    spec = PartitionSpec(*(activation_axes(axis) if axis else None for axis in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
 
 

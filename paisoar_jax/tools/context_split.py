@@ -19,6 +19,7 @@ context size (`plan --context-for LENGTH`), and `context_bound` is doctor's chec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +46,7 @@ def context_report(
     tensor = mesh_shape.get("tensor", 1)
     heads = max(model.heads // tensor, 1)
     kv_heads = max(model.key_value_heads // tensor, 1)
-    batch_shards = 1
-    for axis in BATCH_AXES:
-        batch_shards *= mesh_shape.get(axis, 1)
+    batch_shards = math.prod(mesh_shape.get(axis, 1) for axis in BATCH_AXES)
     rows = train.global_batch // train.grad_accum // batch_shards  # per micro-batch
     wire = 4 if platform == "cpu" or config.precision.policy == "fp32" else 2
     hop_bytes = rows * 2 * local * kv_heads * model.head_size * wire  # K and V, one slice
