@@ -11,7 +11,10 @@ that names the input that changed and how, and the count goes into metrics.jsonl
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -58,10 +61,21 @@ class CompiledStep:
     step's all-to-all while another is still finishing the current step: each device's
     collective holds a thread of one shared pool until every device joins it. The loop
     asks for it where the compressed gradient exchange (grad_comm.py) runs on CPU.
+
+    `untimed()`: the context a later compile (a new batch signature) runs in; the loop
+    gives the hang watchdog's pause, so a compile is never taken for a hang.
     """
 
-    def __init__(self, jitted: Any, state: Any, batch: Any, one_at_a_time: bool = False):
+    def __init__(
+        self,
+        jitted: Any,
+        state: Any,
+        batch: Any,
+        one_at_a_time: bool = False,
+        untimed: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    ):
         self._jitted = jitted
+        self._untimed = untimed  # where a later compile runs: the hang watchdog's pause
         self._one_at_a_time = one_at_a_time
         self._first = signature(batch)
         self._compiled: dict[tuple, Any] = {}
@@ -94,7 +108,8 @@ class CompiledStep:
                         f"{describe_change(self._first, batch_signature)}; "
                         f"every new shape costs a compile (keep batch shapes fixed)"
                     )
-                self._compile(state, batch)
+                with self._untimed():
+                    self._compile(state, batch)
             self._current, self._current_key = self._compiled[key], key
         result = self._current(state, batch)
         return jax.block_until_ready(result) if self._one_at_a_time else result

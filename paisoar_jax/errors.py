@@ -6,6 +6,9 @@ instead of a traceback; everything else is a bug and keeps its traceback.
 """
 
 USER_ERROR_EXIT_CODE = 2
+# No step finished within train.hang_timeout_s (watchdog.py): `launch --max-restarts` retries
+# it, as it does a crash; a user error (2) it never retries.
+HANG_EXIT_CODE = 3
 
 
 class UserError(Exception):
@@ -14,3 +17,7 @@ class UserError(Exception):
 
 class DivergenceError(Exception):
     """The loss became non-finite without a loss scaler to absorb it: the run stops."""
+
+
+class HangError(Exception):
+    """The hang watchdog stopped the run (it saved first): exit status HANG_EXIT_CODE."""

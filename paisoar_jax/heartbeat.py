@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import pathlib
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ class Progress:
     step: int = 0  # the last step this process finished
     run_dir: str | None = None
     checkpoint_dir: str | None = None
+    error: str | None = None  # the one line of the error this process is failing with
+    failed_at: float | None = None  # when it caught it (the launcher names the first)
 
 
 progress = Progress()
@@ -47,10 +50,37 @@ def start(environ: Mapping[str, str] | None = None) -> None:
         return
     _started.set()
     path = pathlib.Path(path)
+    _record_uncaught()
     threading.Thread(target=_beat, args=(path,), name="heartbeat", daemon=True).start()
     # An exiting process stops beating (its daemon thread ends) while it tears down, which
     # can take seconds: it says so first, so the launcher does not take it for stalled.
     atexit.register(_last_beat, path)
+
+
+def record_failure(message: str, environ: Mapping[str, str] | None = None) -> None:
+    """Writes a beat now that carries this process's error line and the time.
+
+    A rank that fails first makes its peers fail after it (their collectives abort), and
+    the peers may even exit first; the launcher names the rank whose error is oldest.
+    Written whether or not the beating thread runs (an error before joining).
+    """
+    progress.error, progress.failed_at = message, time.time()
+    path = (os.environ if environ is None else environ).get(HEARTBEAT_FILE)
+    if path:
+        with _writing:
+            _write(pathlib.Path(path), exiting=_exiting.is_set())
+
+
+def _record_uncaught() -> None:
+    """A script's uncaught exception is recorded as its failure too (then printed as ever)."""
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        text = str(error).strip().splitlines()
+        record_failure(f"{kind.__name__}: {text[-1]}" if text else kind.__name__)
+        previous(kind, error, trace)
+
+    sys.excepthook = hook
 
 
 def _beat(path: pathlib.Path) -> None:
@@ -78,6 +108,8 @@ def _write(path: pathlib.Path, exiting: bool = False) -> None:
         "run_dir": progress.run_dir,
         "checkpoint_dir": progress.checkpoint_dir,
         "exiting": exiting,
+        "error": progress.error,
+        "failed_at": progress.failed_at,
     }
     partial = path.with_suffix(f".{threading.get_ident()}.partial")
     try:

@@ -17,12 +17,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax import gpu_flags, heartbeat, oom, output
+from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output
+from paisoar_jax.checkpoint import checkpoint_directory
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
-from paisoar_jax.data.pipeline import check_same_everywhere
+from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
-from paisoar_jax.errors import DivergenceError, UserError
+from paisoar_jax.errors import DivergenceError, HangError, UserError
 from paisoar_jax.evaluation import evaluate
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
@@ -32,9 +33,11 @@ from paisoar_jax.resume import make_checkpointer, resume_input, save, starting_p
 from paisoar_jax.run_lock import RunLock
 from paisoar_jax.state import StateLayout
 from paisoar_jax.step import jit_eval_step, jit_train_step
+from paisoar_jax.watchdog import Watchdog, timeout_for
 from paisoar_jax.workload import Task, Workload, setup
 from paisoar_jax.zoo import zoo_workload
 
+HANG_STOP = "the hang watchdog"  # the stop request's name when the watchdog asks for it
 STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 # Steps the host may dispatch ahead of the device. Plenty to keep an accelerator busy; a
 # deeper queue (a whole log interval) only holds memory, and on XLA's simulated CPU
@@ -78,11 +81,18 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
     train_source, eval_source = task.open_sources()
-    _check_splits(task, train_source, eval_source, config)
+    check_splits(task, train_source, eval_source, config)
     run = setup(config, workload)
     run_dir, is_main = config.run_dir, jax.process_index() == 0
-
-    with contextlib.ExitStack() as cleanup, jax.set_mesh(run.mesh):
+    checkpoint_dir = checkpoint_directory(config.checkpoint, run_dir)
+    if not config.checkpoint.enabled:
+        checkpoint_dir = None
+    save_bytes = lambda: full_disk.tree_bytes(run.layout.abstract_state)  # noqa: E731
+    with (
+        full_disk.guard(run_dir, checkpoint_dir, save_bytes),
+        contextlib.ExitStack() as cleanup,
+        jax.set_mesh(run.mesh),
+    ):
         # Before anything is written or cleaned up: the run directory is made and locked, and
         # a second run in it stops here.
         cleanup.enter_context(RunLock(run_dir))
@@ -94,6 +104,10 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
         # and a signal that comes before the first step saves right after it.
         stop = cleanup.enter_context(StopRequest())
+        who = f"process {jax.process_index()} of {jax.process_count()}"
+        hang_timeout_s = timeout_for(config.train.hang_timeout_s, jax.process_count())
+        watchdog = Watchdog(hang_timeout_s, who, lambda: stop.request(HANG_STOP))
+        cleanup.enter_context(watchdog)
         state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
@@ -110,31 +124,12 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
         parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source, limit_bytes)
-        summary, state, compiled = _run_loop(parts, checkpointer, stop, state, start_step, batches)
+        summary, state, compiled = _run_loop(
+            parts, checkpointer, stop, watchdog, state, start_step, batches
+        )
     if is_main:
         _print_summary(summary, task)
     return Finished(summary, state, compiled)
-
-
-def _check_splits(task: Task, train_source, eval_source, config: Config) -> None:
-    """Train holds a global batch at least, eval an example; every process has the same data.
-
-    (Sources of known length; ready batches are the user's own per process.)
-    """
-    batch = config.train.global_batch
-    for split, source in (("train", train_source), ("eval", eval_source)):
-        if split == "eval" and (not config.train.eval_every or source is None):
-            continue
-        check_same_everywhere(source, f"{split} data")
-        size = len(source) if hasattr(source, "__len__") else None
-        if size == 0:
-            raise UserError(f"the {split} split has no {task.unit_of_data}")
-        if split == "train" and size is not None and size < batch:
-            raise UserError(
-                f"the train split has {size} {task.unit_of_data}, fewer than one global batch "
-                f"(train.global_batch={batch}): each step would repeat some of them; set "
-                f"train.global_batch to {size} or less"
-            )
 
 
 def _open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
@@ -204,50 +199,64 @@ class Instruments:
         self.writer.close()
 
 
-def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batches):
+def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: int, batches):
     """Compiles the step, then runs it from start_step + 1: log, eval, save, stop.
 
-    Returns (summary, final state, the compiled step).
+    Returns (summary, final state, the compiled step). The watchdog hears of each step's
+    progress and of the phase the loop is in.
     """
     train_config, steps = parts.config.train, parts.config.train.steps
     first_batch = next(batches)
-    train_step, eval_step = _compile(parts, state, first_batch)
+    train_step, eval_step = _compile(parts, state, first_batch, watchdog.paused)
     _say_compiled(parts, train_step.compile_s, start_step)
     instruments, history = _instruments(parts, start_step), History()
-    stopped_by, step = None, start_step
+    stopped_by, step, first_save = None, start_step, True
     train_start = time.perf_counter()
     instruments.timer.restart(step=start_step)
     in_flight: collections.deque = collections.deque()
     for step in range(start_step + 1, steps + 1):
         is_first = step == start_step + 1
+        watchdog.phase = "data"
         batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
+        watchdog.phase = "step"
         state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
         in_flight.append(metrics["loss"])
         if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one
             in_flight.popleft().block_until_ready()
         heartbeat.progress.step = step  # what the launcher names if this process stalls
+        watchdog.progressed(step)
         is_last = step == steps
         is_eval_step = bool(parts.eval_every) and (step % parts.eval_every == 0 or is_last)
         # An eval step is also a log step: its eval results join that step's record.
         is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
         if is_log_step:
+            watchdog.phase = "log"
             _check_input(batches, start_step, checkpointer)  # before the loss is judged
             record = _log_record(parts, step, metrics, train_step, instruments, history)
             if is_eval_step:  # after the timings: eval time is not step time
-                record |= _evaluate(parts, eval_step, state, step, history)
+                with watchdog.paused():  # its first call compiles
+                    record |= _evaluate(parts, eval_step, state, step, history)
             _write_record(record, parts.task, instruments)
         stop_now = _stop_agreed(stop, step, is_log_step)
         if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
             if not is_log_step:  # no save holds what a batch of nan made
                 _check_input(batches, start_step, checkpointer)
-            _timed_save(checkpointer, step, state, batches, parts, instruments.timer)
+            watchdog.phase = "save"
+            with watchdog.paused() if first_save else contextlib.nullcontext():  # it compiles
+                _timed_save(checkpointer, step, state, batches, parts, instruments.timer)
+            first_save = False
+            watchdog.progressed(step)
         if stop_now:
             stopped_by = stop.signal_name or "a stop signal on another process"
             break
     instruments.close(step)
+    watchdog.phase = "save"
     if checkpointer is not None:
         checkpointer.wait()  # committed before we say it is saved
     train_s = time.perf_counter() - train_start
+    if stopped_by == HANG_STOP:  # the hang cleared in time for a save: still a failure
+        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
+        raise HangError(f"stopped by the hang watchdog after step {step}; {where}")
     _say_stopped(stopped_by, step, checkpointer)
     summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
@@ -256,8 +265,11 @@ def _run_loop(parts: RunParts, checkpointer, stop, state, start_step: int, batch
     return summary, state, train_step.compiled
 
 
-def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
-    """The train step compiled for the first batch (out of memory: a readable error)."""
+def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep, Any]:
+    """The train step compiled for the first batch (out of memory: a readable error).
+
+    `untimed`: a context the step's later compiles (a new batch shape) run in.
+    """
     config, layout, mesh = parts.config, parts.layout, parts.mesh
     limit_bytes = parts.limit_bytes
     with oom.readable_out_of_memory(config, layout, limit_bytes):
@@ -265,7 +277,9 @@ def _compile(parts: RunParts, state, first_batch) -> tuple[CompiledStep, Any]:
         accumulate = config.train.grad_accum
         jitted = jit_train_step(layout, parts.task, parts.schedule, accumulate, mesh, options)
         one_at_a_time = one_step_at_a_time(layout, mesh)
-        train_step = CompiledStep(jitted, state, first_batch, one_at_a_time=one_at_a_time)
+        train_step = CompiledStep(
+            jitted, state, first_batch, one_at_a_time=one_at_a_time, untimed=untimed
+        )
     if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(config, layout, train_step.compiled, limit_bytes)
     return train_step, jit_eval_step(layout, parts.task, mesh, options)
@@ -432,6 +446,9 @@ def _is_save_step(config: Config, step: int, stop_now: bool) -> bool:
 def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, timer) -> None:
     """Starts the save; the time the loop blocks on it is save time, not step time."""
     save_start = time.perf_counter()
+    checkpointer.wait()  # the save in flight first: what it writes takes room too
+    need_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
+    full_disk.check_room(parts.config.run_dir, checkpointer.directory, need_bytes)
     save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
     save_s = time.perf_counter() - save_start
     timer.start_time += save_s

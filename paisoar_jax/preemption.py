@@ -39,6 +39,10 @@ class StopRequest:
         self.signal_name = signal.Signals(number).name
         signal.signal(number, self._previous.get(number, signal.SIG_DFL))
 
+    def request(self, name: str) -> None:
+        """Raises the flag from code (the hang watchdog), as a signal would."""
+        self.signal_name = name
+
     @property
     def requested(self) -> bool:
         """True once a stop signal arrived."""

@@ -315,6 +315,9 @@ class TrainConfig:
     # profile plugin or Perfetto); empty: no trace.
     profile_steps: tuple[int, ...] = ()
     memory_limit_gb: float = 0.0  # per-device GiB the compiled step must fit; 0: no check
+    # Seconds without a finished step before a process says it hangs, asks for a save and
+    # exits with status 3 (watchdog.py); 0: off; -1: 600 s when several processes train.
+    hang_timeout_s: float = -1.0
     # mesh.stage > 1: micro-batches per pipeline pass (0: 2 x stages), and laps round the
     # stages (1: gpipe; more: the circular schedule, a smaller bubble)
     pipeline_microbatches: int = 0
@@ -337,6 +340,12 @@ class TrainConfig:
             )
         check_at_least("train", self, {"eval_every": 0, "eval_batches": 0, "sample_bytes": 0})
         check_finite_non_negative("train", self, ("memory_limit_gb", "peak_tflops"))
+        hang = self.hang_timeout_s
+        if not (hang == -1 or 0 <= hang < math.inf):
+            raise UserError(
+                f"train.hang_timeout_s must be seconds >= 0 (0: off) or -1 (600 s when several "
+                f"processes train), got {hang}"
+            )
         if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
             raise UserError(
                 "train.profile_steps must be [start, end] with 1 <= start <= end, "

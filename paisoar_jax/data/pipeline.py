@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel.sharding import input_slot
 
@@ -341,3 +342,24 @@ def resume_position(
             f"seed's order"
         )
     return int(saved["examples"]), None
+
+
+def check_splits(task: Any, train_source: Any, eval_source: Any, config: Config) -> None:
+    """Train holds a global batch at least, eval an example; every process has the same data.
+
+    (Sources of known length; ready batches are the user's own per process.)
+    """
+    batch = config.train.global_batch
+    for split, source in (("train", train_source), ("eval", eval_source)):
+        if split == "eval" and (not config.train.eval_every or source is None):
+            continue
+        check_same_everywhere(source, f"{split} data")
+        size = len(source) if hasattr(source, "__len__") else None
+        if size == 0:
+            raise UserError(f"the {split} split has no {task.unit_of_data}")
+        if split == "train" and size is not None and size < batch:
+            raise UserError(
+                f"the train split has {size} {task.unit_of_data}, fewer than one global batch "
+                f"(train.global_batch={batch}): each step would repeat some of them; set "
+                f"train.global_batch to {size} or less"
+            )

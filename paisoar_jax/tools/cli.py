@@ -6,10 +6,16 @@ import argparse
 import traceback
 from collections.abc import Callable, Sequence
 
-from paisoar_jax import distributed, output
+from paisoar_jax import distributed, heartbeat, output
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.config.keys import keys_help
-from paisoar_jax.errors import USER_ERROR_EXIT_CODE, DivergenceError, UserError
+from paisoar_jax.errors import (
+    HANG_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    DivergenceError,
+    HangError,
+    UserError,
+)
 
 
 def config_parser(program: str, description: str) -> argparse.ArgumentParser:
@@ -58,16 +64,24 @@ def run(
 
 
 def exit_status(program: str, work: Callable[[], object]) -> int:
-    """Runs `work`; a UserError is one line and status 2, a divergence one line and status 1."""
+    """Runs `work`; a UserError is one line and status 2, a divergence one line and status 1.
+
+    A hang the watchdog stopped (after saving) is one line and status 3.
+    """
     try:
         work()
-    except UserError as error:
+    except (UserError, DivergenceError, HangError) as error:
         output.error(str(error), program=program)
-        status = USER_ERROR_EXIT_CODE
-    except DivergenceError as error:
-        output.error(str(error), program=program)
-        status = 1
-    except Exception:
+        heartbeat.record_failure(str(error))  # under the launcher: which rank failed first
+        status = (
+            USER_ERROR_EXIT_CODE
+            if isinstance(error, UserError)
+            else HANG_EXIT_CODE
+            if isinstance(error, HangError)
+            else 1
+        )
+    except Exception as error:
+        heartbeat.record_failure(_one_line(error))
         if not distributed.joined():
             raise
         traceback.print_exc()  # a bug keeps its traceback
@@ -77,3 +91,9 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
     if distributed.joined():  # a failed process must not wait for the others at exit
         distributed.exit_now(status)
     return status
+
+
+def _one_line(error: BaseException) -> str:
+    """`FileNotFoundError: ...`: the last line of its traceback."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1]}" if text else type(error).__name__

@@ -19,8 +19,12 @@ step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a 
 is reported in one line with its last step and the newest checkpoint, and every process is
 stopped (exit status 1). Once a rank has said where its run directory is, every rank's
 output (with the last 8 MB from before) is also written to <run.dir>/logs/rank-N.log; when
-those logs are open, the screen stays quiet after a stall is named, and the healthy ranks'
-stack traces go to the logs only.
+those logs are open, the screen stays quiet after a stall or a failure is named, and the
+other ranks' stack traces go to the logs only. A failure names the rank whose error came
+first (recorded in its beats), with that error's line.
+
+`--max-restarts N` runs the whole job again from its newest checkpoint after a crash, a
+killed or stalled rank or a hang (tools/restarts.py); never after a user error (status 2).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from paisoar_jax import distributed, heartbeat, output
+from paisoar_jax import distributed, heartbeat
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
+from paisoar_jax.tools.restarts import Ending, run_with_restarts
+from paisoar_jax.tools.restarts import say as _say
 
 PROGRAM = "paisoar_jax.launch"
 TAIL_LINES = 20
@@ -89,6 +95,19 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         default=600.0,
         help="seconds the others may run on after a signal or a first clean exit",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job from its newest checkpoint after a crash, a killed or "
+        "stalled rank or a hang, up to N times (never after a user error, status 2)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=2.0,
+        help="seconds before the first restart, doubled for each next one (at most 60)",
+    )
     parser.add_argument("--module", default="paisoar_jax.train", help="python -m MODULE to run")
     parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
     parser.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
@@ -103,6 +122,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0)")
     if args.devices_per_proc is not None and args.devices_per_proc < 1:
         parser.error("--devices-per-proc must be >= 1")
+    if args.max_restarts < 0 or not 0 <= args.restart_backoff < float("inf"):
+        parser.error("--max-restarts and --restart-backoff must be >= 0")
     return args
 
 
@@ -231,16 +252,6 @@ class SignalLog:
         self.received.append(number)
 
 
-def _say(message: str, level: str = "note") -> None:
-    """A line of the launcher's own on stderr: a note, a failure report or an error."""
-    if level == "note":
-        output.note(message, program=PROGRAM, stderr=True)
-    elif level == "failure":  # a warning to a log collector; the text reads as before
-        output.warning(message, program=PROGRAM, labelled=False)
-    else:
-        output.error(message, program=PROGRAM)
-
-
 def _stop(children: list[Child], grace: float) -> None:
     """SIGTERM, then SIGKILL after `grace` seconds for what still runs; waits for them."""
     for child in children:
@@ -255,28 +266,49 @@ def _stop(children: list[Child], grace: float) -> None:
         child.process.wait(timeout=30)
 
 
-def _fail(failed: Child, children: list[Child], grace: float) -> int:
-    """Stops every other process, prints the failing rank's last lines, returns its status.
+def _fail(exited: Child, children: list[Child], grace: float, screen: Output) -> Ending:
+    """Stops every other process and names the rank that failed first, with its error.
 
-    A rank that exits with the bad-input status has usually found what every rank finds (a
-    bad setting, an unreachable coordinator): the others get a moment to say it themselves.
+    The first rank to exit is not always the cause: a rank that raises makes its peers'
+    collectives abort, and one of them may exit before it. So the rank whose heartbeat
+    recorded the oldest error is named, with that error's line; without any recorded
+    error (a kill), the first to exit. A rank that exits with the bad-input status has
+    usually found what every rank finds (a bad setting, an unreachable coordinator): the
+    others get a moment to say it themselves.
     """
-    if failed.process.returncode == USER_ERROR_EXIT_CODE:
+    if exited.process.returncode == USER_ERROR_EXIT_CODE:
         deadline = time.monotonic() + USER_ERROR_WAIT_S
         while time.monotonic() < deadline and any(c.process.poll() is None for c in children):
             time.sleep(0.05)
+    failed, error = _first_failure(children, exited)
+    # What follows (the others' aborts, stack traces) goes to the logs only, where there are.
+    screen.muted = all(child.log.file is not None for child in children)
     others = [child for child in children if child.process.poll() is None]
-    _say(
-        f"rank {failed.rank} {failed.describe_exit()}; stopping {len(others)} other process(es)",
-        "failure",
-    )
+    how = exited.describe_exit() if failed is exited else "failed first"
+    said = f": {error}" if error else ""
+    _say(f"rank {failed.rank} {how}{said}; stopping {len(others)} other process(es)", "failure")
     _stop(others, grace)
     failed.signal_group(signal.SIGKILL)  # its workers, if it left any behind
     for thread in failed.threads:
         thread.join(timeout=5)
     lines = "\n".join(f"  {line}" for line in failed.tail)
     _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
-    return failed.exit_status()
+    status = failed.exit_status() if failed.process.returncode else exited.exit_status()
+    cause = f"rank {failed.rank} {how}{said}"
+    return Ending(status, cause, failed.rank, retry=status != USER_ERROR_EXIT_CODE)
+
+
+def _first_failure(children: list[Child], exited: Child) -> tuple[Child, str]:
+    """The rank whose recorded error is oldest (else the one that exited), and its line."""
+    recorded = [
+        (beat["failed_at"], child, beat["error"])
+        for child in children
+        if (beat := child.beat()) and beat.get("error") and beat.get("failed_at")
+    ]
+    if not recorded:
+        return exited, ""
+    _, child, error = min(recorded, key=lambda item: item[0])
+    return child, error
 
 
 def _stalled(children: list[Child], older_than: float) -> Child | None:
@@ -302,6 +334,11 @@ def _run_dir(beats: list[dict | None]) -> str | None:
     return next((beat["run_dir"] for beat in beats if beat and beat.get("run_dir")), None)
 
 
+def _checkpoint_dir(beats: list[dict]) -> str | None:
+    """The checkpoint directory the ranks' beats report, once one has."""
+    return next((beat["checkpoint_dir"] for beat in beats if beat.get("checkpoint_dir")), None)
+
+
 def _open_logs(children: list[Child], screen: Output) -> bool:
     """Moves each rank's output to <run.dir>/logs/rank-N.log once the run directory is known."""
     run_dir = _run_dir([child.beat() for child in children])
@@ -313,12 +350,12 @@ def _open_logs(children: list[Child], screen: Output) -> bool:
     return True
 
 
-def _report_stall(stalled: Child, children: list[Child], args, screen: Output) -> int:
+def _report_stall(stalled: Child, children: list[Child], args, screen: Output) -> Ending:
     """One line naming the stalled rank, its last step and the newest checkpoint; stops all."""
     # What follows (the peers' aborts, stack traces) goes to the logs only, where there are.
     screen.muted = all(child.log.file is not None for child in children)
     beat, beats = stalled.beat(), [child.beat() or {} for child in children]
-    checkpoint_dir = next((b["checkpoint_dir"] for b in beats if b.get("checkpoint_dir")), None)
+    checkpoint_dir = _checkpoint_dir(beats)
     newest = heartbeat.newest_checkpoint(checkpoint_dir)
     saved = (
         f"newest checkpoint: step {newest} in {checkpoint_dir} (a rerun resumes from it)"
@@ -334,12 +371,13 @@ def _report_stall(stalled: Child, children: list[Child], args, screen: Output) -
         "failure",
     )
     _stop([child for child in children if child.process.poll() is None], args.grace)
-    return 1
+    cause = f"rank {stalled.rank} stopped making progress (last step {beat['step']})"
+    return Ending(1, cause, stalled.rank, retry=True)
 
 
 def _supervise(
     children: list[Child], args: argparse.Namespace, signals: SignalLog, screen: Output
-) -> int:
+) -> Ending:
     """Waits for the children: the first failure or stall stops them all; signals go on."""
     forwarded, deadline, logs_open, next_watch = 0, None, False, 0.0
     while True:
@@ -349,10 +387,10 @@ def _supervise(
             stalled = _stalled([child for child in children if child is not failed], STALE_S)
             if stalled is not None:
                 return _report_stall(stalled, children, args, screen)
-            return _fail(failed, children, args.grace)
+            return _fail(failed, children, args.grace, screen)
         running = [child for child in children if child.process.returncode is None]
         if not running:
-            return 0
+            return Ending(0)
         if time.monotonic() > next_watch:  # the beats, once a second
             next_watch = time.monotonic() + heartbeat.INTERVAL_S
             logs_open = logs_open or _open_logs(children, screen)
@@ -366,7 +404,7 @@ def _supervise(
             if forwarded > 1:
                 _say(f"second {name}: killing the processes")
                 _stop(running, grace=0)
-                return 128 + number
+                return Ending(128 + number, f"a second {name}")
             _say(f"{name}: passed on to the processes (they save and exit); again to kill them")
             for child in running:
                 os.kill(child.process.pid, number)
@@ -377,7 +415,8 @@ def _supervise(
             ranks = ", ".join(str(child.rank) for child in running)
             _say(f"rank(s) {ranks} still running {args.stop_timeout:g} s later: killing them")
             _stop(running, args.grace)
-            return 1
+            cause = f"rank(s) {ranks} still running {args.stop_timeout:g} s after the others"
+            return Ending(1, cause, retry=not forwarded)
         time.sleep(0.1)
 
 
@@ -398,8 +437,8 @@ def child_command(module: str, arguments: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", module, *arguments]
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Starts the processes, copies their output and supervises them; the exit status."""
+def launch(args: argparse.Namespace) -> Ending:
+    """Starts the processes, copies their output and supervises them: one attempt's end."""
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     environments = child_environments(args, os.environ, local_gpu_count(os.environ), coordinator)
     command = child_command(args.module, args.arguments)
@@ -435,7 +474,11 @@ def launch(args: argparse.Namespace) -> int:
                     )
                     thread.start()
                     child.threads.append(thread)
-            status = _supervise(children, args, signals, screen)
+            ending = _supervise(children, args, signals, screen)
+            last_beats = [child.beat() or {} for child in children]  # before their folder goes
+            ending = replace(
+                ending, run_dir=_run_dir(last_beats), checkpoint_dir=_checkpoint_dir(last_beats)
+            )
         except BaseException:
             _stop([child for child in children if child.process.poll() is None], grace=0)
             raise
@@ -445,13 +488,14 @@ def launch(args: argparse.Namespace) -> int:
         for thread in child.threads:
             thread.join(timeout=5)
         child.log.close()
-    return status
+    return ending
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the launcher's exit status."""
     try:
-        return launch(parse_arguments(sys.argv[1:] if argv is None else argv))
+        args = parse_arguments(sys.argv[1:] if argv is None else argv)
+        return run_with_restarts(lambda: launch(args), args.max_restarts, args.restart_backoff)
     except UserError as error:
         _say(str(error), "error")
         return USER_ERROR_EXIT_CODE

@@ -17,6 +17,9 @@ from paisoar_jax import output as user_output
 
 LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
+# The CPU collectives (gloo) announce every connection they make, one line per device
+# group: chatter for the logs, not the screen or a failed rank's last lines.
+CHATTER = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 class RankLog:
@@ -76,11 +79,14 @@ class Output:
         self.lock = threading.Lock()
         self.muted = False
 
-    def write(self, sink, log: RankLog, data: bytes) -> None:
-        """One whole line at a time; a closed sink only drops output (the child must not block)."""
+    def write(self, sink, log: RankLog, data: bytes, screen: bool = True) -> None:
+        """One whole line at a time; a closed sink only drops output (the child must not block).
+
+        `screen=False`: to the log only.
+        """
         with self.lock:
             log.write(data)  # never raises: a failing log file is dropped (the pipe must drain)
-            if self.muted:
+            if self.muted or not screen:
                 return
             try:
                 sink.write(data)
@@ -93,6 +99,8 @@ def copy_lines(
     stream, sink, prefix: bytes, log: RankLog, tail: collections.deque, output: Output
 ) -> None:
     """Copies a child's stream line by line with its rank prefix; keeps the last lines.
+
+    The collectives' connection chatter goes to the rank's log only.
 
     Under PAISOAR_OUTPUT=json a JSON line of the child gets its rank as a key instead, so
     the launcher's output stays one JSON object a line.
@@ -107,8 +115,9 @@ def copy_lines(
                 rank = prefix.decode().strip().removeprefix("[rank ").removesuffix("]")
                 output.write(sink, log, b'{"rank": %s, ' % rank.encode() + text[1:] + end)
                 continue
-            output.write(sink, log, prefix + text + end)
-            if end != b"\r" and text.strip():  # a progress bar's redraws are not lines
+            chatter = CHATTER.match(text) is not None
+            output.write(sink, log, prefix + text + end, screen=not chatter)
+            if end != b"\r" and text.strip() and not chatter:  # nor are a bar's redraws
                 tail.append(text.decode(errors="replace"))
     if pending:
         output.write(sink, log, prefix + pending + b"\n")

@@ -1,0 +1,119 @@
+"""`launch --max-restarts N`: a failed job starts again from its newest complete checkpoint.
+
+The launcher runs the whole job (every rank) as one attempt. An attempt that ends with a
+crash, a killed rank, a stalled rank or the hang watchdog's status 3 is followed, after a
+short back-off (doubling, at most MAX_BACKOFF_S), by a fresh attempt: new processes that
+resume from the newest complete checkpoint, as any rerun of the same command does
+(checkpoint.resume=auto). A user error (status 2: a bad setting, a missing file, a full
+disk) would fail the same way again and is never retried; nor is a job stopped by the
+user's own SIGINT or SIGTERM.
+
+Each restart is one line on screen and a record in <run.dir>/events.jsonl, as is the
+giving up: {"time", "event", "cause", "rank", "exit_status", "attempt", "max_restarts",
+"resume_step"}.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from paisoar_jax import heartbeat, output
+
+PROGRAM = "paisoar_jax.launch"
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one attempt of the job ended, as the launcher saw it."""
+
+    status: int  # the launcher's exit status for it
+    cause: str = ""  # "rank 1 was killed by SIGKILL"; empty when the job finished
+    rank: int | None = None  # the rank at fault, when one is
+    retry: bool = False  # whether another attempt could help
+    run_dir: str | None = None  # from the ranks' heartbeats, once they said
+    checkpoint_dir: str | None = None
+
+
+def run_with_restarts(attempt: Callable[[], Ending], max_restarts: int, backoff_s: float) -> int:
+    """Runs attempts until one ends without a retryable failure, or none are left."""
+    restarts, run_dir = 0, None
+    while True:
+        ending = attempt()
+        run_dir = ending.run_dir or run_dir
+        if ending.status == 0 or not ending.retry:
+            if ending.status != 0 and restarts:
+                _record(run_dir, "not_retried", ending, restarts, max_restarts)
+            return ending.status
+        if restarts >= max_restarts:
+            if max_restarts:
+                say(f"giving up after {restarts} restart(s): {ending.cause}", "error")
+                _record(run_dir, "gave_up", ending, restarts, max_restarts)
+            return ending.status
+        restarts += 1
+        delay = min(backoff_s * 2 ** (restarts - 1), MAX_BACKOFF_S)
+        resume = heartbeat.newest_checkpoint(ending.checkpoint_dir)
+        where = f"resuming from step {resume}" if resume is not None else "from the start"
+        say(f"restart {restarts} of {max_restarts} in {delay:g} s, {where}: {ending.cause}")
+        _record(run_dir, "restart", ending, restarts, max_restarts, resume)
+        if not _sleep_unless_signalled(delay):
+            say("a stop signal during the back-off: not restarting", "error")
+            return ending.status
+
+
+def _record(
+    run_dir: str | None,
+    event: str,
+    ending: Ending,
+    attempt: int,
+    max_restarts: int,
+    resume_step: int | None = None,
+) -> None:
+    """Appends one line to <run.dir>/events.jsonl (nowhere before the run dir is known)."""
+    if run_dir is None:
+        return
+    record = {
+        "time": time.time(),
+        "event": event,
+        "cause": ending.cause,
+        "rank": ending.rank,
+        "exit_status": ending.status,
+        "attempt": attempt,
+        "max_restarts": max_restarts,
+        "resume_step": resume_step,
+    }
+    try:
+        with (pathlib.Path(run_dir) / "events.jsonl").open("a") as events:
+            events.write(json.dumps(record) + "\n")
+    except OSError as error:  # a full disk must not stop the restart itself
+        say(f"could not write {run_dir}/events.jsonl ({error.strerror})", "error")
+
+
+def _sleep_unless_signalled(seconds: float) -> bool:
+    """Sleeps; False when SIGINT or SIGTERM arrived meanwhile (the user wants it to end)."""
+    arrived = threading.Event()
+    previous = {
+        number: signal.signal(number, lambda *_: arrived.set())
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        return not arrived.wait(seconds)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def say(message: str, level: str = "note") -> None:
+    """A line of the launcher's own on stderr: a note, a failure report or an error."""
+    if level == "note":
+        output.note(message, program=PROGRAM, stderr=True)
+    elif level == "failure":  # a warning to a log collector; the text reads as before
+        output.warning(message, program=PROGRAM, labelled=False)
+    else:
+        output.error(message, program=PROGRAM)
