@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from paisoar_jax import heartbeat, output
+from paisoar_jax import chatter, heartbeat, output
 from paisoar_jax.config import DistributedConfig
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -117,6 +117,7 @@ def _launcher_plan(environ: Mapping[str, str]) -> Plan | None:
 def _slurm_plan(environ: Mapping[str, str]) -> Plan | None:
     """An srun step: jax reads the coordinator (first node) and the ranks itself."""
     if not all(name in environ for name in SLURM_VARIABLES):
+        _say_outside_srun(environ)
         return None
     if "OMPI_COMM_WORLD_RANK" in environ:
         # mpirun inside an allocation starts its daemons with srun: their SLURM_* variables
@@ -129,6 +130,24 @@ def _slurm_plan(environ: Mapping[str, str]) -> Plan | None:
         coordinator_origin="chosen by jax from SLURM_STEP_NODELIST and SLURM_JOB_ID",
         local_device_ids=None,
         cluster_detection="slurm",
+    )
+
+
+def _say_outside_srun(environ: Mapping[str, str]) -> None:
+    """A shell in an allocation (salloc, sbatch's own script) has SLURM_NTASKS without a rank.
+
+    jax's own detection would start a job of SLURM_NTASKS processes there and wait for
+    peers that never come (jax#30073); this process trains alone, and says so once.
+    """
+    tasks = environ.get("SLURM_NTASKS", "1")
+    if "SLURM_JOB_ID" not in environ or "SLURM_PROCID" in environ or tasks in ("", "1"):
+        return
+    if "OMPI_COMM_WORLD_SIZE" in environ or "WORLD_SIZE" in environ:
+        return  # mpirun or torchrun inside the allocation: they give the ranks
+    output.note(
+        f"inside SLURM job {environ['SLURM_JOB_ID']} but not started by srun (no "
+        f"SLURM_PROCID): one process trains here; `srun python -m ...` starts the job's "
+        f"{tasks} tasks"
     )
 
 
@@ -291,6 +310,8 @@ def initialize(
         )
     finally:
         watchdog.cancel()
+    if jax.default_backend() == "cpu" and not environ.get(heartbeat.HEARTBEAT_FILE):
+        chatter.filter_stdout()  # srun, mpirun: no launcher keeps gloo's lines off the log
     if jax.process_index() == 0:
         output.note(
             f"{jax.process_count()} processes ({plan.source}), coordinator "
@@ -321,6 +342,7 @@ def _give_up(plan: Plan, program: str) -> None:
         "the same coordinator and process count, each with its own process id",
         program=program,
     )
+    chatter.restore()
     os._exit(USER_ERROR_EXIT_CODE)  # the main thread is blocked inside jax: no clean exit
 
 
@@ -388,5 +410,5 @@ def exit_now(status: int) -> None:
     launcher would not see the failure; leaving now lets it (or jax's heartbeat) stop them.
     """
     sys.stdout.flush()
-    sys.stderr.flush()
+    chatter.restore()  # (flushes stdout and stderr)
     os._exit(status)

@@ -84,10 +84,12 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     check_splits(task, train_source, eval_source, config)
     run = setup(config, workload)
     run_dir, is_main = config.run_dir, jax.process_index() == 0
-    checkpoint_dir = checkpoint_directory(config.checkpoint, run_dir)
-    if not config.checkpoint.enabled:
-        checkpoint_dir = None
-    save_bytes = lambda: full_disk.tree_bytes(run.layout.abstract_state)  # noqa: E731
+    enabled = config.checkpoint.enabled
+    checkpoint_dir = checkpoint_directory(config.checkpoint, run_dir) if enabled else None
+
+    def save_bytes() -> int:  # asked only when the disk is full
+        return full_disk.tree_bytes(run.layout.abstract_state)
+
     with (
         full_disk.guard(run_dir, checkpoint_dir, save_bytes),
         contextlib.ExitStack() as cleanup,

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from paisoar_jax import output
+from paisoar_jax import chatter, output
 from paisoar_jax.errors import HANG_EXIT_CODE
 
 AUTO = -1.0  # train.hang_timeout_s's default: on for several processes, off for one
@@ -79,7 +79,7 @@ class Watchdog:
                 continue
             if self.fired:  # no progress since the line and the stop request either
                 sys.stdout.flush()
-                sys.stderr.flush()
+                chatter.restore()  # (flushes stdout and stderr)
                 os._exit(HANG_EXIT_CODE)  # the main thread is blocked: no clean exit
             self.fired = True
             output.error(

@@ -49,6 +49,18 @@ TINY = [
     "run.tensorboard=false",
 ]
 
+# TINY logged every step, saved every 2, no eval, a constant lr: a run cut at step k and
+# resumed follows the schedule of one run never cut (the launch, restart and cluster tests).
+RESUMABLE = [
+    *TINY,
+    "train.log_every=1",
+    "train.eval_every=0",
+    "optim.schedule=constant",
+    "optim.warmup_steps=0",
+    "checkpoint.every=2",
+    "checkpoint.keep=10",
+]
+
 # The settings of `paisoar_jax.fit` tests with a model of one's own.
 FIT_BASE = [
     "train.global_batch=16",

@@ -170,3 +170,23 @@ def test_process_zero_refuses_a_busy_port():
         plan = distributed.Plan("config", 2, 0, f"127.0.0.1:{port}", "from distributed.coordinator")
         with pytest.raises(UserError, match=f"the coordinator port {port} .* is not free"):
             distributed._probe_coordinator(plan, time.monotonic() + 1)
+
+
+ALLOCATION_SHELL = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_NODELIST": "node1"}
+
+
+def test_a_shell_in_an_allocation_is_one_process_with_one_line(capsys):
+    """salloc or sbatch's own shell: SLURM_NTASKS without a rank (jax#30073). The real
+    thing (salloc on a local SLURM) is in test_clusters.py."""
+    plan = distributed.resolve(DistributedConfig(), ALLOCATION_SHELL)
+    assert (plan.source, plan.num_processes, plan.process_id) == ("single", 1, 0)
+    assert capsys.readouterr().out == (
+        "paisoar_jax: inside SLURM job 77 but not started by srun (no SLURM_PROCID): one "
+        "process trains here; `srun python -m ...` starts the job's 16 tasks\n"
+    )
+
+
+@pytest.mark.parametrize("starter", [OPENMPI, {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}])
+def test_mpirun_in_an_allocation_or_one_task_says_nothing(starter, capsys):
+    distributed.resolve(DistributedConfig(), {**ALLOCATION_SHELL, **starter})
+    assert capsys.readouterr().out == ""

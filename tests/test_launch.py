@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import PYTHON, TINY, build_run, subprocess_env
+from conftest import PYTHON, RESUMABLE, build_run, subprocess_env
 
 from paisoar_jax import heartbeat
 from paisoar_jax.data.pipeline import batch_dataset
@@ -26,16 +26,7 @@ from paisoar_jax.parallel import sharding
 from paisoar_jax.tools import hlo, launch
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
 
-# Constant lr: a run cut at step 2 and resumed to 4 follows the schedule of one run of 4.
-RUN = [
-    *TINY,
-    "train.log_every=1",
-    "train.eval_every=0",
-    "optim.schedule=constant",
-    "optim.warmup_steps=0",
-    "checkpoint.every=2",
-    "checkpoint.keep=10",
-]
+RUN = RESUMABLE
 TWO_PROCESSES = ["--nproc", "2", "--devices-per-proc", "4", "--grace", "5"]
 
 

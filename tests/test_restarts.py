@@ -13,20 +13,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYTHON, TINY, subprocess_env
+from conftest import PYTHON, RESUMABLE, subprocess_env
 
 STEPS = 40
-RUN = [
-    *TINY,
-    "train.log_every=1",
-    "train.eval_every=0",
-    "optim.schedule=constant",
-    "optim.warmup_steps=0",
-    "checkpoint.every=2",
-    "checkpoint.keep=3",
-    "mesh.dcn_data=2",
-    f"train.steps={STEPS}",
-]
+RUN = [*RESUMABLE, "checkpoint.keep=3", "mesh.dcn_data=2", f"train.steps={STEPS}"]
 LAUNCH = [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
 RESTARTING = [*LAUNCH, "--grace", "5", "--max-restarts", "2", "--restart-backoff", "0.5"]
 

@@ -286,7 +286,9 @@ def _fail(exited: Child, children: list[Child], grace: float, screen: Output) ->
     others = [child for child in children if child.process.poll() is None]
     how = exited.describe_exit() if failed is exited else "failed first"
     said = f": {error}" if error else ""
-    _say(f"rank {failed.rank} {how}{said}; stopping {len(others)} other process(es)", "failure")
+    # A bad input's line (status 2) is on screen already, from every rank that found it.
+    shown = "" if failed.process.returncode == USER_ERROR_EXIT_CODE else said
+    _say(f"rank {failed.rank} {how}{shown}; stopping {len(others)} other process(es)", "failure")
     _stop(others, grace)
     failed.signal_group(signal.SIGKILL)  # its workers, if it left any behind
     for thread in failed.threads:

@@ -14,12 +14,10 @@ import re
 import threading
 
 from paisoar_jax import output as user_output
+from paisoar_jax.chatter import ChatterFilter
 
 LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
-# The CPU collectives (gloo) announce every connection they make, one line per device
-# group: chatter for the logs, not the screen or a failed rank's last lines.
-CHATTER = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 class RankLog:
@@ -105,7 +103,7 @@ def copy_lines(
     Under PAISOAR_OUTPUT=json a JSON line of the child gets its rank as a key instead, so
     the launcher's output stays one JSON object a line.
     """
-    pending = b""
+    pending, chatter_filter = b"", ChatterFilter()
     json_mode = user_output.mode() == "json"
     while chunk := stream.read1(1 << 16):
         pieces = LINE_END.split(pending + chunk)
@@ -115,10 +113,15 @@ def copy_lines(
                 rank = prefix.decode().strip().removeprefix("[rank ").removesuffix("]")
                 output.write(sink, log, b'{"rank": %s, ' % rank.encode() + text[1:] + end)
                 continue
-            chatter = CHATTER.match(text) is not None
-            output.write(sink, log, prefix + text + end, screen=not chatter)
-            if end != b"\r" and text.strip() and not chatter:  # nor are a bar's redraws
-                tail.append(text.decode(errors="replace"))
+            # The CPU collectives' connection chatter: for the log, not the screen or the
+            # last lines of a failed rank (paisoar_jax/chatter.py).
+            kept = chatter_filter.line(text)
+            if kept is None:
+                output.write(sink, log, prefix + text + end, screen=False)
+                continue
+            output.write(sink, log, prefix + kept + end)
+            if end != b"\r" and kept.strip():  # a progress bar's redraws are not lines
+                tail.append(kept.decode(errors="replace"))
     if pending:
         output.write(sink, log, prefix + pending + b"\n")
         tail.append(pending.decode(errors="replace"))
