@@ -7,7 +7,8 @@ for a small job, in every SLURM or mpirun log. `python -m paisoar_jax.launch` dr
 itself (tools/rank_output.py); started by srun or mpirun (whose ranks may write to a
 pseudo-terminal that ends in a file), a rank runs its stdout through a pipe instead, and a
 thread forwards all but the chatter, line by line (the progress bar, on stderr, is left
-alone).
+alone). Each gloo line end flushes whole lines, so the user's lines arrive intact; only a
+blank line or a lone number printed while the collectives connect may be taken for theirs.
 
 `restore()` puts the real stdout back and forwards what is left: at exit, and before any
 `os._exit` (a failing rank's last lines must not be lost in the pipe).
@@ -21,34 +22,78 @@ import re
 import sys
 import threading
 
-# The pieces of the message, wherever the threads' interleaving put them: the expected
-# count may even come on a line of its own, after another thread's line end.
-CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?")
-EXPECTED = re.compile(rb"Expected number of connected peer ranks is : ?(\d+)?")
-COUNT_ALONE = re.compile(rb"\s*\d+\s*")
+# gloo composes its message in pieces that threads print in turn, so another thread's
+# piece or line end can fall between any two of them: each piece is matched on its own,
+# with its number when that came with it.
+PIECES = re.compile(
+    rb"\[Gloo\] Rank(?: (\d+))?"
+    rb"| ?is connected to(?: (\d+))?"
+    rb"| ?peer ranks\. ?"
+    rb"|Expected number of connected peer ranks is : ?(\d+)?"
+)
+MESSAGE_START = b"[Gloo] Rank"
+NUMBERS_PER_MESSAGE = 3
+NUMBER = re.compile(rb"\d+")
+ONLY_NUMBERS = re.compile(rb"\s*\d+(?:\s+\d+)*\s*")
+QUIET_LINES = 20
+PEER, GLOO = b"peer ranks", b"[Gloo]"
 STDOUT = 1
 _lock = threading.Lock()
 _active: tuple[int, threading.Thread] | None = None  # (the real stdout, the forwarder)
 
 
 class ChatterFilter:
-    """Takes the chatter out of one stream's lines, in order (it remembers a count owed)."""
+    """Takes the chatter out of one stream's lines, in order.
+
+    It counts what the pieces it removed still owe: the numbers printed apart from their
+    piece (a line of digits alone), and each message's line end (a line left empty).
+    """
 
     def __init__(self):
-        self.owed = 0  # expected counts cut off from their message, still to come
+        self.numbers_owed = 0
+        self.line_ends_owed = 0
+        self.quiet_lines = 0  # lines since the last piece
 
     def line(self, line: bytes) -> bytes | None:
         """The line without the chatter; None when nothing else was on it."""
-        if self.owed and COUNT_ALONE.fullmatch(line):
-            self.owed -= 1
-            return None
-        if b"peer ranks" not in line:  # the common case, cheaply
+        owed = self.numbers_owed or self.line_ends_owed
+        pieces = list(PIECES.finditer(line)) if PEER in line or GLOO in line or owed else []
+        if not pieces:
+            if not owed:
+                return line  # the common case, cheaply
+            return self._owed(line)
+        self.quiet_lines = 0
+        messages = line.count(MESSAGE_START)
+        self.line_ends_owed += messages
+        self.numbers_owed += NUMBERS_PER_MESSAGE * messages
+        for match in pieces:
+            self.numbers_owed -= sum(group is not None for group in match.groups())
+        kept = PIECES.sub(b"", line)
+        if ONLY_NUMBERS.fullmatch(kept):  # numbers of other threads' pieces
+            self.numbers_owed = max(self.numbers_owed - len(NUMBER.findall(kept)), 0)
+        elif kept.strip():
+            return kept  # the user's own text (gloo flushes whole lines: it should not be)
+        self.line_ends_owed = max(self.line_ends_owed - 1, 0)  # this line's end was one
+        return None
+
+    def _owed(self, line: bytes) -> bytes | None:
+        """A line without pieces while some are owed: a lone number, a line end, or theirs.
+
+        Debts are forgotten QUIET_LINES lines after the last piece, so a miscount never
+        eats the user's lines for long.
+        """
+        self.quiet_lines += 1
+        if self.quiet_lines > QUIET_LINES:
+            self.numbers_owed = self.line_ends_owed = 0
             return line
-        kept = CONNECTED.sub(b"", line)
-        for match in EXPECTED.finditer(kept):
-            self.owed += match.group(1) is None
-        kept = EXPECTED.sub(b"", kept)
-        return kept if kept.strip() else None
+        if self.numbers_owed and ONLY_NUMBERS.fullmatch(line):
+            self.numbers_owed -= min(len(NUMBER.findall(line)), self.numbers_owed)
+        elif self.line_ends_owed and not line.strip():
+            pass
+        else:
+            return line
+        self.line_ends_owed = max(self.line_ends_owed - 1, 0)
+        return None
 
 
 def without_chatter(line: bytes) -> bytes | None:

@@ -1,5 +1,6 @@
 """The collectives' connection chatter kept out of a rank's stdout (paisoar_jax/chatter.py)."""
 
+import random
 import subprocess
 
 from conftest import PYTHON, subprocess_env
@@ -19,11 +20,38 @@ def test_whole_and_interleaved_pieces_are_chatter_and_the_rest_is_kept():
     assert without_chatter(b"loss 3.1 " + ONE) == b"loss 3.1 "
 
 
-def test_a_count_cut_off_onto_a_line_of_its_own_goes_too():
-    """Seen under srun: `...is : ` then another thread's line end, then `7` and its own."""
-    chatter = ChatterFilter()
-    lines = [b"Expected number of connected peer ranks is : ", b"7", b"7", b"train: 50%"]
-    assert [chatter.line(line) for line in lines] == [None, None, b"7", b"train: 50%"]
+def gloo_and_the_user(seed: int, threads: int = 8) -> bytes:
+    """A stream as a rank writes it: gloo's threads put the pieces of their messages into
+    one C buffer, in any order, which each line end (std::endl) flushes; Python writes the
+    user's lines whole, between two flushes."""
+    rng = random.Random(seed)
+    messages = [
+        [b"[Gloo] Rank ", b"%d" % rank, b" is connected to ", b"7", b" peer ranks. "]
+        + [b"Expected number of connected peer ranks is : ", b"7", b"\n"]
+        for rank in range(threads)
+    ]
+    users = [line + b"\n" for line in USER_LINES]
+    stream, buffer = b"", b""
+    while users or any(messages):
+        queue = rng.choice([*filter(None, messages), *([users] if users else [])])
+        if queue is users:
+            stream += users.pop(0)
+            continue
+        buffer += queue.pop(0)
+        if buffer.endswith(b"\n"):
+            stream, buffer = stream + buffer, b""
+    return stream
+
+
+USER_LINES = [b"paisoar_jax: 2 processes (SLURM); 8 devices, 4 per process", b"step 10: loss 3.41"]
+
+
+def test_every_interleaving_of_eight_threads_leaves_the_users_lines_and_nothing_else():
+    for seed in range(300):
+        chatter = ChatterFilter()
+        lines = gloo_and_the_user(seed).split(b"\n")[:-1]
+        kept = [line for line in map(chatter.line, lines) if line is not None]
+        assert kept == USER_LINES, (seed, kept)
 
 
 FILTERED_PROCESS = """
