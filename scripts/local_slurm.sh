@@ -40,6 +40,8 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again once its old credential expires (default 120 s).
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid

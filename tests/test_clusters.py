@@ -137,7 +137,7 @@ def test_the_docs_sbatch_script_is_preempted_requeued_and_resumes(cluster, srun_
         stopped = re.search(r"stopped by SIGTERM after step (\d+); saved", log.read_text())
         assert stopped, log.read_text()[-3000:]
         assert int(stopped.group(1)) < STEPS
-        run(["scontrol", "requeue", job_id], tmp_path)
+        run(["scontrol", "requeue", job_id], tmp_path)  # (it waits cred_expire, 10 s here)
         wait_for(lambda: "done:" in log.read_text(), "the requeued job to finish")
         wait_for(lambda: job_state(job_id) == "COMPLETED", "the requeued job to complete")
     finally:
