@@ -86,19 +86,14 @@ class ChatterFilter:
         if self.quiet_lines > QUIET_LINES:
             self.numbers_owed = self.line_ends_owed = 0
             return line
-        if self.numbers_owed and ONLY_NUMBERS.fullmatch(line):
-            self.numbers_owed -= min(len(NUMBER.findall(line)), self.numbers_owed)
-        elif self.line_ends_owed and not line.strip():
-            pass
-        else:
+        lone_number = bool(self.numbers_owed and ONLY_NUMBERS.fullmatch(line))
+        lone_line_end = bool(self.line_ends_owed and not line.strip())
+        if not (lone_number or lone_line_end):
             return line
+        if lone_number:
+            self.numbers_owed -= min(len(NUMBER.findall(line)), self.numbers_owed)
         self.line_ends_owed = max(self.line_ends_owed - 1, 0)
         return None
-
-
-def without_chatter(line: bytes) -> bytes | None:
-    """One line without the chatter, on its own (no memory of earlier lines)."""
-    return ChatterFilter().line(line)
 
 
 def filter_stdout() -> None:
@@ -119,32 +114,48 @@ def filter_stdout() -> None:
 
 
 def _forward(read_end: int, real: int) -> None:
-    """Copies whole lines to the real stdout, without the chatter; the rest at EOF."""
-    pending, chatter = b"", ChatterFilter()
+    """Copies whole lines to the real stdout, without the chatter; the rest at EOF.
+
+    It never stops reading: were the real stdout gone (srun's I/O closed, `| head`), a
+    full pipe would block every print of the process. What cannot be written is dropped.
+    """
+    pending, chatter, writable = b"", ChatterFilter(), True
     while chunk := os.read(read_end, 1 << 16):
         *lines, pending = (pending + chunk).split(b"\n")
         kept = [chatter.line(line) for line in lines]
         text = b"".join(line + b"\n" for line in kept if line is not None)
-        if text:
-            os.write(real, text)
-    if pending:
-        os.write(real, pending)
+        writable = writable and _write_all(real, text)
+    if pending and writable:
+        _write_all(real, pending)
     os.close(read_end)
     os.close(real)
 
 
+def _write_all(descriptor: int, data: bytes) -> bool:
+    """Writes all of `data`; False once the descriptor fails."""
+    try:
+        while data:
+            data = data[os.write(descriptor, data) :]
+    except OSError:
+        return False
+    return True
+
+
 def restore() -> None:
-    """The real stdout back on descriptor 1; waits briefly for the forwarder to finish."""
+    """Flushes stdout and stderr; the real stdout back on descriptor 1, forwarded to.
+
+    Waits briefly for the forwarder to finish what the pipe still holds.
+    """
     global _active
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     with _lock:
         if _active is None:
             return
         real, thread = _active
         _active = None
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
         os.dup2(real, STDOUT)  # the pipe's last writer closes: the forwarder reads to its end
     thread.join(timeout=2)  # (a worker process that inherited the pipe may keep it open)

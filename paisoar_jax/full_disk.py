@@ -73,12 +73,17 @@ def guard(
             logger.removeFilter(quiet)
 
 
-def check_room(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path, need_bytes: int) -> None:
+def check_room(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path, estimate_bytes: int) -> None:
     """Before a save: the one line, if the disk has less room than the save needs.
 
-    Caught here, the save never starts: no partial files, no background tracebacks. Every
-    process must agree (one that stops alone would leave the others in a collective).
+    What a save needs is what the newest complete one took, else `estimate_bytes` (the
+    state's bytes, uncompressed). Caught here, the save never starts: no partial files, no
+    background tracebacks. Every process must agree (one that stops alone would leave the
+    others in a collective).
     """
+    newest = heartbeat.newest_checkpoint(str(checkpoint_dir))
+    need_bytes = _bytes_under(checkpoint_dir / str(newest)) if newest is not None else 0
+    need_bytes = need_bytes or estimate_bytes
     free = shutil.disk_usage(checkpoint_dir if checkpoint_dir.exists() else run_dir).free
     short = free < need_bytes
     import jax
@@ -90,6 +95,11 @@ def check_room(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path, need_bytes: 
         short = bool(np.any(multihost_utils.process_allgather(np.array(short))))
     if short:
         raise UserError(_describe(run_dir, checkpoint_dir, need_bytes))
+
+
+def _bytes_under(directory: pathlib.Path) -> int:
+    """The bytes of the files under a directory (a checkpoint: a few dozen files)."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
 def _describe(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None, save_bytes: int) -> str:

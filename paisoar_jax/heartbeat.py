@@ -35,6 +35,7 @@ class Progress:
     checkpoint_dir: str | None = None
     error: str | None = None  # the one line of the error this process is failing with
     failed_at: float | None = None  # when it caught it (the launcher names the first)
+    retryable: bool = True  # whether `launch --max-restarts` may run the job again
 
 
 progress = Progress()
@@ -57,14 +58,20 @@ def start(environ: Mapping[str, str] | None = None) -> None:
     atexit.register(_last_beat, path)
 
 
-def record_failure(message: str, environ: Mapping[str, str] | None = None) -> None:
+def record_failure(
+    message: str, environ: Mapping[str, str] | None = None, retryable: bool = True
+) -> None:
     """Writes a beat now that carries this process's error line and the time.
 
     A rank that fails first makes its peers fail after it (their collectives abort), and
     the peers may even exit first; the launcher names the rank whose error is oldest.
-    Written whether or not the beating thread runs (an error before joining).
+    Written whether or not the beating thread runs (an error before joining); the first
+    failure recorded stays. `retryable=False`: a restart would fail the same way (a
+    divergence, which resumes exactly and diverges again).
     """
-    progress.error, progress.failed_at = message, time.time()
+    if progress.failed_at is not None:
+        return
+    progress.error, progress.failed_at, progress.retryable = message, time.time(), retryable
     path = (os.environ if environ is None else environ).get(HEARTBEAT_FILE)
     if path:
         with _writing:
@@ -110,6 +117,7 @@ def _write(path: pathlib.Path, exiting: bool = False) -> None:
         "exiting": exiting,
         "error": progress.error,
         "failed_at": progress.failed_at,
+        "retryable": progress.retryable,
     }
     partial = path.with_suffix(f".{threading.get_ident()}.partial")
     try:

@@ -45,18 +45,23 @@ STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 STEPS_IN_FLIGHT = 8
 
 
-def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> bool:
-    """Whether every process saw a stop signal (processes must save at the same step).
+def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> str | None:
+    """What stops every process now, if anything: a signal's name, or HANG_STOP.
 
-    One process decides alone; several agree with a small collective at log steps and
-    every STOP_CHECK_EVERY steps (a collective per step would cost a host sync each).
+    Processes must save at the same step, and end alike: when one's hang watchdog asked
+    for the stop, every one ends with the hang status (a launcher restarts only a job
+    that failed). One process decides alone; several agree with a small collective at
+    log steps and every STOP_CHECK_EVERY steps (one per step would cost a host sync each).
     """
     if jax.process_count() == 1:
-        return stop.requested
+        return stop.signal_name
     if not (is_log_step or step % STOP_CHECK_EVERY == 0):
-        return False
-    flags = multihost_utils.process_allgather(np.array(stop.requested))
-    return bool(np.any(flags))
+        return None
+    code = 0 if not stop.requested else 2 if stop.signal_name == HANG_STOP else 1
+    agreed = int(np.max(multihost_utils.process_allgather(np.array(code, np.int32))))
+    if agreed == 2:
+        return HANG_STOP
+    return (stop.signal_name or "a stop signal on another process") if agreed else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +244,8 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
                 with watchdog.paused():  # its first call compiles
                     record |= _evaluate(parts, eval_step, state, step, history)
             _write_record(record, parts.task, instruments)
-        stop_now = _stop_agreed(stop, step, is_log_step)
+        stopped_by = _stop_agreed(stop, step, is_log_step)
+        stop_now = stopped_by is not None
         if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
             if not is_log_step:  # no save holds what a batch of nan made
                 _check_input(batches, start_step, checkpointer)
@@ -249,7 +255,6 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
             first_save = False
             watchdog.progressed(step)
         if stop_now:
-            stopped_by = stop.signal_name or "a stop signal on another process"
             break
     instruments.close(step)
     watchdog.phase = "save"
@@ -262,7 +267,10 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     _say_stopped(stopped_by, step, checkpointer)
     summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
-    sample = None if stopped_by else parts.task.closing_sample(parts.layout, state, parts.mesh)
+    sample = None
+    if not stopped_by:
+        with watchdog.paused():  # the sample's decoding compiles
+            sample = parts.task.closing_sample(parts.layout, state, parts.mesh)
     summary = summary if sample is None else {**summary, "sample": sample}
     return summary, state, train_step.compiled
 
@@ -449,8 +457,8 @@ def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, timer)
     """Starts the save; the time the loop blocks on it is save time, not step time."""
     save_start = time.perf_counter()
     checkpointer.wait()  # the save in flight first: what it writes takes room too
-    need_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
-    full_disk.check_room(parts.config.run_dir, checkpointer.directory, need_bytes)
+    estimate_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
+    full_disk.check_room(parts.config.run_dir, checkpointer.directory, estimate_bytes)
     save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
     save_s = time.perf_counter() - save_start
     timer.start_time += save_s

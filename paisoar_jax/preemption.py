@@ -40,8 +40,8 @@ class StopRequest:
         signal.signal(number, self._previous.get(number, signal.SIG_DFL))
 
     def request(self, name: str) -> None:
-        """Raises the flag from code (the hang watchdog), as a signal would."""
-        self.signal_name = name
+        """Raises the flag from code (the hang watchdog), unless a signal raised it first."""
+        self.signal_name = self.signal_name or name
 
     @property
     def requested(self) -> bool:

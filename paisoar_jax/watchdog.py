@@ -19,9 +19,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from paisoar_jax import chatter, output
+from paisoar_jax import chatter, heartbeat, output
 from paisoar_jax.errors import HANG_EXIT_CODE
 
 AUTO = -1.0  # train.hang_timeout_s's default: on for several processes, off for one
@@ -39,7 +39,7 @@ def timeout_for(setting: float, process_count: int) -> float:
 class Watchdog:
     """Watches the loop's progress marks from a daemon thread (a no-op when timeout_s is 0)."""
 
-    def __init__(self, timeout_s: float, who: str, request_stop=lambda: None):
+    def __init__(self, timeout_s: float, who: str, request_stop: Callable[[], None]):
         self.timeout_s = timeout_s
         self.who = who  # "process 1 of 2": the start of its one line
         self.phase = "compile"  # what the loop waits on now: data, step, log, save
@@ -82,11 +82,14 @@ class Watchdog:
                 chatter.restore()  # (flushes stdout and stderr)
                 os._exit(HANG_EXIT_CODE)  # the main thread is blocked: no clean exit
             self.fired = True
-            output.error(
+            summary = (
                 f"{self.who}: no step finished in {self.timeout_s:g} s "
-                f"(train.hang_timeout_s); last step {self.step}, waiting in: {self.phase}; "
-                f"asking for a save, exiting with status {HANG_EXIT_CODE} if none comes "
-                f"within another {self.timeout_s:g} s"
+                f"(train.hang_timeout_s); last step {self.step}, waiting in: {self.phase}"
             )
+            output.error(
+                f"{summary}; asking for a save, exiting with status {HANG_EXIT_CODE} if none "
+                f"comes within another {self.timeout_s:g} s"
+            )
+            heartbeat.record_failure(summary)  # the launcher names it, not a peer it aborts
             self._request_stop()
             self._last = time.monotonic()

@@ -15,6 +15,9 @@ import time
 import pytest
 from conftest import PYTHON, RESUMABLE, subprocess_env
 
+from paisoar_jax.tools import launch, restarts
+from paisoar_jax.tools.rank_output import Output
+
 STEPS = 40
 RUN = [*RESUMABLE, "checkpoint.keep=3", "mesh.dcn_data=2", f"train.steps={STEPS}"]
 LAUNCH = [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
@@ -189,3 +192,37 @@ def test_the_rank_that_failed_first_is_named_and_exhausted_restarts_end_with_the
     )
     assert gave_up and cause in gave_up.group(1), text[-3000:]
     assert "last lines of rank 0" not in text
+
+
+def test_a_signal_to_the_launcher_ends_the_series_without_a_restart(capsys):
+    """A preemption's SIGTERM that also killed a rank is the user's stop, not a failure."""
+    attempts = []
+
+    def attempt(signals):
+        attempts.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded by the series' SignalLog
+        deadline = time.monotonic() + 5
+        while not signals.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return restarts.Ending(128 + signal.SIGKILL, "rank 1 was killed by SIGKILL", 1, True)
+
+    assert restarts.run_with_restarts(attempt, max_restarts=3, backoff_s=0) == 137
+    assert attempts == [1]
+    assert "restart" not in capsys.readouterr().err
+
+
+def test_a_divergence_is_named_first_and_not_retried(tmp_path):
+    """Rank 1 recorded a divergence (not retryable); rank 0 failed after it."""
+
+    def child(rank, beat):
+        path = tmp_path / f"rank-{rank}.json"
+        path.write_text(json.dumps({"time": time.time(), "step": 3, **beat}))
+        return launch.Child(rank, subprocess.Popen(["sh", "-c", f"exit {1 + rank}"]), path)
+
+    diverged = {"error": "the loss is nan at step 3", "failed_at": 100.0, "retryable": False}
+    children = [child(0, {"error": "a collective aborted", "failed_at": 101.0}), child(1, diverged)]
+    for each in children:
+        each.process.wait()
+    ending = launch._fail(children[0], children, grace=1, screen=Output())
+    assert ending.rank == 1 and ending.cause == "rank 1 failed first: the loss is nan at step 3"
+    assert not ending.retry

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import TINY
 
-from paisoar_jax import loop, tasks, watchdog
+from paisoar_jax import heartbeat, loop, tasks, watchdog
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import HangError, UserError
 
@@ -27,7 +27,8 @@ def test_a_bad_timeout_is_one_line(value):
         load_config(None, [f"train.hang_timeout_s={value}"])
 
 
-def test_it_fires_once_without_progress_and_never_while_paused(capsys):
+def test_it_fires_once_without_progress_and_never_while_paused(capsys, monkeypatch):
+    monkeypatch.setattr(heartbeat, "progress", heartbeat.Progress())  # this test's own
     requests = []
     with watchdog.Watchdog(0.3, "process 0 of 1", lambda: requests.append(1)) as dog:
         time.sleep(0.6)
@@ -39,6 +40,8 @@ def test_it_fires_once_without_progress_and_never_while_paused(capsys):
         dog.phase = "data"
         time.sleep(0.8)
         assert dog.fired and requests == [1]
+    # Recorded as this rank's failure: a launcher names it, not a peer it made fail.
+    assert heartbeat.progress.error.startswith("process 0 of 1: no step finished in 0.3 s")
     line = capsys.readouterr().err.strip()
     assert line == (
         "paisoar_jax: error: process 0 of 1: no step finished in 0.3 s "
@@ -67,6 +70,7 @@ class StallOnce:
 
 
 def test_a_stall_that_clears_saves_and_ends_with_the_hang_status(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(heartbeat, "progress", heartbeat.Progress())
     """The input stalls 4.5 s at batch 12 with a 3 s timeout: the line (phase data), then
     the batch comes, the loop saves where it is and stops with HangError (exit status 3)."""
     make_batches = tasks.batch_dataset

@@ -72,7 +72,8 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
         work()
     except (UserError, DivergenceError, HangError) as error:
         output.error(str(error), program=program)
-        heartbeat.record_failure(str(error))  # under the launcher: which rank failed first
+        # Under the launcher: which rank failed first, and whether a restart could help.
+        heartbeat.record_failure(str(error), retryable=not isinstance(error, DivergenceError))
         status = (
             USER_ERROR_EXIT_CODE
             if isinstance(error, UserError)

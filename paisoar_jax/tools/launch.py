@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from paisoar_jax import distributed, heartbeat
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
-from paisoar_jax.tools.restarts import Ending, run_with_restarts
+from paisoar_jax.tools.restarts import Ending, SignalLog, run_with_restarts
 from paisoar_jax.tools.restarts import say as _say
 
 PROGRAM = "paisoar_jax.launch"
@@ -232,26 +232,6 @@ class Child:
             pass
 
 
-class SignalLog:
-    """Records SIGINT/SIGTERM for the supervising loop, which forwards them."""
-
-    def __init__(self):
-        self.received: list[int] = []
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> SignalLog:
-        for number in (signal.SIGINT, signal.SIGTERM):
-            self._previous[number] = signal.signal(number, self._record)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    def _record(self, number: int, frame) -> None:
-        self.received.append(number)
-
-
 def _stop(children: list[Child], grace: float) -> None:
     """SIGTERM, then SIGKILL after `grace` seconds for what still runs; waits for them."""
     for child in children:
@@ -280,7 +260,7 @@ def _fail(exited: Child, children: list[Child], grace: float, screen: Output) ->
         deadline = time.monotonic() + USER_ERROR_WAIT_S
         while time.monotonic() < deadline and any(c.process.poll() is None for c in children):
             time.sleep(0.05)
-    failed, error = _first_failure(children, exited)
+    failed, error, retryable = _first_failure(children, exited)
     # What follows (the others' aborts, stack traces) goes to the logs only, where there are.
     screen.muted = all(child.log.file is not None for child in children)
     others = [child for child in children if child.process.poll() is None]
@@ -297,20 +277,23 @@ def _fail(exited: Child, children: list[Child], grace: float, screen: Output) ->
     _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
     status = failed.exit_status() if failed.process.returncode else exited.exit_status()
     cause = f"rank {failed.rank} {how}{said}"
-    return Ending(status, cause, failed.rank, retry=status != USER_ERROR_EXIT_CODE)
+    return Ending(status, cause, failed.rank, retry=retryable and status != USER_ERROR_EXIT_CODE)
 
 
-def _first_failure(children: list[Child], exited: Child) -> tuple[Child, str]:
-    """The rank whose recorded error is oldest (else the one that exited), and its line."""
+def _first_failure(children: list[Child], exited: Child) -> tuple[Child, str, bool]:
+    """The rank whose recorded error is oldest (else the one that exited), and its line.
+
+    Also whether a restart could help: a divergence would only come back.
+    """
     recorded = [
-        (beat["failed_at"], child, beat["error"])
+        (beat["failed_at"], child, beat["error"], beat.get("retryable", True))
         for child in children
         if (beat := child.beat()) and beat.get("error") and beat.get("failed_at")
     ]
     if not recorded:
-        return exited, ""
-    _, child, error = min(recorded, key=lambda item: item[0])
-    return child, error
+        return exited, "", True
+    _, child, error, retryable = min(recorded, key=lambda item: item[0])
+    return child, error, retryable
 
 
 def _stalled(children: list[Child], older_than: float) -> Child | None:
@@ -439,53 +422,55 @@ def child_command(module: str, arguments: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", module, *arguments]
 
 
-def launch(args: argparse.Namespace) -> Ending:
-    """Starts the processes, copies their output and supervises them: one attempt's end."""
+def launch(args: argparse.Namespace, signals: SignalLog) -> Ending:
+    """Starts the processes, copies their output and supervises them: one attempt's end.
+
+    `signals`: the SIGINT/SIGTERM the launcher received, which go on to the processes.
+    """
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     environments = child_environments(args, os.environ, local_gpu_count(os.environ), coordinator)
     command = child_command(args.module, args.arguments)
     screen = Output()
     children: list[Child] = []
     beats = pathlib.Path(tempfile.mkdtemp(prefix="paisoar-launch-"))
-    with SignalLog() as signals:
-        try:
-            for environment in environments:
-                beat_file = beats / f"rank-{environment[distributed.PROCESS_ID]}.json"
-                environment[heartbeat.HEARTBEAT_FILE] = str(beat_file)
-                process = subprocess.Popen(
-                    command,
-                    env=environment,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches them once, through us
-                    preexec_fn=_die_with_parent,
-                )
-                children.append(Child(int(environment[distributed.PROCESS_ID]), process, beat_file))
-            pids = ", ".join(f"rank {child.rank}: {child.process.pid}" for child in children)
-            _say(f"started {len(children)} processes ({pids}), coordinator {coordinator}")
-            for child in children:
-                prefix = f"[rank {child.rank}] ".encode()
-                for stream, sink in (
-                    (child.process.stdout, sys.stdout),
-                    (child.process.stderr, sys.stderr),
-                ):
-                    thread = threading.Thread(
-                        target=copy_lines,
-                        args=(stream, sink.buffer, prefix, child.log, child.tail, screen),
-                        daemon=True,
-                    )
-                    thread.start()
-                    child.threads.append(thread)
-            ending = _supervise(children, args, signals, screen)
-            last_beats = [child.beat() or {} for child in children]  # before their folder goes
-            ending = replace(
-                ending, run_dir=_run_dir(last_beats), checkpoint_dir=_checkpoint_dir(last_beats)
+    try:
+        for environment in environments:
+            beat_file = beats / f"rank-{environment[distributed.PROCESS_ID]}.json"
+            environment[heartbeat.HEARTBEAT_FILE] = str(beat_file)
+            process = subprocess.Popen(
+                command,
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a terminal's Ctrl-C reaches them once, through us
+                preexec_fn=_die_with_parent,
             )
-        except BaseException:
-            _stop([child for child in children if child.process.poll() is None], grace=0)
-            raise
-        finally:
-            shutil.rmtree(beats, ignore_errors=True)
+            children.append(Child(int(environment[distributed.PROCESS_ID]), process, beat_file))
+        pids = ", ".join(f"rank {child.rank}: {child.process.pid}" for child in children)
+        _say(f"started {len(children)} processes ({pids}), coordinator {coordinator}")
+        for child in children:
+            prefix = f"[rank {child.rank}] ".encode()
+            for stream, sink in (
+                (child.process.stdout, sys.stdout),
+                (child.process.stderr, sys.stderr),
+            ):
+                thread = threading.Thread(
+                    target=copy_lines,
+                    args=(stream, sink.buffer, prefix, child.log, child.tail, screen),
+                    daemon=True,
+                )
+                thread.start()
+                child.threads.append(thread)
+        ending = _supervise(children, args, signals, screen)
+        last_beats = [child.beat() or {} for child in children]  # before their folder goes
+        ending = replace(
+            ending, run_dir=_run_dir(last_beats), checkpoint_dir=_checkpoint_dir(last_beats)
+        )
+    except BaseException:
+        _stop([child for child in children if child.process.poll() is None], grace=0)
+        raise
+    finally:
+        shutil.rmtree(beats, ignore_errors=True)
     for child in children:
         for thread in child.threads:
             thread.join(timeout=5)
@@ -497,7 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the launcher's exit status."""
     try:
         args = parse_arguments(sys.argv[1:] if argv is None else argv)
-        return run_with_restarts(lambda: launch(args), args.max_restarts, args.restart_backoff)
+        return run_with_restarts(
+            lambda signals: launch(args, signals), args.max_restarts, args.restart_backoff
+        )
     except UserError as error:
         _say(str(error), "error")
         return USER_ERROR_EXIT_CODE

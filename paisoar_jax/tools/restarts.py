@@ -5,8 +5,8 @@ crash, a killed rank, a stalled rank or the hang watchdog's status 3 is followed
 short back-off (doubling, at most MAX_BACKOFF_S), by a fresh attempt: new processes that
 resume from the newest complete checkpoint, as any rerun of the same command does
 (checkpoint.resume=auto). A user error (status 2: a bad setting, a missing file, a full
-disk) would fail the same way again and is never retried; nor is a job stopped by the
-user's own SIGINT or SIGTERM.
+disk) would fail the same way again and is never retried, nor a divergence (it resumes
+exactly and diverges again), nor a job the launcher was sent SIGINT or SIGTERM.
 
 Each restart is one line on screen and a record in <run.dir>/events.jsonl, as is the
 giving up: {"time", "event", "cause", "rank", "exit_status", "attempt", "max_restarts",
@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paisoar_jax import heartbeat, output
 
@@ -41,11 +40,24 @@ class Ending:
     checkpoint_dir: str | None = None
 
 
-def run_with_restarts(attempt: Callable[[], Ending], max_restarts: int, backoff_s: float) -> int:
-    """Runs attempts until one ends without a retryable failure, or none are left."""
+def run_with_restarts(
+    attempt: Callable[[SignalLog], Ending], max_restarts: int, backoff_s: float
+) -> int:
+    """Runs attempts until one ends without a retryable failure, or none are left.
+
+    SIGINT and SIGTERM are recorded for the whole series (each attempt passes them on to
+    its processes); once one came, no attempt follows.
+    """
+    with SignalLog() as signals:
+        return _attempts(attempt, signals, max_restarts, backoff_s)
+
+
+def _attempts(attempt, signals: SignalLog, max_restarts: int, backoff_s: float) -> int:
     restarts, run_dir = 0, None
     while True:
-        ending = attempt()
+        ending = attempt(signals)
+        if signals.received:  # the user (or the scheduler) wants the job to end
+            ending = replace(ending, retry=False)
         run_dir = ending.run_dir or run_dir
         if ending.status == 0 or not ending.retry:
             if ending.status != 0 and restarts:
@@ -62,9 +74,13 @@ def run_with_restarts(attempt: Callable[[], Ending], max_restarts: int, backoff_
         where = f"resuming from step {resume}" if resume is not None else "from the start"
         say(f"restart {restarts} of {max_restarts} in {delay:g} s, {where}: {ending.cause}")
         _record(run_dir, "restart", ending, restarts, max_restarts, resume)
-        if not _sleep_unless_signalled(delay):
-            say("a stop signal during the back-off: not restarting", "error")
-            return ending.status
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and not signals.received:
+            time.sleep(0.05)
+        if signals.received:
+            name = signal.Signals(signals.received[0]).name
+            say(f"{name} during the back-off: not restarting", "error")
+            return 128 + signals.received[0]
 
 
 def _record(
@@ -95,18 +111,24 @@ def _record(
         say(f"could not write {run_dir}/events.jsonl ({error.strerror})", "error")
 
 
-def _sleep_unless_signalled(seconds: float) -> bool:
-    """Sleeps; False when SIGINT or SIGTERM arrived meanwhile (the user wants it to end)."""
-    arrived = threading.Event()
-    previous = {
-        number: signal.signal(number, lambda *_: arrived.set())
-        for number in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        return not arrived.wait(seconds)
-    finally:
-        for number, handler in previous.items():
+class SignalLog:
+    """Records SIGINT/SIGTERM for the supervising loop, which forwards them."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalLog:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self._previous[number] = signal.signal(number, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
             signal.signal(number, handler)
+
+    def _record(self, number: int, frame) -> None:
+        self.received.append(number)
 
 
 def say(message: str, level: str = "note") -> None:
