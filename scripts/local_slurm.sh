@@ -32,6 +32,8 @@ pgrep -x munged > /dev/null || munged --force
 # One node, named as this host calls itself, with its cores and memory; no cgroups (a
 # container has none to give), processes tracked by their parent pid.
 host=$(hostname -s)
+# SLURM looks its node up by name: a container's name may not resolve.
+getent hosts "$host" > /dev/null || echo "127.0.0.1 $host" >> /etc/hosts
 cpus=$(nproc)
 memory_mb=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024))
 cat > /etc/slurm/slurm.conf << CONF
