@@ -78,13 +78,18 @@ def record_failure(
             _write(pathlib.Path(path), exiting=_exiting.is_set())
 
 
+def one_line(error: BaseException) -> str:
+    """`FileNotFoundError: ...`: the last line of its traceback, as a beat records it."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1]}" if text else type(error).__name__
+
+
 def _record_uncaught() -> None:
     """A script's uncaught exception is recorded as its failure too (then printed as ever)."""
     previous = sys.excepthook
 
     def hook(kind, error, trace):
-        text = str(error).strip().splitlines()
-        record_failure(f"{kind.__name__}: {text[-1]}" if text else kind.__name__)
+        record_failure(one_line(error))
         previous(kind, error, trace)
 
     sys.excepthook = hook

@@ -82,7 +82,7 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
             else 1
         )
     except Exception as error:
-        heartbeat.record_failure(_one_line(error))
+        heartbeat.record_failure(heartbeat.one_line(error))
         if not distributed.joined():
             raise
         traceback.print_exc()  # a bug keeps its traceback
@@ -92,9 +92,3 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
     if distributed.joined():  # a failed process must not wait for the others at exit
         distributed.exit_now(status)
     return status
-
-
-def _one_line(error: BaseException) -> str:
-    """`FileNotFoundError: ...`: the last line of its traceback."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[-1]}" if text else type(error).__name__
