@@ -236,7 +236,9 @@ def fit(
         result = FitResult(finished.summary)
         if model is not None:
             params, model_state = finished.state.params, finished.state.model_state
-            result._build = lambda: trained.model_with(run_workload.model, params, model_state)
+            result._build = lambda: trained.model_with(
+                run_workload.model, params, model_state, resolved
+            )
         return result
 
     return _run("paisoar_jax.fit", work, exit_on_error)

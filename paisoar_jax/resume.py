@@ -13,11 +13,13 @@ import pathlib
 from typing import Any
 
 import jax
+from flax import traverse_util
 
-from paisoar_jax import __version__, output
+from paisoar_jax import __version__, lora, output
 from paisoar_jax.checkpoint import (
     Checkpointer,
     Restored,
+    abstract_weights,
     checkpoint_directory,
     describe_failure,
     load_weights,
@@ -72,9 +74,8 @@ def starting_point(
         )
     state = init_state(config, layout)
     if config.checkpoint.init_from:
-        params, model_state = load_weights(
-            pathlib.Path(config.checkpoint.init_from), layout.abstract_state
-        )
+        path = pathlib.Path(config.checkpoint.init_from)
+        params, model_state = _initial_weights(path, layout, state.params)
         state = state.replace(params=params, model_state=model_state or state.model_state)
         if jax.process_index() == 0:
             output.note(
@@ -82,6 +83,23 @@ def starting_point(
                 f"(checkpoint.init_from), with a fresh optimizer"
             )
     return state, 0, None
+
+
+def _initial_weights(path: pathlib.Path, layout: StateLayout, fresh: dict):
+    """(params, model state) of `checkpoint.init_from`; `fresh`: the initialised params.
+
+    A LoRA run starting from a model without adapters (an import, a full fine-tune's
+    export) loads the frozen params and keeps its fresh adapters; from a LoRA run's
+    weights, it loads the adapters too.
+    """
+    abstract = layout.abstract_state
+    if layout.trainable is not None:
+        saved = traverse_util.flatten_dict(abstract_weights(path, None).params)
+        if not any(trainable in saved for trainable in layout.trainable):
+            frozen = lora.split(abstract.params, layout.trainable)[1]
+            params, model_state = load_weights(path, abstract.replace(params=frozen))
+            return lora.join(lora.split(fresh, layout.trainable)[0], params), model_state
+    return load_weights(path, abstract)
 
 
 def input_signature(config: Config, task: Task) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from paisoar_jax import lora
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
 from paisoar_jax.parallel import grad_comm, rules, sharding
@@ -64,6 +65,8 @@ class StateLayout:
     pipeline: Pipeline | None = None
     # mesh.grad_comm=bf16|int8: the compressed gradient exchange (grad_comm.py), else None.
     exchange: grad_comm.Exchange | None = None
+    # LoRA (lora.py): the key paths of the params that train, the rest frozen; None: all.
+    trainable: frozenset[tuple] | None = None
 
 
 def state_layout(
@@ -79,19 +82,27 @@ def state_layout(
     otherwise the step casts its weights (not norms or biases) to the compute dtype.
     """
     graphdef, abstract_variables, abstract_model_variables = _trace_model(create_model)
-    abstract_params = nnx.to_pure_dict(abstract_variables)
+    policy = get_policy(config.precision.policy)
+    # LoRA: only the adapters train; the frozen weights are stored in the compute dtype.
+    trainable = lora.trainable_paths(abstract_variables) if config.lora.enabled else None
+    abstract_params = _frozen_in_compute_dtype(
+        nnx.to_pure_dict(abstract_variables), trainable, policy
+    )
     abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
     logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
     param_shardings, state_param_shardings = rules.parameter_shardings(
         abstract_params, logical_specs, mesh, config.sharding, config.mesh.zero
     )
+    # What the optimizer and the gradients see: the trainable params (all, without LoRA).
+    trained_params = trainable_part(abstract_params, trainable)
+    state_param_shardings = trainable_part(state_param_shardings, trainable)
     model_state_shardings = sharding.tree_shardings(
         nnx.to_pure_dict(nnx.get_partition_spec(abstract_model_variables)),
         abstract_model_state,
         mesh,
         sharding.parameter_rules(config.mesh.zero),
     )
-    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    abstract_opt_state = jax.eval_shape(optimizer.init, trained_params)
     opt_shardings = optax.tree_map_params(
         # Its init on a placeholder, traced: eager zeros inside the mesh would be placed on
         # its devices, which a compile-only target (plan --target) cannot hold.
@@ -101,7 +112,13 @@ def state_layout(
         state_param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),
     )
-    exchange = grad_comm.plan(config, mesh, abstract_params, param_shardings, state_param_shardings)
+    exchange = grad_comm.plan(
+        config,
+        mesh,
+        trained_params,
+        trainable_part(param_shardings, trainable),
+        state_param_shardings,
+    )
     grad_comm.check_model_state(exchange, abstract_model_state)
     shardings = TrainState(
         step=sharding.replicated(mesh),
@@ -127,7 +144,6 @@ def state_layout(
         shapes,
         shardings,
     )
-    policy = get_policy(config.precision.policy)
     if follows_policy:
         compute_dtypes = _gather_dtypes(abstract_params, param_shardings, policy)
     else:
@@ -145,7 +161,30 @@ def state_layout(
         compute_dtypes=compute_dtypes,
         pipeline=from_config(config),
         exchange=exchange,
+        trainable=trainable,
     )
+
+
+def trainable_part(tree: dict[str, Any], trainable: frozenset[tuple] | None) -> dict[str, Any]:
+    """The part of a params-shaped tree that trains: all of it unless LoRA froze the rest."""
+    return tree if trainable is None else lora.split(tree, trainable)[0]
+
+
+def _frozen_in_compute_dtype(params, trainable: frozenset[tuple] | None, policy: Policy):
+    """`params` with every frozen floating leaf in the compute dtype (no LoRA: unchanged).
+
+    A frozen weight needs no fp32 master copy: nothing is ever added to it.
+    """
+    if trainable is None:
+        return params
+    trained, frozen = lora.split(params, trainable)
+
+    def narrow(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, policy.compute_dtype, sharding=leaf.sharding)
+
+    return lora.join(trained, jax.tree.map(narrow, frozen))
 
 
 def _trace_model(create_model: Callable[[], nnx.Module]):
@@ -205,12 +244,16 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
 
     def init() -> TrainState:
         _, variables, model_variables = nnx.split(layout.create_model(), nnx.Param, ...)
-        params = nnx.to_pure_dict(variables)
+        params = jax.tree.map(
+            lambda value, shape: value.astype(shape.dtype),
+            nnx.to_pure_dict(variables),
+            layout.abstract_state.params,
+        )
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             model_state=nnx.to_pure_dict(model_variables),
-            opt_state=layout.optimizer.init(params),
+            opt_state=layout.optimizer.init(trainable_part(params, layout.trainable)),
             rng=jax.random.PRNGKey(config.train.seed),
             comm=grad_comm.initial_comm_state(layout.exchange, layout.shardings.step.mesh),
         )

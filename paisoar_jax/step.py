@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax import fp8, loss_scale
+from paisoar_jax import fp8, lora, loss_scale
 from paisoar_jax.parallel import grad_comm, pipeline, sharding
 from paisoar_jax.state import StateLayout, TrainState
 
@@ -76,7 +76,7 @@ def loss_fn(
     With a pipeline `schedule` the model's stack runs through it (pipeline.py).
     """
     model = nnx.merge(graphdef, params, model_state)
-    with pipeline.active(schedule, type(model).__name__):
+    with pipeline.active(schedule, type(model).__name__), lora.dropout_key(key):
         loss, metrics = task.loss(model, batch, key)
     return loss, (metrics, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2]))
 
@@ -108,6 +108,7 @@ def loss_and_grads(
     key: jax.Array | None = None,
     layout: StateLayout | None = None,
     total_weight: jax.Array | None = None,
+    frozen=None,
 ):
     """(loss, grads, metrics, model_state) of `scale` x loss of the batch, over micro-batches.
 
@@ -123,6 +124,9 @@ def loss_and_grads(
     them, so the result is the mean over the whole batch's targets, not a mean of means;
     `total_weight` (per data shard: the whole batch's targets over the shards) sets the
     whole.
+
+    `frozen`: params that take part in the loss but get no gradient (LoRA's frozen model,
+    lora.py); `params` are then only the trainable ones, and the gradients are theirs.
     """
     key = jax.random.PRNGKey(0) if key is None else key
     weigh = getattr(task, "loss_weight", lambda batch: None)
@@ -130,6 +134,7 @@ def loss_and_grads(
         total_weight = weigh(batch)
 
     def scaled_loss(params, model_state, micro_batch, micro_key):
+        params = params if frozen is None else lora.join(params, frozen)
         compute_params = params if layout is None else params_for_compute(params, layout)
         schedule = None if layout is None else layout.pipeline
         loss, aux = loss_fn(
@@ -140,7 +145,8 @@ def loss_and_grads(
         return loss * scale, (loss, aux)
 
     # fp8 scaling state (fp8.Fp8Meta) is differentiated too: its "gradient" is its next value.
-    overwritten = fp8.meta_mask(graphdef, params, model_state)
+    every_param = params if frozen is None else lora.join(params, frozen)
+    overwritten = fp8.meta_mask(graphdef, every_param, model_state)
     argnums = (0, 1) if any(jax.tree.leaves(overwritten)) else 0
 
     def grad_fn(model_state, micro_batch, micro_key):
@@ -198,9 +204,11 @@ def train_step(
     scale = loss_scale.current_scale(state.opt_state)
     key = jax.random.fold_in(state.rng, state.step)
     comm = state.comm
+    # LoRA: the adapters train; the frozen rest only takes part in the loss.
+    trained, frozen = _trained_and_frozen(state.params, layout)
     if layout.exchange is None:
         loss, grads, task_metrics, model_state = loss_and_grads(
-            state.params,
+            trained,
             state.model_state,
             layout.graphdef,
             batch,
@@ -210,6 +218,7 @@ def train_step(
             gradient_shardings=layout.gradient_shardings,
             key=key,
             layout=layout,
+            frozen=frozen,
         )
     else:  # mesh.grad_comm: each data shard's gradient, then the compressed exchange
         shard_losses, shard_grads, shard_metrics, model_state = _per_shard(
@@ -226,8 +235,9 @@ def train_step(
         loss, task_metrics = stats[0], dict(zip(names, stats[1:], strict=True))
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
-    updates, opt_state = layout.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = layout.optimizer.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
+    params = params if frozen is None else lora.join(params, frozen)
     metrics = {
         "loss": loss,
         **task_metrics,
@@ -254,6 +264,13 @@ def train_step(
     return new_state, metrics
 
 
+def _trained_and_frozen(params, layout: StateLayout) -> tuple[Any, Any]:
+    """(the params that train, the frozen ones or None): all of them train without LoRA."""
+    if layout.trainable is None:
+        return params, None
+    return lora.split(params, layout.trainable)
+
+
 def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layout):
     """(losses, gradients, metrics, model_state), each [P, ...]: the data shards on their own.
 
@@ -270,10 +287,12 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
     total = weigh(batch)
     total_weight = None if total is None else total / shards
 
+    trained, frozen = _trained_and_frozen(state.params, layout)
+
     def one_shard(shard_batch, index):
         with sharding.batch_vmapped(sharding.BATCH_AXES[1:]):
             return loss_and_grads(
-                state.params,
+                trained,
                 state.model_state,
                 layout.graphdef,
                 shard_batch,
@@ -283,6 +302,7 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
                 key=jax.random.fold_in(key, index),
                 layout=layout,
                 total_weight=total_weight,
+                frozen=frozen,
             )
 
     per_shard = jax.vmap(one_shard, spmd_axis_name=grad_comm.DATA_AXIS)

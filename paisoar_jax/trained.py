@@ -27,17 +27,30 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from paisoar_jax import checkpoint
+from paisoar_jax import checkpoint, lora
+from paisoar_jax.config import Config
 
 
 def model_with(
-    factory: Callable[[nnx.Rngs], nnx.Module], params: Any, model_state: Any
+    factory: Callable[[nnx.Rngs], nnx.Module],
+    params: Any,
+    model_state: Any,
+    config: Config | None = None,
 ) -> nnx.Module:
     """The factory's module holding `params` and `model_state` (pure dicts, any placement).
 
+    A run `config` with LoRA (lora.rank > 0) gives the module its adapters, as the run did.
     Every array is gathered whole onto this process's first device: under several
     processes a collective, so every process must call it.
     """
+    if config is not None and config.lora.enabled:
+        plain = factory
+
+        def factory(rngs: nnx.Rngs) -> nnx.Module:
+            model = plain(rngs)
+            lora.add_adapters(model, config.lora, config.train.seed)
+            return model
+
     graphdef, abstract_params, abstract_rest = _abstract(factory)
     nnx.replace_by_pure_dict(abstract_params, _on_this_host(params))
     nnx.replace_by_pure_dict(abstract_rest, _on_this_host(model_state))

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax import precision, remat
+from paisoar_jax import lora, precision, remat
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
@@ -109,11 +109,16 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
         # Eager sharding off: shardings are given to jit, not attached at creation.
         with nnx.use_eager_sharding(False), remat.building(policy_name) as built:
             if workload.follows_policy:  # the zoo draws its init from a `params` stream
-                return workload.model(nnx.Rngs(params=seed))
-            model = workload.model(nnx.Rngs(seed))
-            remat.remat_blocks(model, config.remat.blocks, policy_name)
-            # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
-            precision.follow_policy(model, precision.get_policy(config.precision.policy))
+                model = workload.model(nnx.Rngs(params=seed))
+            else:
+                model = workload.model(nnx.Rngs(seed))
+                remat.remat_blocks(model, config.remat.blocks, policy_name)
+                # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
+                precision.follow_policy(model, precision.get_policy(config.precision.policy))
+            if config.lora.enabled:
+                lora.add_adapters(model, config.lora, seed)
+            if workload.follows_policy:
+                return model
         if policy_name != "none" and not (built.wrapped or config.remat.blocks):
             raise UserError(
                 f"remat.policy={policy_name} applies to no block of this model: name them with "

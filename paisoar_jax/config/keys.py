@@ -20,6 +20,7 @@ SECTIONS = {
     "optim": (sections.OptimConfig,),
     "precision": (sections.PrecisionConfig,),
     "remat": (sections.RematConfig,),
+    "lora": (sections.LoraConfig,),
     "sharding": (sections.ShardingConfig,),
     "checkpoint": (sections.CheckpointConfig,),
     "train": (sections.TrainConfig,),

@@ -268,6 +268,42 @@ class RematConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (paisoar_jax/lora.py): low-rank adapters trained, the model frozen.
+
+    `rank` 0 (the default) trains every parameter. With a rank, each projection whose
+    parameter path a `targets` regex is found in (re.search on dotted paths such as
+    `blocks.q_kernel`) gets y += (alpha / rank) x A B, A (in x rank) and B (rank x out) in
+    fp32 with B starting at zero; every other parameter is frozen: no gradient, no optimizer
+    state, stored in the compute dtype.
+    """
+
+    rank: int = 0  # the adapters' rank r; 0 trains every parameter (no LoRA)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on a projection's input to its adapter, in training only
+    # Empty: the zoo model's attention and MLP projections; a model of your own names its
+    # nn.Linear kernels (`encoder\.layers\.\d+\.query\.kernel`)
+    targets: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise UserError(f"lora.rank must be >= 1 (0: no LoRA), got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise UserError(f"lora.alpha must be a positive number, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        for pattern in self.targets:
+            check_regex(pattern, "lora.targets")
+        if self.targets and not self.rank:
+            raise UserError("lora.targets names projections, but lora.rank=0: set lora.rank=8")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run trains adapters (and freezes the rest)."""
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints under run.dir/checkpoints (or `dir`): async, atomic, resumable."""
 
@@ -389,6 +425,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from paisoar_jax import fp8, output
+from paisoar_jax import fp8, lora, output
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
@@ -167,6 +167,9 @@ class DecoderBlock(nnx.Module):
     """
 
     moe: MoeFeedForward | None = None
+    # The projections LoRA may adapt (lora.py), each with its count of input axes: the
+    # kernel's leading axes that the projection contracts.
+    LORA_KERNELS: dict[str, int] = {}
 
     def __call__(
         self,
@@ -212,6 +215,12 @@ class DecoderBlock(nnx.Module):
             return self.moe(h_BxTxD)
         return self._mlp(h_BxTxD), {}
 
+    def _project(self, equation: str, x: jax.Array, kernel_name: str, dot_name: str):
+        """`einsum(equation, x, kernel)` (fp8.matmul's), plus the kernel's LoRA adapter."""
+        kernel = getattr(self, kernel_name)[...]
+        y = fp8.matmul(equation, x, kernel, dot_name, policy=self.policy, dots=self.fp8)
+        return lora.add(self, kernel_name, equation, x, y)
+
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         raise NotImplementedError
 
@@ -237,6 +246,8 @@ class Block(DecoderBlock):
 
     With experts (model.experts), SwiGLU experts take the GELU MLP's place.
     """
+
+    LORA_KERNELS = {"qkv_kernel": 1, "out_kernel": 2, "mlp_in_kernel": 1, "mlp_out_kernel": 1}
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, F = config.width, config.heads, mlp_width(config)
@@ -268,9 +279,8 @@ class Block(DecoderBlock):
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple | None) -> tuple:
         cast = self.policy.cast_to_compute
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         h_BxTxD = cast(self.attention_norm(x_BxTxD))
-        qkv_BxTx3xHxE = matmul("btd,dkhe->btkhe", h_BxTxD, self.qkv_kernel[...], "qkv")
+        qkv_BxTx3xHxE = self._project("btd,dkhe->btkhe", h_BxTxD, "qkv_kernel", "qkv")
         qkv_BxTx3xHxE = qkv_BxTx3xHxE + cast(self.qkv_bias[...])
         heads = ("batch", "length", "act_heads", "head_dim")
         q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = (
@@ -283,9 +293,8 @@ class Block(DecoderBlock):
 
     def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
         cast = self.policy.cast_to_compute
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
-        out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
+        out_BxTxD = self._project("bthe,hed->btd", attention_BxTxHxE, "out_kernel", "out")
         x_BxTxD = x_BxTxD + out_BxTxD + cast(self.out_bias[...])
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
         out_BxTxD, statistics = self._feed_forward(cast(self.mlp_norm(x_BxTxD)))
@@ -293,12 +302,11 @@ class Block(DecoderBlock):
 
     def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
         cast = self.policy.cast_to_compute
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
-        hidden_BxTxF = matmul("btd,df->btf", h_BxTxD, self.mlp_in_kernel[...], "mlp_in")
+        hidden_BxTxF = self._project("btd,df->btf", h_BxTxD, "mlp_in_kernel", "mlp_in")
         hidden_BxTxF = hidden_BxTxF + cast(self.mlp_in_bias[...])
         hidden_BxTxF = constrain(jax.nn.gelu(hidden_BxTxF), ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
-        out_BxTxD = matmul("btf,fd->btd", hidden_BxTxF, self.mlp_out_kernel[...], "mlp_out")
+        out_BxTxD = self._project("btf,fd->btd", hidden_BxTxF, "mlp_out_kernel", "mlp_out")
         return out_BxTxD + cast(self.mlp_out_bias[...])
 
 

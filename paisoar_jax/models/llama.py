@@ -97,6 +97,11 @@ class Block(DecoderBlock):
     With experts (model.experts: Mixtral, Qwen3-MoE), they take the SwiGLU MLP's place.
     """
 
+    LORA_KERNELS = {
+        **{f"{name}_kernel": 1 for name in ("q", "k", "v", "gate", "up", "down")},
+        "out_kernel": 2,
+    }
+
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)
         E = config.head_size
@@ -122,33 +127,30 @@ class Block(DecoderBlock):
         self.fp8 = fp8.block_dots(policy, ATTENTION_MATMULS if self.moe is not None else MATMULS)
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         h_BxTxD = self.policy.cast_to_compute(self.attention_norm(x_BxTxD))
         heads = ("batch", "length", "act_heads", "head_dim")
-        q_BxTxHxE = constrain(matmul("btd,dhe->bthe", h_BxTxD, self.q_kernel[...], "q"), heads)
-        k_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.k_kernel[...], "k"), heads)
-        v_BxTxKxE = constrain(matmul("btd,dke->btke", h_BxTxD, self.v_kernel[...], "v"), heads)
+        q_BxTxHxE = constrain(self._project("btd,dhe->bthe", h_BxTxD, "q_kernel", "q"), heads)
+        k_BxTxKxE = constrain(self._project("btd,dke->btke", h_BxTxD, "k_kernel", "k"), heads)
+        v_BxTxKxE = constrain(self._project("btd,dke->btke", h_BxTxD, "v_kernel", "v"), heads)
         if hasattr(self, "q_norm"):
             q_BxTxHxE = self.policy.cast_to_compute(self.q_norm(q_BxTxHxE))
             k_BxTxKxE = self.policy.cast_to_compute(self.k_norm(k_BxTxKxE))
         return rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary), v_BxTxKxE
 
     def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
-        out_BxTxD = matmul("bthe,hed->btd", attention_BxTxHxE, self.out_kernel[...], "out")
+        out_BxTxD = self._project("bthe,hed->btd", attention_BxTxHxE, "out_kernel", "out")
         x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
         h_BxTxD = self.policy.cast_to_compute(self.mlp_norm(x_BxTxD))
         out_BxTxD, statistics = self._feed_forward(h_BxTxD)
         return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed")), statistics
 
     def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
-        matmul = functools.partial(fp8.matmul, policy=self.policy, dots=self.fp8)
-        gate_BxTxF = matmul("btd,df->btf", h_BxTxD, self.gate_kernel[...], "gate")
-        up_BxTxF = matmul("btd,df->btf", h_BxTxD, self.up_kernel[...], "up")
+        gate_BxTxF = self._project("btd,df->btf", h_BxTxD, "gate_kernel", "gate")
+        up_BxTxF = self._project("btd,df->btf", h_BxTxD, "up_kernel", "up")
         hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
-        return matmul("btf,fd->btd", hidden_BxTxF, self.down_kernel[...], "down")
+        return self._project("btf,fd->btd", hidden_BxTxF, "down_kernel", "down")
 
 
 class Llama(Decoder):
