@@ -390,7 +390,7 @@ def _import_hf(args: argparse.Namespace) -> str:
     from paisoar_jax.config import DistributedConfig
 
     distributed.initialize(DistributedConfig(), program=PROGRAM)  # the launcher's, if any
-    return hf.hf_import(args.input, args.output)
+    return hf.hf_import(args.input, args.output, args.adapter)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -429,11 +429,33 @@ def build_parser() -> argparse.ArgumentParser:
     hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
     hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
     hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
+    hf_in.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        type=pathlib.Path,
+        help="a PEFT LoRA adapter of that model, imported to train on (lora.* in config.yaml)",
+    )
     hf_in.set_defaults(handler=_import_hf)
     hf_out = commands.add_parser("hf-export", help="a run's params as a Hugging Face model")
     hf_out.add_argument("source", metavar="RUN_DIR_OR_EXPORT", type=pathlib.Path)
     hf_out.add_argument("--output", required=True, metavar="HF_DIR", type=pathlib.Path)
-    hf_out.set_defaults(handler=lambda args: hf.hf_export(args.source, args.output))
+    form = hf_out.add_mutually_exclusive_group()
+    form.add_argument(
+        "--peft",
+        dest="form",
+        action="store_const",
+        const="peft",
+        default="model",
+        help="a LoRA run's adapters alone, as a PEFT adapter over the base model",
+    )
+    form.add_argument(
+        "--merged",
+        dest="form",
+        action="store_const",
+        const="merged",
+        help="a LoRA run's model with its adapters folded into the weights",
+    )
+    hf_out.set_defaults(handler=lambda args: hf.hf_export(args.source, args.output, args.form))
     verify = commands.add_parser("verify", help="check a dataset against its manifest")
     verify.add_argument("directory", metavar="DIR")
     verify.set_defaults(handler=verify_dataset)

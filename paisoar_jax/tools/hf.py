@@ -29,6 +29,7 @@ import numpy as np
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params
+from paisoar_jax.tools import peft
 from paisoar_jax.tools.hf_layouts import (
     ARCHITECTURES,
     Tensor,
@@ -97,8 +98,13 @@ class SafetensorsReader:
         return bare if bare in self.files else None
 
 
-def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
+def hf_import(
+    source: pathlib.Path, output: pathlib.Path, adapter: pathlib.Path | None = None
+) -> str:
     """Writes the HF model in `source` as a params export with its config.yaml; a summary.
+
+    With a PEFT LoRA `adapter` directory its adapters are imported too, and config.yaml's
+    lora section (rank, alpha, dropout, targets) trains them on.
 
     In a multi-process run every process calls it: each builds and writes only the shards
     of its own devices, and process 0 writes the files beside them (its summary is the
@@ -118,6 +124,10 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     reader = SafetensorsReader(source)
     shapes, shardings = placed_params(model)
     expected, places = _flat(shapes), _flat(shardings)
+    adapters, lora_settings = {}, None
+    if adapter is not None:
+        kernel_shapes = {path: shape.shape for path, shape in expected.items()}
+        adapters, lora_settings = peft.read_adapter(adapter, model, kernel_shapes)
     params = {}
     for tensor in tensors_of(model):
         if tensor.ours not in expected:  # the head of tied embeddings
@@ -127,6 +137,11 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     unmapped = sorted(set(expected) - set(params))
     if unmapped:  # a mapping gap of ours, never silently an untrained parameter
         raise UserError(f"{source}: no Hugging Face tensor maps to our {', '.join(unmapped)}")
+    whole = jax.sharding.NamedSharding(
+        next(iter(places.values())).mesh, jax.sharding.PartitionSpec()
+    )
+    for path, array in adapters.items():  # small: each device holds all of it
+        params[path] = jax.make_array_from_callback(array.shape, whole, array.__getitem__)
     multihost_utils.sync_global_devices("hf-import: every process checked --output")
     output.mkdir(parents=True, exist_ok=True)
     export_weights(_nested(params), {}, output)
@@ -137,9 +152,16 @@ def hf_import(source: pathlib.Path, output: pathlib.Path) -> str:
     for name in KEPT_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, output / name)
-    (output / "config.yaml").write_text(dump_yaml(imported_config(model, output)))
-    count = sum(array.size for array in params.values())
-    return f"imported {describe_params(count)} of a {model.name} model -> {output}/params"
+    config = imported_config(model, output)
+    if lora_settings is not None:
+        config = dataclasses.replace(config, lora=lora_settings)
+    (output / "config.yaml").write_text(dump_yaml(config))
+    count = sum(array.size for path, array in params.items() if path not in adapters)
+    with_adapter = f" with the LoRA adapter of {adapter}" if adapter is not None else ""
+    return (
+        f"imported {describe_params(count)} of a {model.name} model{with_adapter} -> "
+        f"{output}/params"
+    )
 
 
 def imported_config(model: LanguageModelConfig, output: pathlib.Path) -> Config:
@@ -161,8 +183,12 @@ def imported_config(model: LanguageModelConfig, output: pathlib.Path) -> Config:
     return dataclasses.replace(config, data=data, checkpoint=start)
 
 
-def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
-    """Writes the params of a run or export in `source` as an HF directory; a summary."""
+def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -> str:
+    """Writes the params of a run or export in `source` as an HF directory; a summary.
+
+    A LoRA run's (lora.rank > 0) needs a `form`: "peft" writes its adapters alone, as
+    PEFT saves them (peft.py); "merged" the whole model with the adapters folded in.
+    """
     from safetensors.numpy import save_file
 
     from paisoar_jax.tools.export import read_weights
@@ -172,11 +198,22 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
     hf_json = hf_config(model)  # refuses what HF's classes cannot hold, before any write
+    flat = _flat(params)
+    if form == "model" and peft.has_adapters(flat):
+        raise UserError(
+            f"{source} holds LoRA adapters: export them with --peft (an adapter for PEFT over "
+            f"the base model) or --merged (the model with them folded in)"
+        )
+    if form != "model" and not peft.has_adapters(flat):
+        raise UserError(f"{source} holds no LoRA adapters (lora.rank=0): --{form} is for LoRA runs")
+    _check_empty(output)
+    if form == "peft":
+        return _export_adapter(config, flat, source, output, where)
+    if form == "merged":
+        flat = peft.merged(flat, config.lora)
     kept = kept_file(TOKEN_IDS_FILE, config, source)
     token_ids = json.loads(kept.read_text()) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
-    _check_empty(output)
-    flat = _flat(params)
     tensors = {}
     for tensor in tensors_of(model):
         stored = _stacked(flat, tensor.ours, model)
@@ -201,6 +238,23 @@ def hf_export(source: pathlib.Path, output: pathlib.Path) -> str:
     if (output / "tokenizer.json").is_file():
         _complete_tokenizer_config(output, token_ids)
     return f"exported {where} as a Hugging Face {ARCHITECTURES[hf_type(model)]} -> {output}"
+
+
+def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, where) -> str:
+    """Writes a LoRA run's adapters as a PEFT adapter directory; a summary."""
+    from safetensors.numpy import save_file
+
+    tensors, targets = peft.adapter_tensors(flat, config.model)
+    base = config.checkpoint.init_from or None
+    settings = peft.adapter_config(config.lora, config.model, targets, base)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
+    count = sum(array.size for array in tensors.values())
+    return (
+        f"exported the LoRA adapters of {where} ({describe_params(count)}, rank "
+        f"{config.lora.rank}, on {', '.join(targets)}) as a PEFT adapter -> {output}"
+    )
 
 
 def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
