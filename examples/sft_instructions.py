@@ -38,8 +38,11 @@ def sums() -> list[dict]:
     return records
 
 
-def make_model(directory: pathlib.Path) -> None:
-    """A random 2-layer Llama and a word-level tokenizer for the sums, as Hugging Face saves."""
+def make_model(directory: pathlib.Path, init_std: float = 0.02) -> None:
+    """A random 2-layer Llama and a word-level tokenizer for the sums, as Hugging Face saves.
+
+    `init_std`: the weights' initial spread (transformers' initializer_range).
+    """
     import tokenizers
     import torch
     import transformers
@@ -64,6 +67,7 @@ def make_model(directory: pathlib.Path) -> None:
         eos_token_id=0,
         bos_token_id=0,
         pad_token_id=0,
+        initializer_range=init_std,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
@@ -83,6 +87,11 @@ def answers_in_transformers(directory: pathlib.Path, records: list[dict]) -> flo
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return share_answered(model, tokenizer, records)
+
+
+def share_answered(model, tokenizer, records: list[dict]) -> float:
+    """The share of prompts whose greedy answer by `model` (transformers') is the response."""
     right = 0
     for record in records:
         prompt = tokenizer(record["prompt"], return_tensors="pt", add_special_tokens=False)
@@ -90,6 +99,20 @@ def answers_in_transformers(directory: pathlib.Path, records: list[dict]) -> flo
         answer = tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :])
         right += answer.replace("<eos>", "").strip() == record["response"].strip()
     return right / len(records)
+
+
+def import_and_convert(model_dir: pathlib.Path, work: pathlib.Path) -> list[dict]:
+    """Imports the model to work/imported and its instructions to work/data; the records."""
+    records = sums()
+    lines = (json.dumps(record) + "\n" for record in records)
+    (work / "instructions.jsonl").write_text("".join(lines))
+    run("convert", "hf-import", "--input", str(model_dir), "--output", str(work / "imported"))
+    run(
+        *("convert", "text", "--input", str(work / "instructions.jsonl"), "--overwrite"),
+        *("--tokenizer", str(work / "imported"), "--format", "instruction"),
+        *("--output", str(work / "data"), "--no-progress"),
+    )
+    return records
 
 
 def main(arguments: list[str]) -> None:
@@ -101,16 +124,7 @@ def main(arguments: list[str]) -> None:
     model_dir = pathlib.Path(given[0]) if given else work / "hf_model"
     if not given:
         make_model(model_dir)
-    records = sums()
-    lines = (json.dumps(record) + "\n" for record in records)
-    (work / "instructions.jsonl").write_text("".join(lines))
-
-    run("convert", "hf-import", "--input", str(model_dir), "--output", str(work / "imported"))
-    run(
-        *("convert", "text", "--input", str(work / "instructions.jsonl"), "--overwrite"),
-        *("--tokenizer", str(work / "imported"), "--format", "instruction"),
-        *("--output", str(work / "data"), "--no-progress"),
-    )
+    records = import_and_convert(model_dir, work)
     settings = ["data.packing=documents", "data.loss_on=response", "model.seq_len=64"]
     if not given:  # a random model: a pre-training learning rate, and long enough to learn
         settings += ["optim.lr=3e-3", "train.steps=300", "train.global_batch=32"]

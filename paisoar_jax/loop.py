@@ -301,7 +301,7 @@ def _say_compiled(parts: RunParts, compile_s: float, start_step: int) -> None:
         return
     resumed = f", resumed from step {start_step}" if start_step else ""
     output.note(
-        f"{output.describe_params(parts.layout.param_count)}, "
+        f"{parts.layout.describe_size()}, "
         f"mesh {sharding.mesh_sizes(parts.mesh)}, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"compiled in {compile_s:.1f}s{resumed}"
@@ -314,7 +314,7 @@ def _instruments(parts: RunParts, start_step: int) -> Instruments:
     train_config, run_dir = config.train, config.run_dir
     timer = IntervalTimer(
         units_per_step=train_config.global_batch * task.units_per_example(),
-        flops_per_unit=task.flops_per_unit(parts.layout.param_count),
+        flops_per_unit=task.flops_per_unit(parts.layout.flops_param_count),
         peak_tflops=device_peak_tflops(train_config.peak_tflops),
         unit=task.unit,
     )
@@ -488,6 +488,7 @@ def _summary(parts, history, timer, step: int, start_step: int, train_s: float) 
         "run_dir": str(parts.config.run_dir),
         "resumed_from": start_step,
         "param_count": parts.layout.param_count,
+        "flops_param_count": parts.layout.flops_param_count,
     }
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from paisoar_jax.state import trainable_part
+
 
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of arrays or ShapeDtypeStructs with shardings."""
@@ -26,12 +28,12 @@ def memory(layout: Any, compiled: Any) -> dict[str, int]:
     """Per-device bytes: the state from its shardings, the rest from XLA's memory analysis."""
     params = per_device_bytes(layout.abstract_state.params)
     optimizer_state = per_device_bytes(layout.abstract_state.opt_state)
+    # Only the trainable params have gradients (all of them, unless LoRA froze the rest).
+    trained = trainable_part(layout.abstract_state.params, layout.trainable)
     gradients = sum(
         math.prod(grad_sharding.shard_shape(param.shape)) * param.dtype.itemsize
         for param, grad_sharding in zip(
-            jax.tree.leaves(layout.abstract_state.params),
-            jax.tree.leaves(layout.gradient_shardings),
-            strict=True,
+            jax.tree.leaves(trained), jax.tree.leaves(layout.gradient_shardings), strict=True
         )
     )
     analysis = compiled.memory_analysis()

@@ -19,7 +19,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from paisoar_jax import lora
+from paisoar_jax import lora, output
 from paisoar_jax.config import Config
 from paisoar_jax.optim import decay_mask
 from paisoar_jax.parallel import grad_comm, rules, sharding
@@ -67,6 +67,25 @@ class StateLayout:
     exchange: grad_comm.Exchange | None = None
     # LoRA (lora.py): the key paths of the params that train, the rest frozen; None: all.
     trainable: frozenset[tuple] | None = None
+    trainable_count: int = 0  # the parameters that train (param_count without LoRA)
+
+    @property
+    def flops_param_count(self) -> float:
+        """N of the 6 N rule of training FLOPs per token or example.
+
+        A frozen weight (LoRA) costs 4 of the 6: its forward product and its input's
+        gradient, but no weight gradient.
+        """
+        frozen = self.param_count - self.trainable_count
+        return self.trainable_count + frozen * 2 / 3
+
+    def describe_size(self) -> str:
+        """`0.86M params`, and with LoRA the part that trains: `(LoRA: 12,288 trainable)`."""
+        size = output.describe_params(self.param_count)
+        if self.trainable is None:
+            return size
+        trainable = output.describe_params(self.trainable_count).removesuffix(" params")
+        return f"{size} (LoRA: {trainable} trainable)"
 
 
 def state_layout(
@@ -156,6 +175,7 @@ def state_layout(
         shardings=shardings,
         gradient_shardings=state_param_shardings,
         param_count=param_count,
+        trainable_count=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(trained_params)),
         abstract_state=abstract_state,
         create_model=create_model,
         compute_dtypes=compute_dtypes,

@@ -164,3 +164,14 @@ def test_supervised_fine_tuning_of_an_imported_model_answers_in_transformers(tmp
     assert "data.loss_on=response" in result.stdout
     accuracy = int(result.stdout.split("transformers answers ")[1].split("%")[0])
     assert accuracy >= 90, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_lora_adapters_alone_teach_a_frozen_model_and_load_in_peft(tmp_path):
+    """Import a random Llama, train LoRA adapters on sums (the model frozen), export them
+    with --peft: the base model with the adapter in PEFT answers the sums."""
+    result = run_example("lora_fine_tune.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "lora.rank=16" in result.stdout and "--peft" in result.stdout
+    accuracy = int(result.stdout.split("adapter answers ")[1].split("%")[0])
+    assert accuracy >= 90, result.stdout[-2000:]

@@ -126,6 +126,26 @@ def test_a_128k_window_split_over_8_h200_fits_with_cudnn_over_the_gathered_keys(
 
 
 @pytest.mark.gpu_aot
+def test_llama3_8b_with_lora_fits_one_h200_where_full_fine_tuning_does_not():
+    from paisoar_jax.config import load_config
+    from paisoar_jax.tools import plan
+
+    one = gpu_target.target_devices("h200", 1, 1)
+    config = load_config(REPO / "configs" / "llama3_8b_lora.yaml")
+    lora = plan.plan(config, one, target="h200")
+    assert lora["target"]["fits"], lora["memory_bytes"]
+    # The frozen model in bf16, the optimizer state of the adapters alone.
+    assert lora["trainable_count"] < 0.01 * lora["param_count"]
+    frozen = lora["param_count"] - lora["trainable_count"]
+    assert lora["memory_bytes"]["params"] == 2 * frozen + 4 * lora["trainable_count"]
+    assert lora["memory_bytes"]["optimizer_state"] < 1 << 30
+    full = plan.plan(
+        load_config(REPO / "configs" / "llama3_8b_lora.yaml", ["lora.rank=0"]), one, target="h200"
+    )
+    assert not full["target"]["fits"]
+
+
+@pytest.mark.gpu_aot
 def test_llama3_8b_fits_on_fsdp_and_not_on_data_parallel_without_remat():
     sharded = target_plan("llama3_8b", "mesh.data=1", "mesh.fsdp=8")
     assert sharded["target"]["fits"] and sharded["target"]["memory_share"] < 0.5

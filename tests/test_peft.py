@@ -5,6 +5,7 @@ steps, and exported: `peft.PeftModel.from_pretrained` over transformers' base mo
 give our logits, with no warning from PEFT.
 """
 
+import json
 import warnings
 
 import jax
@@ -191,8 +192,24 @@ def test_bad_exports_and_imports_are_one_line(tuned, tmp_path):
     with pytest.raises(UserError) as error:
         hf.hf_export(ours, tmp_path / "nothing", form="peft")
     failures.append((error.value, "holds no LoRA adapters"))
+    zero = tmp_path / "rank_zero"
+    zero.mkdir()
+    (zero / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    )
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (zero / "adapter_config.json").write_text(json.dumps({**settings, "r": 0}))
+    with pytest.raises(UserError) as error:
+        hf.hf_import(base_dir, tmp_path / "zero_import", adapter=zero)
+    failures.append((error.value, "rank is at least 1"))
     for failure, expected in failures:
         assert expected in str(failure) and "\n" not in str(failure), str(failure)
+    # From the command line: the line, and exit status 2.
+    from conftest import run_module
+
+    result = run_module("convert", "hf-export", run_dir, "--output", tmp_path / "cli", cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--peft" in result.stderr
 
 
 def test_generate_runs_with_the_adapter_as_peft_does(tuned, tmp_path):

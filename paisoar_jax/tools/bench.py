@@ -119,7 +119,9 @@ def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
         "steps": summary["steps"],
         "step_ms": step_time_s * 1e3,
         f"{task.unit}_per_s": config.train.global_batch * task.units_per_example() / step_time_s,
-        "flops_per_" + task.unit.removesuffix("s"): task.flops_per_unit(summary["param_count"]),
+        "flops_per_" + task.unit.removesuffix("s"): task.flops_per_unit(
+            summary["flops_param_count"]
+        ),
         "mfu": steady[-1]["mfu"],
         "data_wait_frac": sum(r["data_wait_frac"] for r in steady) / len(steady),
         "host_frac": sum(r["host_frac"] for r in steady) / len(steady),
@@ -157,7 +159,7 @@ def _estimate(
         compiled,
         target,
         task,
-        summary["param_count"],
+        summary["flops_param_count"],
         config.train.global_batch,
         jax.device_count(),
         0.0,

@@ -185,4 +185,6 @@ def _adapter_settings(directory: pathlib.Path) -> LoraConfig:
     for key in ("use_dora", "use_rslora"):
         if found.get(key):
             raise UserError(f"{path}: {key}=true is not a plain LoRA adapter, which this reads")
+    if int(found.get("r", 0)) < 1:
+        raise UserError(f"{path}: r={found.get('r')}: a LoRA adapter's rank is at least 1")
     return LoraConfig(int(found["r"]), float(found["lora_alpha"]), float(found["lora_dropout"]))

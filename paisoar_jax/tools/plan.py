@@ -226,7 +226,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
     model, train = config.model, config.train
     units_per_step = train.global_batch * task.units_per_example()
     # A model of one's own without flops_per_example: compute time unknown, counted as 0.
-    flops_per_unit = task.flops_per_unit(layout.param_count) or 0.0
+    flops_per_unit = task.flops_per_unit(layout.flops_param_count) or 0.0
     flops = flops_per_unit * units_per_step / len(devices)
     peak, peak_source = peak_tflops(config, simulated, target)
     # A pipeline's stages idle for its bubble: the step takes 1 / (1 - bubble) its compute.
@@ -249,7 +249,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             compiled,
             target,
             task,
-            layout.param_count,
+            layout.flops_param_count,
             train.global_batch,
             len(devices),
             communication_s,
@@ -260,6 +260,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
     return {
         "model": model.name,
         "param_count": layout.param_count,
+        "trainable_count": layout.trainable_count,
         "precision": config.precision.policy,
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
         "zero": config.mesh.zero,

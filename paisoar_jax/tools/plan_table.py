@@ -118,8 +118,12 @@ def format_table(result: dict) -> str:
         where = f"{result['target']['name']} (compile-only)"
     memory_bytes, times = result["memory_bytes"], result["time_s"]
     link = result["link"]
+    trainable, count = result.get("trainable_count", result["param_count"]), result["param_count"]
+    frozen = count - trainable
+    lora = f" (LoRA: {format_count(trainable)} trainable, {format_count(frozen)} frozen)"
     lines = [
-        f"{result['model']}: {format_count(result['param_count'])} params, {result['precision']}, "
+        f"{result['model']}: {format_count(count)} params{lora if frozen else ''}, "
+        f"{result['precision']}, "
         f"batch {result['global_batch']}{_example_shape(result)}, "
         f"grad_accum {result['grad_accum']}",
         f"mesh {mesh}, zero={result['zero']}: {result['devices']} {where} devices; "
