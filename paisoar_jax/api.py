@@ -253,8 +253,9 @@ def load(path: str | pathlib.Path, model: Callable, *, exit_on_error: bool = Tru
     from paisoar_jax.tools.export import weights_source
 
     def work() -> Any:
-        _, where, _ = weights_source(pathlib.Path(path))  # as hf-export and generate find it
-        return trained.load(where, as_factory(model))
+        # As hf-export and generate find it; the run's config says which adapters it has.
+        config, where, _ = weights_source(pathlib.Path(path))
+        return trained.load(where, as_factory(model), config)
 
     return _run("paisoar_jax.load", work, exit_on_error)
 

@@ -174,7 +174,10 @@ def add_adapters(model: nnx.Module, settings: LoraConfig, seed: int) -> list[str
         chosen.update(matched)
     for path, (module, name, input_axes) in sorted(chosen.items()):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(path.encode()))
-        setattr(module, f"{name}_lora", Adapter(getattr(module, name), input_axes, settings, key))
+        # The logical axis names are metadata: the trainer gives jit the shardings.
+        with nnx.use_eager_sharding(False):
+            adapter = Adapter(getattr(module, name), input_axes, settings, key)
+        setattr(module, f"{name}_lora", adapter)
         if isinstance(module, nnx.Linear) and type(module) not in _LINEAR_CLASSES.values():
             module.__class__ = _adapted_linear(type(module))
     return sorted(chosen)

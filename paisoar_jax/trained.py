@@ -43,26 +43,22 @@ def model_with(
     Every array is gathered whole onto this process's first device: under several
     processes a collective, so every process must call it.
     """
-    if config is not None and config.lora.enabled:
-        plain = factory
-
-        def factory(rngs: nnx.Rngs) -> nnx.Module:
-            model = plain(rngs)
-            lora.add_adapters(model, config.lora, config.train.seed)
-            return model
-
-    graphdef, abstract_params, abstract_rest = _abstract(factory)
+    graphdef, abstract_params, abstract_rest = _abstract(_as_run_built(factory, config))
     nnx.replace_by_pure_dict(abstract_params, _on_this_host(params))
     nnx.replace_by_pure_dict(abstract_rest, _on_this_host(model_state))
     return nnx.merge(graphdef, abstract_params, abstract_rest)
 
 
-def load(where: pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
+def load(
+    where: pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module], config: Config | None = None
+) -> nnx.Module:
     """The module `model` builds, with the weights of a checkpoint step or an export.
 
     `where` holds them (`runs/x/checkpoints/400`, an export); `paisoar_jax.load` finds it
-    for a run directory too. Their shapes are checked against the module's.
+    for a run directory too. Their shapes are checked against the module's. `config`: the
+    run's, whose LoRA adapters (if any) the module gets.
     """
+    model = _as_run_built(model, config)
     _, abstract_params, abstract_rest = _abstract(model)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
@@ -74,6 +70,19 @@ def load(where: pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Mo
     if model_state is None:  # saved without it (load_weights warned): a fresh one
         model_state = nnx.to_pure_dict(nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
     return model_with(model, params, model_state)
+
+
+def _as_run_built(factory: Callable, config: Config | None) -> Callable:
+    """`factory`, its module given the LoRA adapters the run with `config` added (if any)."""
+    if config is None or not config.lora.enabled:
+        return factory
+
+    def with_adapters(rngs: nnx.Rngs) -> nnx.Module:
+        model = factory(rngs)
+        lora.add_adapters(model, config.lora, config.train.seed)
+        return model
+
+    return with_adapters
 
 
 def _abstract(factory: Callable[[nnx.Rngs], nnx.Module]):

@@ -51,8 +51,9 @@ def two_steps(overrides: tuple[str, ...], count: int = 8):
     return initial, flat(state.params), opt_leaves, losses
 
 
-def test_only_the_adapters_train_and_the_optimizer_holds_only_them():
-    initial, final, opt_leaves, losses = two_steps(("precision.policy=bf16",))
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_only_the_adapters_train_and_the_optimizer_holds_only_them(policy):
+    initial, final, opt_leaves, losses = two_steps((f"precision.policy={policy}",))
     adapters = sorted(path for path in final if is_adapter(path))
     # Every projection of the llama block by default (stacked over the layers): 7 pairs.
     kernels = sorted({path.rsplit("_lora.", 1)[0] for path in adapters})
@@ -65,10 +66,11 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them():
             assert value.dtype == np.float32, path
             assert not np.array_equal(value, initial[path]), f"{path} did not train"
         else:  # bit for bit, and held in the compute dtype (no fp32 master copy)
-            assert value.dtype == jnp.bfloat16, path
+            assert value.dtype == {"bf16": jnp.bfloat16, "fp16": jnp.float16}[policy], path
             assert np.array_equal(value.view(np.uint16), initial[path].view(np.uint16)), path
     assert all(np.all(initial[path] == 0) for path in adapters if path.endswith(".b"))
-    # Adam's two moments per adapter weight and step counts: no leaf of a frozen weight.
+    # Adam's two moments per adapter weight, step counts (and fp16's loss scale): no leaf
+    # of a frozen weight.
     adapter_shapes = sorted(final[path].shape for path in adapters)
     moments = sorted(shape for shape in opt_leaves if len(shape) > 0)
     assert moments == sorted(adapter_shapes * 2)
@@ -195,6 +197,8 @@ def test_a_model_of_ones_own_adapts_its_linear_layers(tmp_path):
     result = paisoar_jax.fit(None, overrides, model=Net, loss=net_loss, data=examples())
     params = nnx.state(result.model, nnx.Param)
     assert np.any(np.asarray(params["up"]["kernel_lora"]["b"][...]) != 0)
+    loaded = nnx.state(paisoar_jax.load(tmp_path, Net), nnx.Param)  # as fit gave it back
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(loaded), nnx.to_pure_dict(params))
     with jax.set_mesh(run.mesh):
         start = init_state(config, run.layout)
     assert np.array_equal(

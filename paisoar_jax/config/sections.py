@@ -281,8 +281,8 @@ class LoraConfig:
     rank: int = 0  # the adapters' rank r; 0 trains every parameter (no LoRA)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # dropout on a projection's input to its adapter, in training only
-    # Empty: the zoo model's attention and MLP projections; a model of your own names its
-    # nn.Linear kernels (`encoder\.layers\.\d+\.query\.kernel`)
+    # regexes of the projections to adapt (`q_kernel|v_kernel`); empty: the zoo decoder's
+    # attention and MLP projections (a model of your own names its nnx.Linear kernels)
     targets: tuple[str, ...] = ()
 
     def __post_init__(self):
