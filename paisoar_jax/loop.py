@@ -326,7 +326,7 @@ def _instruments(parts: RunParts, start_step: int) -> Instruments:
     )
     return Instruments(
         timer=timer,
-        writer=MetricsWriter(run_dir, config.run.tensorboard, resume_step=start_step),
+        writer=MetricsWriter(run_dir, resume_step=start_step, config=config),
         progress=progress,
         profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
     )

@@ -1,8 +1,9 @@
-"""Run metrics: metrics.jsonl, TensorBoard scalars and the MFU arithmetic.
+"""Run metrics: metrics.jsonl, the trackers beside it and the MFU arithmetic.
 
-Only process 0 writes. Each metrics.jsonl line is one JSON object with at least step, loss,
-lr, grad_norm, loss_scale, skipped_steps, step_time_s, tokens_per_s, mfu (null where the
-device's peak is unknown) and data_wait_frac.
+Only process 0 writes; trackers.py holds TensorBoard, Weights & Biases and MLflow. Each
+metrics.jsonl line is one JSON object with at least step, loss, lr, grad_norm, loss_scale,
+skipped_steps, step_time_s, tokens_per_s, mfu (null where the device's peak is unknown) and
+data_wait_frac.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import pathlib
 from typing import Any
 
 import jax
+
+from paisoar_jax import trackers
+from paisoar_jax.config import Config
 
 # Dense bf16 peak TFLOP/s per device, by jax device_kind prefix (datasheet figures).
 PEAK_TFLOPS = {
@@ -41,12 +45,22 @@ def mfu(
 
 
 class MetricsWriter:
-    """Appends metric records to run_dir/metrics.jsonl and TensorBoard (process 0 only)."""
+    """Appends metric records to run_dir/metrics.jsonl and the trackers (process 0 only).
 
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True, resume_step: int = 0):
+    `config`: the run's, whose run.trackers receive every record; without it, TensorBoard
+    alone when `tensorboard`.
+    """
+
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        tensorboard: bool = True,
+        resume_step: int = 0,
+        config: Config | None = None,
+    ):
         self.enabled = jax.process_index() == 0
         self._file = None
-        self._tensorboard = None
+        self._trackers = []
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,26 +79,24 @@ class MetricsWriter:
             os.replace(temporary, path)
         elif path.exists():
             path.unlink()  # a fresh run (no checkpoint to continue) starts a fresh file
+        if config is not None:
+            self._trackers = trackers.open_trackers(config, run_dir)
+        elif tensorboard:
+            self._trackers = [trackers.TensorBoard(None, run_dir)]
         self._file = path.open("a")
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
-
-            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
-        """Writes one record (it must hold `step`); numeric fields also go to TensorBoard."""
+        """Writes one record (it must hold `step`); its numeric fields go to the trackers."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tensorboard.add_scalar(key, value, record["step"])
+        for tracker in self._trackers:
+            tracker.log(record)
 
     def close(self) -> None:
-        """Flushes and closes the files."""
+        """Flushes and closes the file and the trackers."""
         if self._file is not None:
             self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()

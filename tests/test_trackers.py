@@ -1,0 +1,118 @@
+"""Trackers (paisoar_jax/trackers.py): W&B offline and an MLflow file store hold what
+metrics.jsonl holds; a resumed run continues the same tracker runs; bad input is one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY, run_records
+from wandb.proto.wandb_internal_pb2 import Record
+
+import paisoar_jax
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.trackers import numeric
+
+SETTINGS = [*TINY, "model.layers=1", "train.log_every=1", "train.eval_every=2"]
+SETTINGS += ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2"]
+SETTINGS += ["run.trackers=[wandb,mlflow]"]
+
+
+def wandb_records(run_dir):
+    """(history rows by step, the run's config) from the offline run's .wandb file.
+
+    The file is a LevelDB-style log of W&B's own protobuf Records (32 KiB blocks, each
+    record a 7-byte header: crc, length, kind); W&B itself reads it when it syncs.
+    """
+    rows, config = {}, {}
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, position, pending, block = path.read_bytes(), 7, b"", 32768
+        assert data[:4] == b":W&B"
+        while position + 7 <= len(data):
+            if block - position % block < 7:  # a block's tail too short for a header
+                position += block - position % block
+                continue
+            length = int.from_bytes(data[position + 4 : position + 6], "little")
+            kind = data[position + 6]
+            pending += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind not in (1, 4):  # not FULL or LAST: the record goes on
+                continue
+            record, pending = Record.FromString(pending), b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                row = {
+                    item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                    for item in items
+                }
+                rows[record.history.step.num] = row
+            elif record.WhichOneof("record_type") == "run":
+                config |= {
+                    item.key: json.loads(item.value_json) for item in record.run.config.update
+                }
+    return rows, config
+
+
+def mlflow_history(run_dir):
+    """{metric: {step: value}} and the run's params and tags, from the file store."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").absolute().as_uri())
+    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    history = {
+        key: {point.step: point.value for point in client.get_metric_history(run.info.run_id, key)}
+        for key in run.data.metrics
+    }
+    return history, run.data.params, run.data.tags
+
+
+def test_wandb_offline_and_mlflow_hold_metrics_jsonl_and_resume_into_the_same_runs(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    paisoar_jax.fit(None, [*SETTINGS, "train.steps=4", f"run.dir={run_dir}"])
+    first_mlflow_run = (run_dir / "mlflow_run_id").read_text()
+    paisoar_jax.fit(None, [*SETTINGS, "train.steps=6", f"run.dir={run_dir}"])  # resumed
+    assert (run_dir / "mlflow_run_id").read_text() == first_mlflow_run
+    records = {record["step"]: numeric(record) for record in run_records(run_dir)}
+    assert sorted(records) == [1, 2, 3, 4, 5, 6] and "eval_loss" in records[6]
+
+    rows, config = wandb_records(run_dir)
+    history, params, tags = mlflow_history(run_dir)
+    for step, fields in records.items():
+        assert {key: rows[step][key] for key in fields} == pytest.approx(fields, rel=1e-6), step
+        for key, value in fields.items():
+            assert history[key][step] == pytest.approx(value, rel=1e-6), (key, step)
+    # The config and the commit of the code that ran (this repository's checkout).
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert config["train"]["steps"] in (4, 6)
+    assert params["train.global_batch"] == "16" and params["run.trackers"] == str(
+        ("wandb", "mlflow")
+    )
+    if commit.returncode == 0:
+        assert tags["mlflow.source.git.commit"] == commit.stdout.strip()
+        assert config["git_commit"] == commit.stdout.strip()
+
+
+def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
+    failures = []
+    for overrides, expected in (
+        (["run.trackers=[neptune]"], "'neptune' is not one of tensorboard, wandb, mlflow"),
+        (["run.trackers=[wandb,wandb]"], "names a tracker twice"),
+    ):
+        with pytest.raises(UserError) as error:
+            load_config(None, overrides)
+        failures.append((str(error.value), expected))
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
+    with pytest.raises(UserError) as error:
+        paisoar_jax.fit(
+            None,
+            [*TINY, "run.trackers=[mlflow]", "train.steps=1", f"run.dir={tmp_path}"],
+            exit_on_error=False,
+        )
+    failures.append((str(error.value), 'pip install "paisoar-jax[mlflow]"'))
+    for message, expected in failures:
+        assert expected in message and "\n" not in message, message
