@@ -1,7 +1,8 @@
 """`python -m paisoar_jax.convert text|images|verify|hf-import|hf-export ...`: datasets, models.
 
 `text` tokenizes files (one file = one document, each followed by the end-of-document id;
-a .jsonl or .parquet file holds one document per record or row, its `--field`) into one
+a .jsonl or .parquet file holds one document per record or row, its `--field`; `--from-hf`
+reads the rows of a Hugging Face `datasets` dataset instead, tools/hf_datasets.py) into one
 stream cut into fixed-size records; `images` packs a class-per-folder image tree
 into labelled records; `verify` checks a dataset's shards against its manifest. The formats
 and their readers are in `paisoar_jax.data.records`. `hf-import` and `hf-export` carry
@@ -36,7 +37,7 @@ import numpy as np
 from paisoar_jax import output
 from paisoar_jax.data import records
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import conversations, hf
+from paisoar_jax.tools import conversations, hf, hf_datasets
 from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.convert"
@@ -136,19 +137,37 @@ def _rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tuple[Any, 
 
 def document_pieces(path: pathlib.Path, args: argparse.Namespace, template) -> Iterator:
     """([(UTF-8 bytes, learned), ...], where) of each document of a file, by --format."""
-    if args.format == "text":
+    if args.format == "text" and path.suffix not in (".jsonl", ".parquet"):
         for data, where in documents(path, args.field):
             yield [(data, True)], where
         return
     if path.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"--format {args.format} reads .jsonl or .parquet records, not {path}")
-    for record, where in _rows(path, None):
-        if args.format == "instruction":
+    columns = [args.field] if args.format == "text" else None
+    yield from record_pieces(_rows(path, columns), args, template)
+
+
+def record_pieces(records: Iterator, args: argparse.Namespace, template) -> Iterator:
+    """([(UTF-8 bytes, learned), ...], where) of each (record, where), by --format."""
+    for record, where in records:
+        if args.format == "text":
+            pieces = [(conversations.text_field(record, args.field, where), True)]
+        elif args.format == "instruction":
             fields = (args.prompt_field, args.response_field)
             pieces = conversations.instruction_pieces(record, *fields, where)
         else:
             pieces = template.pieces(record, args.messages_field, where)
         yield [(text.encode("utf-8"), learned) for text, learned in pieces], where
+
+
+def input_pieces(files: list[pathlib.Path], args: argparse.Namespace, template) -> Iterator:
+    """The pieces of every document: of the files, or of the rows of --from-hf's dataset."""
+    if args.from_hf is not None:
+        rows = hf_datasets.rows(args.from_hf, args.split)
+        yield from record_pieces(rows, args, template)
+        return
+    for path in progress(files, "tokenizing", args.progress):
+        yield from document_pieces(path, args, template)
 
 
 def files_under(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -251,7 +270,7 @@ def convert_text(args: argparse.Namespace) -> str:
     """Tokenizes the input files into a tokens dataset; returns the summary line."""
     if args.record_tokens < 1:
         raise UserError(f"--record-tokens must be at least 1, got {args.record_tokens}")
-    files = expand_inputs(args.input)
+    files = expand_inputs(args.input) if args.input else []
     tokenizer = load_tokenizer(args.tokenizer)
     template = None
     if args.format == "chat":
@@ -266,22 +285,21 @@ def convert_text(args: argparse.Namespace) -> str:
         stream_path, mask_path = staging / "stream.tmp", staging / "mask.tmp"
         starts, learned_count, token_count = [], 0, 0
         with open(stream_path, "wb") as stream, open(mask_path, "wb") as mask_stream:
-            for path in progress(files, "tokenizing", args.progress):
-                for pieces, where in document_pieces(path, args, template):
-                    parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
-                    flags = [
-                        np.full(len(part), learned)
-                        for part, (_, learned) in zip(parts, pieces, strict=True)
-                    ]
-                    # The end-of-document token is learned after a learned piece (a response)
-                    tokens = np.concatenate([*parts, [tokenizer.eos_id]])
-                    mask = np.concatenate([*flags, [pieces[-1][1] or not masked]])
-                    stream.write(tokens.astype(dtype).tobytes())
-                    if masked:
-                        mask_stream.write(mask.astype(np.uint8).tobytes())
-                    starts.append(token_count)
-                    token_count += len(tokens)
-                    learned_count += int(mask.sum()) if masked else 0
+            for pieces, where in input_pieces(files, args, template):
+                parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
+                flags = [
+                    np.full(len(part), learned)
+                    for part, (_, learned) in zip(parts, pieces, strict=True)
+                ]
+                # The end-of-document token is learned after a learned piece (a response)
+                tokens = np.concatenate([*parts, [tokenizer.eos_id]])
+                mask = np.concatenate([*flags, [pieces[-1][1] or not masked]])
+                stream.write(tokens.astype(dtype).tobytes())
+                if masked:
+                    mask_stream.write(mask.astype(np.uint8).tobytes())
+                starts.append(token_count)
+                token_count += len(tokens)
+                learned_count += int(mask.sum()) if masked else 0
         if token_count == len(starts):
             raise UserError(f"every input document is empty ({len(starts)} documents)")
         if masked and learned_count == 0:
@@ -398,7 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Build ArrayRecord datasets.")
     commands = parser.add_subparsers(dest="command", required=True)
     text = commands.add_parser("text", help="tokenize text files into a tokens dataset")
-    text.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB")
+    inputs = text.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--input", nargs="+", metavar="FILES_OR_GLOB")
+    inputs.add_argument(
+        "--from-hf",
+        type=pathlib.Path,
+        metavar="DATASET",
+        help="a Hugging Face datasets directory (save_to_disk) or local data files it loads",
+    )
+    text.add_argument("--split", default="train", help="--from-hf: the split of a DatasetDict")
     text.add_argument(
         "--tokenizer", default="byte", help="byte, a tokenizers JSON file or an HF model directory"
     )

@@ -1,0 +1,65 @@
+"""Hugging Face `datasets` as the input of `convert text --from-hf`: local, never the hub.
+
+A directory written by `Dataset.save_to_disk` (or a DatasetDict's, whose `--split` is
+read) is opened with `datasets.load_from_disk`; other local data files (.jsonl, .json,
+.parquet, .csv, .txt: a file or a directory of them) are loaded through
+`datasets.load_dataset` with the builder their suffix names. The hub is switched off
+(HF_DATASETS_OFFLINE, HF_HUB_OFFLINE), so nothing is downloaded or asked for. Each row is
+one record, as a .jsonl line is to `convert text`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+from paisoar_jax.errors import UserError
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def rows(path: pathlib.Path, split: str = "train") -> Iterator[tuple[Any, str]]:
+    """(row as a dict, where) of each row of the dataset at `path` (its `split`)."""
+    dataset = open_dataset(path, split)
+    for index, row in enumerate(dataset):
+        yield row, f"{path}[{index}]"
+
+
+def open_dataset(path: pathlib.Path, split: str = "train"):
+    """The `datasets.Dataset` at `path`: saved with save_to_disk, or local data files."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local only: no hub, no download
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"{path}: reading a Hugging Face dataset needs datasets: "
+            f'pip install "paisoar-jax[datasets]"'
+        ) from None
+    if not path.exists():
+        raise UserError(f"--from-hf {path}: no such directory or file")
+    if path.is_dir() and any((path / marker).is_file() for marker in SAVED_MARKERS):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise UserError(
+                    f"{path} has no split {split!r} (its splits: {', '.join(loaded)}): "
+                    f"name one with --split"
+                )
+            loaded = loaded[split]
+        return loaded
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    files = [file for file in files if file.is_file() and file.suffix in BUILDERS]
+    builders = {BUILDERS[file.suffix] for file in files}
+    if len(builders) != 1:
+        what = "no" if not builders else "several kinds of"
+        raise UserError(
+            f"{path} holds {what} data files datasets reads ({', '.join(sorted(BUILDERS))}), "
+            f"and is not a directory written by save_to_disk"
+        )
+    return datasets.load_dataset(
+        builders.pop(), data_files=[str(file) for file in files], split="train"
+    )
