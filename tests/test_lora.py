@@ -211,11 +211,19 @@ def test_a_model_of_ones_own_adapts_its_linear_layers(tmp_path):
     [
         (["lora.rank=4", "lora.targets=[nothing_here]"], "'nothing_here' matches no projection"),
         (["lora.rank=-1"], "lora.rank must be >= 1"),
-        (["lora.targets=[q_kernel]"], "lora.rank=0"),
+        (["lora.targets=[q_kernel]"], "lora.targets is set, but lora.rank=0"),
+        (["lora.alpha=32"], "lora.alpha is set, but lora.rank=0 trains no adapters"),
         (["lora.rank=4", "lora.dropout=1"], "lora.dropout must be in [0, 1)"),
         (["lora.rank=4", "lora.alpha=0"], "lora.alpha must be a positive number"),
     ],
-    ids=["no-match", "negative-rank", "targets-without-rank", "dropout", "alpha"],
+    ids=[
+        "no-match",
+        "negative-rank",
+        "targets-without-rank",
+        "alpha-without-rank",
+        "dropout",
+        "alpha",
+    ],
 )
 def test_bad_lora_settings_are_one_line(overrides, message, devices):
     with pytest.raises(UserError, match=None) as error:

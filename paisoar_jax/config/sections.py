@@ -294,8 +294,17 @@ class LoraConfig:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         for pattern in self.targets:
             check_regex(pattern, "lora.targets")
-        if self.targets and not self.rank:
-            raise UserError("lora.targets names projections, but lora.rank=0: set lora.rank=8")
+        if not self.rank:
+            unused = [key for key in ("targets", "alpha", "dropout") if self._changed(key)]
+            if unused:
+                raise UserError(
+                    f"lora.{unused[0]} is set, but lora.rank=0 trains no adapters: set "
+                    f"lora.rank (8 or 16 are common)"
+                )
+
+    def _changed(self, key: str) -> bool:
+        """Whether `key` differs from its default."""
+        return getattr(self, key) != getattr(LoraConfig, key)
 
     @property
     def enabled(self) -> bool:
