@@ -357,6 +357,10 @@ def _probe_coordinator(plan: Plan, deadline: float) -> None:
     host, port = split_address(address, plan.coordinator_origin)
     if plan.process_id == 0:  # process 0 will listen on this port, on every interface
         with socket.socket() as probe:
+            # As the coordinator's server binds (gRPC sets SO_REUSEADDR): the connections of
+            # a run that just ended on this port (a requeued job keeps its port) may linger
+            # in TIME_WAIT, which only a socket listening there now should fail.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("", port))
             except OSError as error:

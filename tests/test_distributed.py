@@ -172,6 +172,24 @@ def test_process_zero_refuses_a_busy_port():
             distributed._probe_coordinator(plan, time.monotonic() + 1)
 
 
+def test_process_zero_takes_the_port_of_a_run_that_just_ended():
+    """A requeued SLURM job keeps its job id, so jax picks the same port: the last run's
+    connections on it wait in TIME_WAIT, which the coordinator's server binds over."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's server
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server's end closes first: it waits in TIME_WAIT
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("", port))  # what the probe did before: refused
+    plan = distributed.Plan("config", 2, 0, f"127.0.0.1:{port}", "from distributed.coordinator")
+    distributed._probe_coordinator(plan, time.monotonic() + 1)
+
+
 ALLOCATION_SHELL = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_NODELIST": "node1"}
 
 
