@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from paisoar_jax import trackers
+from paisoar_jax import output, trackers
 from paisoar_jax.config import Config
 
 # Dense bf16 peak TFLOP/s per device, by jax device_kind prefix (datasheet figures).
@@ -91,12 +91,23 @@ class MetricsWriter:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        for tracker in self._trackers:
-            tracker.log(record)
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(record)
+            except Exception as error:  # a tracker's server gone mid-run: training goes on
+                output.warning(
+                    f"{type(tracker).__name__} stopped taking metrics at step "
+                    f"{record['step']} ({type(error).__name__}: {str(error)[:200]}); "
+                    f"metrics.jsonl keeps them all"
+                )
+                self._trackers.remove(tracker)
 
     def close(self) -> None:
         """Flushes and closes the file and the trackers."""
         if self._file is not None:
             self._file.close()
         for tracker in self._trackers:
-            tracker.close()
+            try:
+                tracker.close()
+            except Exception as error:  # as in write: the run's own files are what count
+                output.warning(f"{type(tracker).__name__} did not close: {str(error)[:200]}")

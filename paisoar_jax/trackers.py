@@ -125,16 +125,27 @@ class MLflow:
 
     def __init__(self, config: Config, run_dir: pathlib.Path):
         mlflow = _import("mlflow", "mlflow")
-        from mlflow.entities import Param
-
         uri = config.run.tracking_uri
         if not uri:
             uri = (run_dir / "mlruns").absolute().as_uri()
             # MLflow 3 keeps its file store working but asks for this to use it: a store
             # with no server and no database is what a run directory should hold.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.metric = mlflow.entities.Metric
+        try:
+            self._start(mlflow, config, run_dir, uri)
+        except Exception as error:  # a server that does not answer, a bad URI, ...
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise UserError(
+                f"run.trackers=mlflow: MLflow at {uri} did not start a run "
+                f"({type(error).__name__}: {first[:300]}); check run.tracking_uri"
+            ) from None
+
+    def _start(self, mlflow, config: Config, run_dir: pathlib.Path, uri: str) -> None:
+        """Opens the run: the one this run directory started, or a new one."""
+        from mlflow.entities import Param
+
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
         id_file = run_dir / "mlflow_run_id"
         if id_file.is_file():  # a resumed run logs on into the run it started
             self.run_id = id_file.read_text().strip()

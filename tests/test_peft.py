@@ -122,6 +122,8 @@ def test_peft_loads_the_adapter_and_gives_our_logits(tuned, tmp_path, name):
     base_dir, run_dir = tuned[name]
     summary = hf.hf_export(run_dir, tmp_path / "adapter", form="peft")
     assert "PEFT adapter" in summary
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(base_dir.absolute())  # for AutoPeftModel
     model = peft_model(base_dir, tmp_path / "adapter")
     _, step_dir, _ = checkpoint_step(run_dir)
     ours, params = our_logits(run_dir / "config.yaml", step_dir)

@@ -106,6 +106,17 @@ def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
         with pytest.raises(UserError) as error:
             load_config(None, overrides)
         failures.append((str(error.value), expected))
+    # A server that does not answer (port 9, discard): one line, once MLflow gives up.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with pytest.raises(UserError) as error:
+        paisoar_jax.fit(
+            None,
+            [*TINY, "run.trackers=[mlflow]", "run.tracking_uri=http://127.0.0.1:9/"]
+            + ["train.steps=1", f"run.dir={tmp_path / 'server'}"],
+            exit_on_error=False,
+        )
+    failures.append((str(error.value), "run.trackers=mlflow: MLflow at http://127.0.0.1:9/"))
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
     with pytest.raises(UserError) as error:
         paisoar_jax.fit(
@@ -116,3 +127,24 @@ def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
     failures.append((str(error.value), 'pip install "paisoar-jax[mlflow]"'))
     for message, expected in failures:
         assert expected in message and "\n" not in message, message
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, capsys):
+    """A tracker's server gone mid-run: one warning, training and metrics.jsonl go on."""
+    from paisoar_jax.metrics import MetricsWriter
+
+    class Failing:
+        def log(self, record):
+            raise ConnectionError("the server went away")
+
+        def close(self):
+            raise AssertionError("a dropped tracker is not closed")
+
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer._trackers = [Failing()]
+    for step in (1, 2):
+        writer.write({"step": step, "loss": 1.0})
+    writer.close()
+    assert [record["step"] for record in run_records(tmp_path)] == [1, 2]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "Failing" in line]
+    assert len(warnings) == 1 and "stopped taking metrics at step 1" in warnings[0]

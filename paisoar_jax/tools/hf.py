@@ -44,6 +44,8 @@ __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 # The special token ids HF keeps in config.json: carried through an import to the export.
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKEN_IDS_FILE = "hf_token_ids.json"
+# Where an import came from: a PEFT adapter's base_model_name_or_path names it.
+SOURCE_FILE = "hf_source.json"
 # Files an import keeps beside the weights and an export writes back (the tokenizer as
 # transformers saves it: its special tokens live in tokenizer_config.json).
 KEPT_FILES = (
@@ -149,6 +151,7 @@ def hf_import(
         return ""
     token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
     (output / TOKEN_IDS_FILE).write_text(json.dumps(token_ids) + "\n")
+    (output / SOURCE_FILE).write_text(json.dumps({"path": str(source.absolute())}) + "\n")
     for name in KEPT_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, output / name)
@@ -245,7 +248,9 @@ def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, wh
     from safetensors.numpy import save_file
 
     tensors, targets = peft.adapter_tensors(flat, config.model)
-    base = config.checkpoint.init_from or None
+    # The Hugging Face model the run's import came from (AutoPeftModel loads it from here).
+    kept = kept_file(SOURCE_FILE, config, source)
+    base = json.loads(kept.read_text())["path"] if kept else None
     settings = peft.adapter_config(config.lora, config.model, targets, base)
     output.mkdir(parents=True, exist_ok=True)
     (output / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
