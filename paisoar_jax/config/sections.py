@@ -299,7 +299,8 @@ class LoraConfig:
             if unused:
                 raise UserError(
                     f"lora.{unused[0]} is set, but lora.rank=0 trains no adapters: set "
-                    f"lora.rank (8 or 16 are common)"
+                    f"lora.rank (8 or 16 are common) to train adapters, or leave lora.{unused[0]} "
+                    f"at its default to train every parameter"
                 )
 
     def _changed(self, key: str) -> bool:
