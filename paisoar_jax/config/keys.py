@@ -65,12 +65,21 @@ def _shown(value) -> str:
 
 
 def _field_comments() -> dict[tuple[str, str], str]:
-    """{(class name, field): its comment} from sections.py.
+    """{(class name, field): its comment} from the modules of the section classes.
 
     The comment on the field's own line, else the block of comment lines just above it.
     """
+    modules = {inspect.getmodule(owner) for owners in SECTIONS.values() for owner in owners}
+    comments = {}
+    for module in sorted(modules, key=lambda module: module.__name__):
+        comments |= _module_comments(module)
+    return comments
+
+
+def _module_comments(module) -> dict[tuple[str, str], str]:
+    """{(class name, field): its comment} of the dataclasses in one module's source."""
     try:
-        source = inspect.getsource(sections)
+        source = inspect.getsource(module)
     except OSError:  # installed without sources (.pyc only): the keys, without meanings
         return {}
     lines = source.splitlines()

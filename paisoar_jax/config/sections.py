@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from paisoar_jax.config.checks import check_at_least, check_finite_non_negative, check_regex
+from paisoar_jax.config.lora import LoraConfig
 from paisoar_jax.config.models import (
     CustomModelConfig,
     LanguageModelConfig,
     VisionConfig,
 )
+from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
+
+__all__ = ["LoraConfig", "RunConfig"]  # sections of their own modules, part of Config
 
 
 @dataclass(frozen=True)
@@ -268,52 +272,6 @@ class RematConfig:
 
 
 @dataclass(frozen=True)
-class LoraConfig:
-    """LoRA fine-tuning (paisoar_jax/lora.py): low-rank adapters trained, the model frozen.
-
-    `rank` 0 (the default) trains every parameter. With a rank, each projection whose
-    parameter path a `targets` regex is found in (re.search on dotted paths such as
-    `blocks.q_kernel`) gets y += (alpha / rank) x A B, A (in x rank) and B (rank x out) in
-    fp32 with B starting at zero; every other parameter is frozen: no gradient, no optimizer
-    state, stored in the compute dtype.
-    """
-
-    rank: int = 0  # the adapters' rank r; 0 trains every parameter (no LoRA)
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # dropout on a projection's input to its adapter, in training only
-    # regexes of the projections to adapt (`q_kernel|v_kernel`); empty: the zoo decoder's
-    # attention and MLP projections (a model of your own names its nnx.Linear kernels)
-    targets: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.rank < 0:
-            raise UserError(f"lora.rank must be >= 1 (0: no LoRA), got {self.rank}")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise UserError(f"lora.alpha must be a positive number, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        for pattern in self.targets:
-            check_regex(pattern, "lora.targets")
-        if not self.rank:
-            unused = [key for key in ("targets", "alpha", "dropout") if self._changed(key)]
-            if unused:
-                raise UserError(
-                    f"lora.{unused[0]} is set, but lora.rank=0 trains no adapters: set "
-                    f"lora.rank (8 or 16 are common) to train adapters, or leave lora.{unused[0]} "
-                    f"at its default to train every parameter"
-                )
-
-    def _changed(self, key: str) -> bool:
-        """Whether `key` differs from its default."""
-        return getattr(self, key) != getattr(LoraConfig, key)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether this run trains adapters (and freezes the rest)."""
-        return self.rank > 0
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints under run.dir/checkpoints (or `dir`): async, atomic, resumable."""
 
@@ -397,35 +355,6 @@ class TrainConfig:
                 "train.profile_steps must be [start, end] with 1 <= start <= end, "
                 f"got {list(profile)}"
             )
-
-
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Where the run writes and what it shows."""
-
-    name: str = "default"
-    dir: str = ""  # empty: runs/<name>
-    # where metrics.jsonl's records also go (process 0 only): tensorboard, wandb, mlflow
-    trackers: tuple[str, ...] = ("tensorboard",)
-    tensorboard: bool = True  # false: no TensorBoard, whatever run.trackers says
-    project: str = ""  # the W&B project and MLflow experiment; empty: paisoar_jax
-    tracking_uri: str = ""  # MLflow's tracking URI; empty: a file store in <run.dir>/mlruns
-    progress: bool = True  # tqdm progress bar
-
-    def __post_init__(self):
-        for name in self.trackers:
-            if name not in TRACKERS:
-                raise UserError(f"run.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
-        if len(set(self.trackers)) < len(self.trackers):
-            raise UserError(f"run.trackers names a tracker twice: {list(self.trackers)}")
-
-    @property
-    def active_trackers(self) -> tuple[str, ...]:
-        """The trackers this run writes to (run.tensorboard=false removes TensorBoard)."""
-        return tuple(name for name in self.trackers if self.tensorboard or name != "tensorboard")
 
 
 @dataclass(frozen=True)
