@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import Any
 
+from flax import traverse_util
+
 from paisoar_jax.config import Config, to_dict
 from paisoar_jax.errors import UserError
 
@@ -104,9 +106,8 @@ class WandB:
                 settings=wandb.Settings(console="off", quiet=True),
             )
         except Exception as error:  # no login and no WANDB_MODE=offline, no network, ...
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise UserError(
-                f"run.trackers=wandb: W&B did not start ({type(error).__name__}: {first}); "
+                f"run.trackers=wandb: W&B did not start ({_first_line(error)}); "
                 f"log in with `wandb login`, or set WANDB_MODE=offline"
             ) from None
         id_file.write_text(run_id + "\n")
@@ -135,10 +136,9 @@ class MLflow:
         try:
             self._start(mlflow, config, run_dir, uri)
         except Exception as error:  # a server that does not answer, a bad URI, ...
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise UserError(
                 f"run.trackers=mlflow: MLflow at {uri} did not start a run "
-                f"({type(error).__name__}: {first[:300]}); check run.tracking_uri"
+                f"({_first_line(error, 300)}); check run.tracking_uri"
             ) from None
 
     def _start(self, mlflow, config: Config, run_dir: pathlib.Path, uri: str) -> None:
@@ -158,7 +158,8 @@ class MLflow:
         tags = {"mlflow.source.git.commit": commit} if commit else {}
         self.run_id = self.client.create_run(experiment, run_name=config.run.name, tags=tags)
         self.run_id = self.run_id.info.run_id
-        params = [Param(key, str(value)[:6000]) for key, value in _flat(to_dict(config)).items()]
+        flat = traverse_util.flatten_dict(to_dict(config), sep=".")
+        params = [Param(key, str(value)[:6000]) for key, value in flat.items()]
         for start in range(0, len(params), 100):  # MLflow takes 100 params a batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
         id_file.write_text(self.run_id + "\n")
@@ -177,10 +178,7 @@ class MLflow:
         self.client.set_terminated(self.run_id)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {section.key: value}."""
-    flat = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        flat |= _flat(value, f"{path}.") if isinstance(value, dict) else {path: value}
-    return flat
+def _first_line(error: Exception, limit: int | None = None) -> str:
+    """`Kind: the first line of its message` (a tracker's own message leads with its cause)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:limit] if text else ''}"
