@@ -218,6 +218,7 @@ def fit(
 
     def work() -> FitResult:
         from paisoar_jax import loop, trained
+        from paisoar_jax.tools import hf_sources
 
         resolved = resolve_config(config, overrides)
         distributed.initialize(resolved.distributed, program="paisoar_jax.fit")
@@ -230,6 +231,8 @@ def fit(
             eval_data=eval_data,
             flops_per_example=flops_per_example,
         )
+        if model is None:  # the zoo's data: hf:<path> tokenized once on first use
+            hf_sources.prepare(resolved)
         finished = loop.run(resolved, run_workload)
         if raise_on_interrupt and finished.summary.get("stopped_by") == "SIGINT":
             raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")

@@ -292,11 +292,12 @@ class Checkpointer:
 
         `input_signature` (process count, workers, batch...) says what a per-process data
         position belongs to: a resume whose signature differs cannot continue it. The global
-        sampler's position (`"sampler": "global"`) goes into the meta and needs no signature.
+        sampler's position (`"sampler": "global"` or a mixture's) goes into the meta and needs no
+        signature.
         """
         state = storable(state)
         data_bytes = json.dumps(data_state).encode()
-        if isinstance(data_state, dict) and data_state.get("sampler") == "global":
+        if isinstance(data_state, dict) and data_state.get("sampler") in ("global", "mixture"):
             meta = {**meta, "data_position": data_state}
         signature = {"process_count": jax.process_count(), **(input_signature or {})}
         # One checksum per array, computed where the shards live: restore recomputes them,

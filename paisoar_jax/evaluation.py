@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from paisoar_jax.config import Config
+from paisoar_jax.data.mixture import MixtureEval
 from paisoar_jax.data.prefetch import global_batch
 from paisoar_jax.parallel import sharding
 
@@ -36,8 +37,16 @@ def eval_batch_count(size: int, global_batch: int, cap: int) -> int:
     return min(whole, cap) if cap else whole
 
 
-def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[str, float]:
-    """Each eval metric's mean over the eval set's rows (see the module docstring)."""
+def evaluate(
+    eval_step, state, eval_source, task, config: Config, mesh, step: int = 0
+) -> dict[str, float]:
+    """Each eval metric's mean over the eval set's rows (see the module docstring).
+
+    A mixture's sources are evaluated one by one (`loss/<name>`, ...); its `loss` is theirs
+    weighted by the mixture's weights at `step`.
+    """
+    if isinstance(eval_source, MixtureEval):
+        return _evaluate_mixture(eval_step, state, eval_source, task, config, mesh, step)
     batch_sharding = sharding.batch_sharding(mesh)
     totals: dict[str, np.float64] = {}
     pending = []
@@ -52,6 +61,24 @@ def evaluate(eval_step, state, eval_source, task, config: Config, mesh) -> dict[
     if getattr(task, "reports_perplexity", False):  # of the mean loss per token, not per row
         loss = means["loss"]
         means["perplexity"] = math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf
+    return means
+
+
+def _evaluate_mixture(eval_step, state, mixture, task, config, mesh, step) -> dict[str, float]:
+    """Each source's eval metrics as `<metric>/<name>`, and the loss the weights mix."""
+    parts = {
+        name: evaluate(eval_step, state, source, task, config, mesh)
+        for name, source in mixture.parts.items()
+    }
+    weights = mixture.weights_at(step)
+    if not sum(weights.values()) > 0:  # sources paused at this stage: weigh those evaluated alike
+        weights = dict.fromkeys(weights, 1.0)
+    loss = sum(weights[name] * parts[name]["loss"] for name in parts) / sum(weights.values())
+    means = {"loss": loss}
+    if getattr(task, "reports_perplexity", False):
+        means["perplexity"] = math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf
+    for name, results in parts.items():
+        means |= {f"{metric}/{name}": value for metric, value in results.items()}
     return means
 
 

@@ -21,6 +21,7 @@ from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output
 from paisoar_jax.checkpoint import checkpoint_directory
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
+from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import DivergenceError, HangError, UserError
@@ -240,6 +241,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
             watchdog.phase = "log"
             _check_input(batches, start_step, checkpointer)  # before the loss is judged
             record = _log_record(parts, step, metrics, train_step, instruments, history)
+            record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
             if is_eval_step:  # after the timings: eval time is not step time
                 with watchdog.paused():  # its first call compiles
                     record |= _evaluate(parts, eval_step, state, step, history)
@@ -400,7 +402,7 @@ def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
     """The eval metrics of this step, prefixed eval_, shown above the progress bar."""
     start = time.perf_counter()
     history.eval_results = evaluate(
-        eval_step, state, parts.eval_source, parts.task, parts.config, parts.mesh
+        eval_step, state, parts.eval_source, parts.task, parts.config, parts.mesh, step
     )
     history.eval_s += time.perf_counter() - start
     shown = {f"eval_{name}": value for name, value in history.eval_results.items()}

@@ -25,6 +25,7 @@ from paisoar_jax.checkpoint import (
     load_weights,
 )
 from paisoar_jax.config import Config, to_dict
+from paisoar_jax.data.mixture import MixtureBatches
 from paisoar_jax.data.pipeline import GlobalBatches, resume_position
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite
@@ -116,6 +117,8 @@ def input_signature(config: Config, task: Task) -> dict[str, Any]:
 def resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
     """Moves the input to where the checkpoint left it; a line to print when it cannot."""
     step = restored.step
+    if isinstance(host_iterator, MixtureBatches):
+        return host_iterator.continue_from(restored.data_state, step, config.data.on_change)
     if isinstance(host_iterator, GlobalBatches):
         saved_batch = restored.meta.get("config", {}).get("train", {}).get("global_batch")
         examples, note = resume_position(

@@ -25,6 +25,7 @@ import optax
 from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.data import images as image_data
+from paisoar_jax.data import mixture
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
@@ -54,20 +55,36 @@ class LanguageModelling:
             self.metric_names = moe.metric_names(config.model)
 
     def open_sources(self) -> tuple[Any, Any]:
-        """The (train, eval) window sources named by data.source."""
-        return open_source(self.config.data, self.config.model, self.config.train.seed)
+        """The (train, eval) window sources named by data.source, or data.mixture's."""
+        data, model, seed = self.config.data, self.config.model, self.config.train.seed
+        if data.mixture:
+            return mixture.open_mixture(data, lambda one: open_source(one, model, seed))
+        return open_source(data, model, seed)
 
     def host_batches(
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
     ) -> GlobalBatches:
         """The rows of global batches of one source this process reads (train: shuffled)."""
+        data = self.config.data
+        specs = [entry.source for entry in data.mixture] or [data.source]
+        # files are read by grain's threads; in-memory windows on the prefetch thread alone
+        in_memory = not any(spec.startswith(("arrayrecord:", "hf:")) for spec in specs)
+        if isinstance(source, mixture.Mixture):
+            return mixture.MixtureBatches(
+                source,
+                data,
+                global_batch=global_batch,
+                seed=seed,
+                workers=workers,
+                in_memory=in_memory,
+            )
         return batch_dataset(
             source,
             global_batch=global_batch,
             seed=seed,
             shuffle=train,
             workers=workers,
-            in_memory=not self.config.data.source.startswith("arrayrecord:"),
+            in_memory=in_memory,
         )
 
     def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct | dict:
@@ -133,7 +150,8 @@ class LanguageModelling:
     def closing_sample(self, layout, state, mesh) -> str | None:
         """train.sample_bytes bytes after a prompt, for the embedded (byte-level) text."""
         train = self.config.train
-        if not train.sample_bytes or self.config.data.source != "embedded":
+        data = self.config.data
+        if not train.sample_bytes or data.source != "embedded" or data.mixture:
             return None
         text = generate(
             layout,

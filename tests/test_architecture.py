@@ -16,7 +16,7 @@ TOOLS = {"plan", "hlo", "doctor", "findings", "bench", "overhead", "convert", "e
 TOOLS |= {"launch", "rank_output", "cli", "hf", "generate", "conversations"}
 TOOLS |= {"gpu_target", "gpu_kernels", "plan_table", "plan_variants", "fit_search"}
 TOOLS |= {"memory_findings", "hf_layouts", "moe_findings", "plan_reports", "context_split"}
-TOOLS |= {"restarts", "peft", "hf_datasets"}
+TOOLS |= {"restarts", "peft", "hf_datasets", "hf_sources"}
 COMMANDS = {
     "plan",
     "doctor",

@@ -134,7 +134,9 @@ def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> A
     if not isinstance(values, dict):
         raise UserError(f"{prefix}: expected a mapping of keys, got {values!r}")
     hints = typing.get_type_hints(section_type)
-    known = {f.name for f in dataclasses.fields(section_type)}
+    # a field may read its own value (data.mixture's nested lists): its metadata's "parse"
+    parsers = {f.name: f.metadata.get("parse") for f in dataclasses.fields(section_type)}
+    known = set(parsers)
     kwargs = {}
     for key, value in values.items():
         if key not in known:
@@ -142,7 +144,8 @@ def _build_section(section_type: type, values: dict[str, Any], prefix: str) -> A
                 f"unknown config key {prefix}.{key}{_model_hint(prefix, key, values)} "
                 f"(known: {', '.join(sorted(known))})"
             )
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
+        parse = parsers[key]
+        kwargs[key] = parse(value) if parse else _coerce(value, hints[key], f"{prefix}.{key}")
     return section_type(**kwargs)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from paisoar_jax.config.checks import check_at_least, check_finite_non_negative, check_regex
+from paisoar_jax.config.data import DataConfig
 from paisoar_jax.config.lora import LoraConfig
 from paisoar_jax.config.models import (
     CustomModelConfig,
@@ -25,7 +26,7 @@ from paisoar_jax.config.models import (
 from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
 
-__all__ = ["LoraConfig", "RunConfig"]  # sections of their own modules, part of Config
+__all__ = ["DataConfig", "LoraConfig", "RunConfig"]  # sections of their own modules, part of Config
 
 
 @dataclass(frozen=True)
@@ -131,53 +132,6 @@ class ShardingConfig:
             check_regex(pattern, "sharding.rules")
         if self.min_split_size < 1:
             raise UserError(f"sharding.min_split_size must be >= 1, got {self.min_split_size}")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from and how they are loaded."""
-
-    # gpt: embedded | synthetic | arrayrecord:<dir or glob>;
-    # image models: images:<dir> | digits (scikit-learn's, no download) | synthetic
-    source: str = "embedded"
-    # The model's tokenizer: byte, a tokenizer.json (or a directory with one; hf-import pins
-    # its copy here) or a tokenizer's name. When set, an arrayrecord dataset must have been
-    # converted with it (the file's sha256), and the byte-level embedded corpus is refused.
-    tokenizer: str = ""
-    # How a converted dataset's documents become windows (data/documents.py): stream (cut
-    # anywhere, as pre-training reads), documents (whole ones packed, attention and positions
-    # per document) or padding (one per window)
-    packing: Literal["stream", "documents", "padding"] = "stream"
-    # The targets the loss learns: all, or response (those `convert text --format
-    # instruction|chat` marked: the prompt is context); the loss averages over them alone
-    loss_on: Literal["all", "response"] = "all"
-    workers: int = 0  # grain worker processes (0: read in the main process)
-    prefetch: int = 2  # global batches in flight on the devices
-    # Stop at a batch whose floating arrays hold nan or inf (false: a loss that masks them)
-    check_finite: bool = True
-    eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)
-    min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
-    mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
-    # a resume onto data of another size or fingerprint: refuse it, or start the new data
-    # from its first example
-    on_change: Literal["refuse", "restart"] = "refuse"
-
-    def __post_init__(self):
-        check_at_least("data", self, {"prefetch": 1, "workers": 0})
-        if not 0 <= self.eval_fraction < 1:
-            raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if not 0 < self.min_crop_scale <= 1:
-            raise UserError(f"data.min_crop_scale must be in (0, 1], got {self.min_crop_scale}")
-        if not (math.isfinite(self.mixup_alpha) and self.mixup_alpha >= 0):
-            raise UserError(
-                f"data.mixup_alpha must be a finite number >= 0, got {self.mixup_alpha}"
-            )
-
-    def image_keys_changed(self) -> list[str]:
-        """The image augmentation keys set away from their defaults."""
-        defaults = DataConfig()
-        keys = ("min_crop_scale", "mixup_alpha")
-        return [key for key in keys if getattr(self, key) != getattr(defaults, key)]
 
 
 @dataclass(frozen=True)
@@ -399,6 +353,13 @@ class Config:
             raise UserError(
                 "precision.policy=fp8 runs the zoo's transformer blocks (gpt, vit) in fp8; a "
                 "model of your own trains in bf16 (its matmuls are not fp8 ops)"
+            )
+        if self.data.mixture and not isinstance(self.model, LanguageModelConfig):
+            custom = isinstance(self.model, CustomModelConfig)
+            raise UserError(
+                f"data.mixture mixes token sources for the zoo's decoders (gpt, llama); "
+                f"model.name={self.model.name} reads "
+                f"{'the data given to fit' if custom else 'one data.source'}"
             )
         if self.data.eval_fraction == 0 and self.train.eval_every > 0:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")

@@ -152,23 +152,31 @@ class ReadRows(grain.transforms.Map):
 
     def map(self, batch_number: int) -> Any:
         """The rows of one batch, read at once."""
-        size, start = len(self.source), self.first + batch_number * self.stride
-        epochs, offsets = np.divmod(np.arange(start, start + self.rows), size)
-        if self.shuffle:
-            offsets = np.fromiter(
-                (
-                    grain.experimental.index_shuffle(
-                        int(offset),
-                        max_index=size - 1,
-                        seed=int((self.seed + epoch) % 2**32),
-                        rounds=4,
-                    )
-                    for epoch, offset in zip(epochs, offsets, strict=True)
-                ),
-                dtype=np.int64,
-                count=self.rows,
+        start = self.first + batch_number * self.stride
+        positions = np.arange(start, start + self.rows)
+        return self.source.read_batch(
+            stream_indices(positions, len(self.source), self.seed, self.shuffle)
+        )
+
+
+def stream_indices(positions: np.ndarray, size: int, seed: int, shuffle: bool) -> np.ndarray:
+    """The source indices at `positions` of its endless stream (`example_stream`'s order).
+
+    Grain's `index_shuffle` with the seed plus the epoch, as grain's shuffle draws it.
+    """
+    epochs, offsets = np.divmod(np.asarray(positions, dtype=np.int64), size)
+    if not shuffle:
+        return offsets
+    return np.fromiter(
+        (
+            grain.experimental.index_shuffle(
+                int(offset), max_index=size - 1, seed=int((seed + epoch) % 2**32), rounds=4
             )
-        return self.source.read_batch(offsets)
+            for epoch, offset in zip(epochs, offsets, strict=True)
+        ),
+        dtype=np.int64,
+        count=len(offsets),
+    )
 
 
 class GlobalBatches:
@@ -313,9 +321,28 @@ def resume_position(
     """(examples to skip, a line to print or None) for a run resumed after `step`.
 
     `saved`: the position in the checkpoint (None for one written before the global
-    sampler: its step times `saved_batch` examples are taken as consumed). A dataset whose
-    size or fingerprint changed is refused, unless `on_change` is "restart".
+    sampler: its step times `saved_batch` examples are taken as consumed; a mixture's: the
+    source of the same identity goes on). A dataset whose size or fingerprint changed is
+    refused, unless `on_change` is "restart".
     """
+    if saved is not None and saved.get("sampler") == "mixture":
+        for name, identity in saved["sources"].items():
+            if {key: identity.get(key) for key in ("size", "fingerprint")} == batches.identity:
+                examples = int(saved["positions"][name])
+                return examples, (
+                    f"checkpoint step {step} read a mixture; data.source is its {name}, "
+                    f"which goes on from example {examples}"
+                )
+        change = (
+            f"checkpoint step {step} read a mixture ({', '.join(saved['sources'])}), and "
+            f"data.source is none of its sources"
+        )
+        if on_change != "restart":
+            raise UserError(
+                f"{change}: resume with that data.mixture, or set data.on_change=restart to "
+                f"read data.source from its first example"
+            )
+        return 0, f"{change}: data.on_change=restart, so it starts from its first example"
     if saved is None or saved.get("sampler") != "global":
         return step * saved_batch, (
             f"checkpoint step {step} holds a per-process input position (written before the "

@@ -7,12 +7,16 @@ EMBEDDED_EVAL_BYTES of its files (every eval reads all of its split: a few secon
 laptop's CPU, not the half-minute the whole 5% would take each time). `synthetic` makes
 random tokens at full speed, for benchmarks. `arrayrecord:<dir or glob>` reads a dataset
 written by `python -m paisoar_jax.convert text`, packed into windows with no padding; its
-last `data.eval_fraction` of windows is held out for eval.
+last `data.eval_fraction` of windows is held out for eval. `hf:<path>` is a Hugging Face
+`datasets` directory or local data files, tokenized once into a cache (`hf_cache_directory`;
+the train entrypoint and `fit` convert it on first use, tools/hf_sources.py) and then read as
+an arrayrecord dataset.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import pathlib
 import sysconfig
@@ -23,7 +27,7 @@ import numpy as np
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig
 from paisoar_jax.data import documents
-from paisoar_jax.data.records import PackedWindows, TokenRecords, file_sha256
+from paisoar_jax.data.records import MANIFEST_NAME, PackedWindows, TokenRecords, file_sha256
 from paisoar_jax.errors import UserError
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
@@ -89,11 +93,11 @@ class SyntheticWindows:
         width = self.seq_len + 1
         starts = np.asarray(indices).astype(np.uint64) * np.uint64(width)
         counters = starts[:, None] + np.arange(width, dtype=np.uint64)
-        hashed = _splitmix64(counters ^ np.uint64(((self.seed * 0x9E3779B1) << 32) % 2**64))
+        hashed = splitmix64(counters ^ np.uint64(((self.seed * 0x9E3779B1) << 32) % 2**64))
         return (hashed % np.uint64(self.vocab_size)).astype(np.int32)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser: well-mixed uint64 values from a counter (wrapping arithmetic)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -176,16 +180,56 @@ def open_token_records(
     return tuple(PackedWindows(records, seq_len, *split) for split in splits)
 
 
+def hf_cache_directory(data_config: DataConfig, path: str) -> pathlib.Path:
+    """Where `hf:<path>` is tokenized once, under data.cache_dir.
+
+    Its name holds a hash of the data files (relative path, size, modification time) and of
+    the conversion's settings (tokenizer and its sha256, split, format, field): changed data
+    or settings get a conversion of their own.
+    """
+    target = pathlib.Path(path).expanduser().absolute()
+    if not target.exists():
+        raise UserError(f"data.source=hf:{path}: no such directory or file")
+    files = (
+        sorted(file for file in target.rglob("*") if file.is_file())
+        if target.is_dir()
+        else [target]
+    )
+    digest = hashlib.blake2b(digest_size=6)
+    for file in files:
+        status = file.stat()
+        digest.update(
+            f"{file.relative_to(target.parent)}\0{status.st_size}\0{status.st_mtime_ns}\n".encode()
+        )
+    tokenizer = data_config.tokenizer or "byte"
+    tokenizer_path = pathlib.Path(tokenizer)
+    if tokenizer_path.is_dir():
+        tokenizer_path = tokenizer_path / "tokenizer.json"
+    sha = file_sha256(tokenizer_path) if tokenizer != "byte" and tokenizer_path.is_file() else ""
+    settings = (tokenizer, sha, data_config.hf_split, data_config.hf_format, data_config.hf_field)
+    digest.update(repr(settings).encode())
+    root = pathlib.Path(data_config.cache_dir or "~/.cache/paisoar_jax/hf").expanduser()
+    return root / f"{target.name or 'data'}-{digest.hexdigest()}"
+
+
 def open_source(
     data_config: DataConfig, model_config: LanguageModelConfig, seed: int
 ) -> tuple[TokenWindows | SyntheticWindows | PackedWindows, ...]:
     """The (train, eval) window sources named by data.source."""
-    if data_config.source.startswith("arrayrecord:"):
+    source = data_config.source
+    if source.startswith(("arrayrecord:", "hf:")):
+        directory = source.removeprefix("arrayrecord:")
+        if source.startswith("hf:"):
+            directory = str(hf_cache_directory(data_config, source.removeprefix("hf:")))
+            if not (pathlib.Path(directory) / MANIFEST_NAME).is_file():
+                raise UserError(
+                    f"data.source={source} is not tokenized yet: `python -m paisoar_jax.train` "
+                    f"and fit do it on first use (into {directory}), or run `python -m "
+                    f"paisoar_jax.convert text --from-hf {source[3:]} --output DIR` and train "
+                    f"on data.source=arrayrecord:DIR"
+                )
         return open_token_records(
-            data_config.source.removeprefix("arrayrecord:"),
-            data_config,
-            model_config.seq_len,
-            model_config.vocab_size,
+            directory, data_config, model_config.seq_len, model_config.vocab_size
         )
     if data_config.packing != "stream" or data_config.loss_on != "all":
         setting = (
@@ -212,7 +256,7 @@ def open_source(
     if data_config.source != "embedded":
         raise UserError(
             f"data.source={data_config.source!r} is not one of embedded, synthetic, "
-            f"arrayrecord:<dir>, images:<dir>"
+            f"arrayrecord:<dir>, hf:<dir>, images:<dir>"
         )
     if data_config.tokenizer not in ("", "byte"):
         raise UserError(

@@ -1,0 +1,56 @@
+"""`data.source=hf:<path>` at train time: the dataset tokenized once, on first use.
+
+A Hugging Face `datasets` directory (save_to_disk) or local data files are converted by
+`convert text --from-hf` into the cache directory the core reads them from
+(`data.sources.hf_cache_directory`: a hash of the files and the settings, under
+data.cache_dir), then trained on as an arrayrecord dataset, with the global sampler's
+guarantees. Process 0 converts while the others wait; every process must see the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import multihost_utils
+
+from paisoar_jax import output
+from paisoar_jax.config import Config
+from paisoar_jax.data.records import MANIFEST_NAME
+from paisoar_jax.data.sources import hf_cache_directory
+from paisoar_jax.errors import UserError
+
+
+def hf_paths(config: Config) -> list[str]:
+    """The paths of the run's hf:<path> sources (data.source or the mixture's)."""
+    specs = [entry.source for entry in config.data.mixture] or [config.data.source]
+    return [spec.removeprefix("hf:") for spec in specs if spec.startswith("hf:")]
+
+
+def prepare(config: Config) -> None:
+    """Tokenizes each hf:<path> source the cache lacks (process 0), before training."""
+    paths = hf_paths(config)
+    if not paths:
+        return
+    from paisoar_jax.tools import convert  # tokenizers and datasets: only when needed
+
+    data = config.data
+    for path in paths:
+        directory = hf_cache_directory(data, path)
+        if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
+            arguments = ["text", "--from-hf", path, "--split", data.hf_split]
+            arguments += ["--format", data.hf_format, "--tokenizer", data.tokenizer or "byte"]
+            if data.hf_field:
+                field = "--messages-field" if data.hf_format == "chat" else "--field"
+                arguments += [field, data.hf_field]
+            arguments += ["--output", str(directory), "--overwrite", "--no-progress"]
+            summary = convert.convert_text(convert.build_parser().parse_args(arguments))
+            output.note(f"data.source=hf:{path}, tokenized once for this and later runs: {summary}")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("paisoar_jax: hf sources tokenized")
+        for path in paths:
+            directory = hf_cache_directory(data, path)
+            if not (directory / MANIFEST_NAME).is_file():
+                raise UserError(
+                    f"data.source=hf:{path}: process 0 tokenized it into {directory}, which "
+                    f"process {jax.process_index()} cannot see: set data.cache_dir to a "
+                    f"directory every host shares"
+                )

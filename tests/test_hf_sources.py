@@ -1,0 +1,71 @@
+"""`data.source=hf:PATH` (paisoar_jax/tools/hf_sources.py): a `datasets` directory is
+tokenized once on first use, then trains and resumes as a converted dataset does."""
+
+import shutil
+
+import datasets
+import numpy as np
+import pytest
+from conftest import resumable_run
+
+from paisoar_jax.config import load_config
+from paisoar_jax.data.records import TokenRecords
+from paisoar_jax.data.sources import hf_cache_directory, open_source
+from paisoar_jax.errors import UserError
+from paisoar_jax.tools import convert, hf_sources
+
+ROWS = [{"text": f"def add_{i}(x):\n    return x + {i}\n" * (i % 3 + 1)} for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A `datasets` Dataset written with save_to_disk."""
+    path = tmp_path_factory.mktemp("hf") / "functions"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(path))
+    return path
+
+
+def settings(saved, cache):
+    return [f"data.source=hf:{saved}", f"data.cache_dir={cache}"]
+
+
+def test_a_datasets_directory_trains_and_resumes_exactly(saved, tmp_path, capsys):
+    config = load_config(None, settings(saved, tmp_path / "cache"))
+    with pytest.raises(UserError, match="is not tokenized yet: `python -m paisoar_jax.train`"):
+        open_source(config.data, config.model, 0)
+    hf_sources.prepare(config)
+    directory = hf_cache_directory(config.data, str(saved))
+    assert "tokenized once for this and later runs" in capsys.readouterr().out
+    # the same tokens as `convert text --from-hf` writes
+    assert (
+        convert.main(["text", "--from-hf", str(saved), "--output", str(tmp_path / "by_hand")]) == 0
+    )
+    cached, by_hand = TokenRecords(directory), TokenRecords(tmp_path / "by_hand")
+    assert np.array_equal(cached.read(0, cached.token_count), by_hand.read(0, by_hand.token_count))
+    whole = resumable_run(tmp_path / "whole", settings(saved, tmp_path / "cache"), 6)
+    resumable_run(tmp_path / "cut", settings(saved, tmp_path / "cache"), 3)
+    hf_sources.prepare(config)  # a second run reads the cache as it is
+    assert capsys.readouterr().out.count("tokenized once") == 0
+    assert resumable_run(tmp_path / "cut", settings(saved, tmp_path / "cache"), 6) == whole
+
+
+def test_changed_data_is_tokenized_again_and_refused_on_resume(saved, tmp_path, capsys):
+    changed = tmp_path / "functions"
+    shutil.copytree(saved, changed)
+    first = load_config(None, settings(changed, tmp_path / "cache"))
+    hf_sources.prepare(first)
+    before = hf_cache_directory(first.data, str(changed))
+    resumable_run(tmp_path / "run", settings(changed, tmp_path / "cache"), 3)
+    shutil.rmtree(changed)
+    datasets.Dataset.from_list(ROWS[:200]).save_to_disk(str(changed))
+    again = load_config(None, settings(changed, tmp_path / "cache"))
+    assert hf_cache_directory(again.data, str(changed)) != before
+    hf_sources.prepare(again)
+    with pytest.raises(UserError, match="the data now has .* data.on_change=restart"):
+        resumable_run(tmp_path / "run", settings(changed, tmp_path / "cache"), 6)
+
+
+def test_a_missing_dataset_is_one_line(tmp_path):
+    config = load_config(None, [f"data.source=hf:{tmp_path / 'nothing'}"])
+    with pytest.raises(UserError, match="hf:.*nothing: no such directory or file"):
+        hf_sources.prepare(config)
