@@ -175,3 +175,18 @@ def test_lora_adapters_alone_teach_a_frozen_model_and_load_in_peft(tmp_path):
     assert "lora.rank=16" in result.stdout and "--peft" in result.stdout
     accuracy = int(result.stdout.split("adapter answers ")[1].split("%")[0])
     assert accuracy >= 90, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_mixture_changes_weights_at_a_stage_and_on_resume(tmp_path):
+    """Two sources (the embedded Python, sums from a `datasets` directory), a stage at 41, a
+    stop at 40 and at 80, new weights on the second resume: each stretch has its shares."""
+    result = run_example("data_mixture.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from step 40" in result.stdout and "resumed from step 80" in result.stdout
+    assert "every source goes on from where it was (python at example" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if "sums are" in line]
+    shares = [float(line.split("sums are ")[1].split("%")[0]) for line in lines]
+    assert len(shares) == 3
+    for share, weight in zip(shares, (10, 50, 80), strict=True):
+        assert abs(share - weight) < 1, lines

@@ -9,14 +9,30 @@ guarantees. Process 0 converts while the others wait; every process must see the
 
 from __future__ import annotations
 
+import itertools
+
 import jax
-from jax.experimental import multihost_utils
 
 from paisoar_jax import output
 from paisoar_jax.config import Config
 from paisoar_jax.data.records import MANIFEST_NAME
 from paisoar_jax.data.sources import hf_cache_directory
 from paisoar_jax.errors import UserError
+
+WAIT_S = 24 * 3600  # how long the other processes wait for process 0's tokenizing
+_BARRIERS = itertools.count()  # a barrier's name is used once
+
+
+def wait_for_everyone(name: str) -> None:
+    """Blocks until every process arrives, however long that takes (up to WAIT_S).
+
+    The coordination service's barrier, not a collective: a device barrier (gloo, NCCL)
+    gives up after a timeout of seconds to minutes, and tokenizing can take hours. A process
+    that dies meanwhile fails the others through the same service.
+    """
+    from jax._src import distributed as jax_distributed  # the client has no public door
+
+    jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=WAIT_S * 1000)
 
 
 def hf_paths(config: Config) -> list[str]:
@@ -45,7 +61,7 @@ def prepare(config: Config) -> None:
             summary = convert.convert_text(convert.build_parser().parse_args(arguments))
             output.note(f"data.source=hf:{path}, tokenized once for this and later runs: {summary}")
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("paisoar_jax: hf sources tokenized")
+        wait_for_everyone(f"paisoar_jax.hf_sources.{next(_BARRIERS)}")
         for path in paths:
             directory = hf_cache_directory(data, path)
             if not (directory / MANIFEST_NAME).is_file():
