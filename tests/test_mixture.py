@@ -144,6 +144,9 @@ def test_a_source_added_on_resume_starts_from_its_first_example():
     assert reader.get_state()["positions"] == {"web": 40, "code": 36, "math": 4}
     dropped, note = resumed({"web": 1.0}, (), first.get_state(), 4)
     assert "code is no longer read" in note
+    fresh, note = resumed({"web": 0.5, "code": 0.5}, (), None, 4)  # a checkpoint without one
+    assert note.startswith("checkpoint step 4 holds no position of these sources; web is new")
+    assert fresh.get_state()["positions"] == {"web": 0, "code": 0}
 
 
 def test_one_source_runs_on_into_a_mixture_and_back():

@@ -106,11 +106,9 @@ class Schedule:
 
 
 def weights_at(data_config: DataConfig, step: int) -> tuple[float, ...]:
-    """The mixture's weights (summing to 1) at training step `step`."""
-    return tuple(
-        float(weight)
-        for weight in [weights for first, weights in weight_stages(data_config) if first < step][-1]
-    )
+    """The mixture's weights (summing to 1) at training step `step` (from 1)."""
+    begun = [weights for first, weights in weight_stages(data_config) if first < max(step, 1)]
+    return tuple(float(weight) for weight in begun[-1])
 
 
 class Mixture:
@@ -362,9 +360,13 @@ class MixtureBatches(GlobalBatches):
             if name not in news
         )
         dropped = sorted(set(saved_sources) - set(self.mixture.names))
+        if saved_sources:
+            opening = f"the input changed since checkpoint step {step}: every source goes on "
+            opening += f"from where it was{f' ({places})' if places else ''}"
+        else:
+            opening = f"checkpoint step {step} holds no position of these sources"
         said = [
-            f"the input changed since checkpoint step {step}: every source goes on from where "
-            f"it was{f' ({places})' if places else ''}",
+            opening,
             *(f"{name} is new and starts from its first example" for name in news),
             *(f"{name} is no longer read" for name in dropped),
             *notes,
