@@ -17,7 +17,9 @@ user runs, printed as they go:
                          on from its place (nothing repeated, nothing skipped), said in a line
 
 Then it prints each source's examples read and eval loss at every eval (metrics.jsonl's
-`examples/<name>` and `eval_loss/<name>`), and each stretch's share of the sums.
+`examples/<name>` and `eval_loss/<name>`), and each stretch's share of the sums. The learning
+rate is constant after its warmup (optim.schedule=constant): a cosine's decay is sized by
+train.steps, which these cuts raise, while the input is the same however a run is cut.
 """
 
 import json
@@ -53,7 +55,8 @@ def main(arguments: list[str]) -> None:
     if not (work / "sums").is_dir():
         save_sums(work / "sums")
     common = [f"run.dir={work / 'run'}", f"data.cache_dir={work / 'cache'}"]
-    common += ["train.eval_every=20", "train.eval_batches=4", "checkpoint.every=20", *arguments]
+    common += ["train.eval_every=20", "train.eval_batches=4", "checkpoint.every=20"]
+    common += ["optim.schedule=constant", *arguments]
     mixture = f"data.mixture=[[embedded,0.9,python],[hf:{work / 'sums'},0.1,sums]]"
     staged = [mixture, "data.mixture_stages=[[41,0.5,0.5]]"]
     train(*staged, "train.steps=40", *common)

@@ -69,3 +69,35 @@ def test_a_missing_dataset_is_one_line(tmp_path):
     config = load_config(None, [f"data.source=hf:{tmp_path / 'nothing'}"])
     with pytest.raises(UserError, match="hf:.*nothing: no such directory or file"):
         hf_sources.prepare(config)
+
+
+def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{bad json\n')
+    damaged = tmp_path / "damaged"
+    shutil.copytree(saved, damaged)
+    for arrow in damaged.glob("*.arrow"):
+        arrow.write_bytes(b"")
+    cases = [
+        ([f"data.source=hf:{tmp_path / 'broken.jsonl'}"], "broken.jsonl: datasets cannot read it"),
+        ([f"data.source=hf:{damaged}"], "damaged: datasets cannot read it"),
+        ([f"data.source=hf:{saved}", "data.hf_field=body"], "set data.hf_field"),
+        ([f"data.source=hf:{saved}", "data.cache_dir=/dev/null/cache"], "data.cache_dir: cannot"),
+    ]
+    for overrides, message in cases:
+        config = load_config(None, [f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+        with pytest.raises(UserError, match=message) as error:
+            hf_sources.prepare(config)
+        assert "\n" not in str(error.value) and "--" not in str(error.value), error.value
+
+
+def test_an_instruction_dataset_names_its_two_columns(tmp_path):
+    rows = [{"question": f"{i} + 1 =", "answer": f" {i + 1}"} for i in range(50)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "sums"))
+    overrides = [f"data.source=hf:{tmp_path / 'sums'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    overrides += ["data.hf_format=instruction", "data.hf_field=question,answer"]
+    config = load_config(None, [*overrides, "data.loss_on=response"])
+    hf_sources.prepare(config)
+    records = TokenRecords(hf_cache_directory(config.data, str(tmp_path / "sums")))
+    tokens, mask = records.read_with_mask(0, records.token_count)
+    learned = bytes(tokens[mask.astype(bool)].astype(np.uint8)).decode()
+    assert learned.startswith(" 1\0 2\0 3\0")  # the answers (and their end) alone are learned

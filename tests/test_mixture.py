@@ -114,6 +114,8 @@ def test_a_resume_with_changed_weights_reads_what_a_stage_at_that_step_reads():
     assert read + rows_of(reader, 12) == staged  # batch for batch, not only the same union
     assert "every source goes on from where it was (web at example 84, code at example 28)" in note
     assert "weights from step 8 are web 0.3, code 0.7" in note
+    _, note = resumed(before, [[5, 0.5, 0.5]], state, 7)  # new base weights, a stage in effect
+    assert note.endswith("web 0.5, code 0.5 (data.mixture_stages' stage from step 5)")
     # the new run's own checkpoints go on exactly, with no line to say
     again, note = resumed(after, (), reader.get_state(), 19)
     assert note is None and rows_of(again, 5) == rows_of(reader, 5)
@@ -144,6 +146,12 @@ def test_a_source_added_on_resume_starts_from_its_first_example():
     assert reader.get_state()["positions"] == {"web": 40, "code": 36, "math": 4}
     dropped, note = resumed({"web": 1.0}, (), first.get_state(), 4)
     assert "code is no longer read" in note
+    mixture = 'data.mixture=[["arrayrecord:/web",0.5,python],["arrayrecord:/code",0.5]]'
+    config = load_config(None, [mixture]).data  # web's data, now named python
+    train, _ = open_mixture(config, lambda one: (marked_windows(one.source[13:]), None))
+    renamed = MixtureBatches(train, config, global_batch=16, seed=3)
+    note = renamed.continue_from(first.get_state(), 4, "refuse")
+    assert "python was web" in note and renamed.get_state()["positions"]["python"] == 32
     fresh, note = resumed({"web": 0.5, "code": 0.5}, (), None, 4)  # a checkpoint without one
     assert note.startswith("checkpoint step 4 holds no position of these sources; web is new")
     assert fresh.get_state()["positions"] == {"web": 0, "code": 0}
@@ -178,7 +186,7 @@ def test_changed_data_under_a_source_is_refused_on_resume():
     [
         (
             ["data.mixture=[[embedded,-0.5],[synthetic,1]]"],
-            "the weight of embedded must be positive, got -0.5",
+            "the weight of embedded must be >= 0, got -0.5",
         ),
         (["data.mixture=[[embedded,0],[synthetic,0]]"], "weights from step 1 are all 0"),
         (["data.mixture=[[embedded,1],[synthetic,0]]"], "synthetic has weight 0 in every stage"),
@@ -207,6 +215,9 @@ def test_changed_data_under_a_source_is_refused_on_resume():
             "model.name=resnet reads one data.source",
         ),
         (["data.mixture=embedded"], "expected a list of \\[source, weight\\]"),
+        (["data.source=hf:"], "data.source=hf: names no path: hf:DIR"),
+        (['data.mixture=[[embedded,1],["arrayrecord:",1]]'], "arrayrecord: names no path"),
+        (["data.hf_format=instruction", "data.hf_field=question"], "PROMPT,RESPONSE"),
     ],
 )
 def test_bad_mixtures_are_one_line(overrides, message):

@@ -54,7 +54,7 @@ def _weight(value: Any, key: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise UserError(f"{key}: the weight of {what} must be a number, got {value!r}")
     if value < 0:
-        raise UserError(f"{key}: the weight of {what} must be positive, got {value}")
+        raise UserError(f"{key}: the weight of {what} must be >= 0, got {value}")
     return float(value)
 
 
@@ -147,7 +147,8 @@ class DataConfig:
     # hf:<path>: how a row reads: text (its hf_field), instruction (prompt and response
     # columns, the prompt masked from the loss) or chat (messages, in the chat template)
     hf_format: Literal["text", "instruction", "chat"] = "text"
-    # hf:<path>: the text's column (or the chat's messages'); empty: text, or messages for chat
+    # hf:<path>: the text's column, the chat's messages' or the instruction's two (prompt,
+    # response); empty: text, messages or prompt,response
     hf_field: str = ""
     # Where hf:<path> sources are tokenized once (process 0 writes; every process must see
     # it); empty: ~/.cache/paisoar_jax/hf
@@ -172,6 +173,17 @@ class DataConfig:
 
     def __post_init__(self):
         check_at_least("data", self, {"prefetch": 1, "workers": 0})
+        for source in [self.source, *(entry.source for entry in self.mixture)]:
+            if (
+                source.startswith(("hf:", "arrayrecord:", "images:"))
+                and not source.partition(":")[2]
+            ):
+                raise UserError(f"data.source={source} names no path: {source}DIR")
+        if self.hf_format == "instruction" and self.hf_field and self.hf_field.count(",") != 1:
+            raise UserError(
+                f"data.hf_field={self.hf_field}: an instruction has two columns, "
+                f"data.hf_field=PROMPT,RESPONSE"
+            )
         if not 0 <= self.eval_fraction < 1:
             raise UserError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not 0 < self.min_crop_scale <= 1:

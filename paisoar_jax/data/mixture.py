@@ -312,7 +312,12 @@ class MixtureBatches(GlobalBatches):
         saved = saved or {}
         saved_positions, saved_sources = _saved_places(saved, self.mixture.identities)
         positions, news, notes = [], [], []
+        renamed = _renamed(saved_sources, self.mixture.identities)
         for name in self.mixture.names:
+            if name in renamed:  # the same data under another name: its place is kept
+                saved_positions[name] = saved_positions[renamed[name]]
+                saved_sources[name] = saved_sources.pop(renamed[name])
+                notes.append(f"{name} was {renamed[name]}")
             identity, old = self.mixture.identities[name], saved_sources.get(name)
             if old is None:
                 positions.append(0)
@@ -377,11 +382,35 @@ class MixtureBatches(GlobalBatches):
         )
 
     def _weights_line(self, step: int) -> str:
-        """`web 0.75, code 0.25`: the weights at `step`."""
+        """`web 0.75, code 0.25`: the weights at `step`, and the stage they are of."""
         weights = weights_at(self.data_config, step)
-        return ", ".join(
+        line = ", ".join(
             f"{name} {weight:.3g}" for name, weight in zip(self.mixture.names, weights, strict=True)
         )
+        begun = [first for first, _ in self.data_config.mixture_stages if first <= step]
+        return line + (f" (data.mixture_stages' stage from step {begun[-1]})" if begun else "")
+
+
+def _renamed(saved_sources: dict[str, dict], identities: dict[str, dict]) -> dict[str, str]:
+    """{name: its saved name} of the sources saved under another name (same size and data)."""
+    unclaimed = {
+        old: (info.get("size"), info.get("fingerprint"))
+        for old, info in saved_sources.items()
+        if old not in identities
+    }
+    renamed = {}
+    for name, identity in identities.items():
+        if name in saved_sources:
+            continue
+        match = [
+            old
+            for old, seen in unclaimed.items()
+            if seen == (identity["size"], identity["fingerprint"])
+        ]
+        if match:
+            renamed[name] = match[0]
+            del unclaimed[match[0]]
+    return renamed
 
 
 def _saved_places(saved: dict[str, Any], identities: dict[str, dict]) -> tuple[dict, dict]:
@@ -391,7 +420,7 @@ def _saved_places(saved: dict[str, Any], identities: dict[str, dict]) -> tuple[d
     size and fingerprint, if any.
     """
     if saved.get("sampler") == "mixture":
-        return saved["positions"], saved["sources"]
+        return dict(saved["positions"]), dict(saved["sources"])
     if saved.get("sampler") == "global":
         identity = {"size": saved.get("size"), "fingerprint": saved.get("fingerprint")}
         for name, own in identities.items():

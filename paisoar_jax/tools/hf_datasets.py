@@ -10,6 +10,7 @@ one record, as a .jsonl line is to `convert text`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from collections.abc import Iterator
@@ -23,9 +24,25 @@ SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 def rows(path: pathlib.Path, split: str = "train") -> Iterator[tuple[Any, str]]:
     """(row as a dict, where) of each row of the dataset at `path` (its `split`)."""
-    dataset = open_dataset(path, split)
-    for index, row in enumerate(dataset):
-        yield row, f"{path}[{index}]"
+    with unreadable_as_one_line(path):
+        dataset = open_dataset(path, split)
+        for index, row in enumerate(dataset):
+            yield row, f"{path}[{index}]"
+
+
+@contextlib.contextmanager
+def unreadable_as_one_line(path: pathlib.Path) -> Iterator[None]:
+    """A file `datasets` or Arrow cannot read (bad JSON, a damaged .arrow) as a UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:  # datasets' and pyarrow's own errors, of many types
+        cause = error.__cause__ or error
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise UserError(
+            f"{path}: datasets cannot read it ({type(cause).__name__}: {first})"
+        ) from None
 
 
 def open_dataset(path: pathlib.Path, split: str = "train"):
@@ -41,6 +58,7 @@ def open_dataset(path: pathlib.Path, split: str = "train"):
         ) from None
     if not path.exists():
         raise UserError(f"--from-hf {path}: no such directory or file")
+    datasets.disable_progress_bars()  # the conversion prints its own summary
     if path.is_dir() and any((path / marker).is_file() for marker in SAVED_MARKERS):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):

@@ -10,6 +10,7 @@ guarantees. Process 0 converts while the others wait; every process must see the
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 
@@ -41,6 +42,35 @@ def hf_paths(config: Config) -> list[str]:
     return [spec.removeprefix("hf:") for spec in specs if spec.startswith("hf:")]
 
 
+# convert's flags, and the keys of the data section that set them here
+FLAG_KEYS = {
+    "--split": "data.hf_split",
+    "--format": "data.hf_format",
+    "--tokenizer": "data.tokenizer",
+    "--messages-field": "data.hf_field",
+    "--prompt-field": "data.hf_field (prompt,response)",
+    "--response-field": "data.hf_field (prompt,response)",
+    "--field": "data.hf_field",
+}
+
+
+def _field_arguments(form: str, field: str) -> list[str]:
+    """The column flags of convert for data.hf_field under data.hf_format."""
+    if not field:
+        return []
+    if form == "instruction":
+        prompt, response = field.split(",")
+        return ["--prompt-field", prompt.strip(), "--response-field", response.strip()]
+    return ["--messages-field" if form == "chat" else "--field", field]
+
+
+def _as_keys(message: str) -> str:
+    """A convert error with its flags named as the config keys that set them."""
+    for flag, key in FLAG_KEYS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", key, message)
+    return message
+
+
 def prepare(config: Config) -> None:
     """Tokenizes each hf:<path> source the cache lacks (process 0), before training."""
     paths = hf_paths(config)
@@ -54,11 +84,17 @@ def prepare(config: Config) -> None:
         if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
             arguments = ["text", "--from-hf", path, "--split", data.hf_split]
             arguments += ["--format", data.hf_format, "--tokenizer", data.tokenizer or "byte"]
-            if data.hf_field:
-                field = "--messages-field" if data.hf_format == "chat" else "--field"
-                arguments += [field, data.hf_field]
+            arguments += _field_arguments(data.hf_format, data.hf_field)
             arguments += ["--output", str(directory), "--overwrite", "--no-progress"]
-            summary = convert.convert_text(convert.build_parser().parse_args(arguments))
+            try:
+                summary = convert.convert_text(convert.build_parser().parse_args(arguments))
+            except UserError as error:  # convert's words for its flags, as this run's keys
+                raise UserError(_as_keys(str(error))) from None
+            except OSError as error:
+                raise UserError(
+                    f"data.cache_dir: cannot write {directory} ({error.strerror or error}): set "
+                    f"data.cache_dir to a writable directory"
+                ) from None
             output.note(f"data.source=hf:{path}, tokenized once for this and later runs: {summary}")
     if jax.process_count() > 1:
         wait_for_everyone(f"paisoar_jax.hf_sources.{next(_BARRIERS)}")
