@@ -30,7 +30,13 @@ from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
-from paisoar_jax.resume import make_checkpointer, resume_input, save, starting_point
+from paisoar_jax.resume import (
+    make_checkpointer,
+    resume_input,
+    save,
+    schedule_change,
+    starting_point,
+)
 from paisoar_jax.run_lock import RunLock
 from paisoar_jax.state import StateLayout
 from paisoar_jax.step import jit_eval_step, jit_train_step
@@ -119,6 +125,9 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
+            changed = restored and run.schedule is not None and schedule_change(restored, config)
+            if changed:  # (the config's schedule only: a user's optimizer keeps its own)
+                output.note(changed)
         if start_step >= config.train.steps:
             if is_main:
                 output.note(

@@ -114,6 +114,26 @@ def input_signature(config: Config, task: Task) -> dict[str, Any]:
     }
 
 
+def schedule_change(restored: Restored, config: Config) -> str | None:
+    """A line when train.steps changed since the checkpoint and the config's lr follows it.
+
+    The warmup (min(optim.warmup_steps, train.steps)) and the decay span train.steps: a run
+    resumed with more steps goes on with the learning rate of the longer schedule.
+    """
+    saved = restored.meta.get("config", {}).get("train", {}).get("steps")
+    steps, optim = config.train.steps, config.optim
+    if saved is None or saved == steps:
+        return None
+    if optim.schedule == "constant" and optim.warmup_steps <= min(saved, steps):
+        return None
+    return (
+        f"train.steps changed since checkpoint step {restored.step} ({saved} -> {steps}): the "
+        f"learning-rate schedule (optim.schedule={optim.schedule}, optim.warmup_steps="
+        f"{optim.warmup_steps}) now spans {steps} steps, so the learning rate from step "
+        f"{restored.step + 1} on is not the one the run had before"
+    )
+
+
 def resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
     """Moves the input to where the checkpoint left it; a line to print when it cannot."""
     step = restored.step
