@@ -49,6 +49,7 @@ def test_a_datasets_directory_trains_and_resumes_exactly(saved, tmp_path, capsys
     assert resumable_run(tmp_path / "cut", settings(saved, tmp_path / "cache"), 6) == whole
 
 
+@pytest.mark.slow  # a training run; the fast tier has the resume one
 def test_changed_data_is_tokenized_again_and_refused_on_resume(saved, tmp_path, capsys):
     changed = tmp_path / "functions"
     shutil.copytree(saved, changed)
