@@ -38,7 +38,14 @@ import jax
 import numpy as np
 
 from paisoar_jax.config import DataConfig
-from paisoar_jax.data.pipeline import ENDLESS, GlobalBatches, dataset_identity, stream_indices
+from paisoar_jax.data.pipeline import (
+    ENDLESS,
+    GlobalBatches,
+    changed_data,
+    dataset_identity,
+    saved_identity,
+    stream_indices,
+)
 from paisoar_jax.data.sources import splitmix64
 from paisoar_jax.errors import UserError
 
@@ -323,20 +330,13 @@ class MixtureBatches(GlobalBatches):
                 positions.append(0)
                 news.append(name)
                 continue
-            if {key: old.get(key) for key in identity} != identity:
+            if saved_identity(old) != identity:
                 change = (
-                    f"{name} had {old.get('size')} examples (fingerprint {old.get('fingerprint')}) "
-                    f"at checkpoint step {step} and now has {identity['size']} "
-                    f"({identity['fingerprint']})"
+                    f"data.mixture: {name} had {old.get('size')} examples (fingerprint "
+                    f"{old.get('fingerprint')}) at checkpoint step {step} and now has "
+                    f"{identity['size']} ({identity['fingerprint']})"
                 )
-                if on_change != "restart":
-                    raise UserError(
-                        f"data.mixture: {change}: resume on the same data, or set "
-                        f"data.on_change=restart to read the new data from its first example"
-                    )
-                notes.append(
-                    f"{change}: data.on_change=restart, so it starts from its first example"
-                )
+                notes.append(changed_data(change, on_change))
                 positions.append(0)
                 continue
             positions.append(int(saved_positions[name]))
@@ -394,19 +394,13 @@ class MixtureBatches(GlobalBatches):
 def _renamed(saved_sources: dict[str, dict], identities: dict[str, dict]) -> dict[str, str]:
     """{name: its saved name} of the sources saved under another name (same size and data)."""
     unclaimed = {
-        old: (info.get("size"), info.get("fingerprint"))
-        for old, info in saved_sources.items()
-        if old not in identities
+        old: saved_identity(info) for old, info in saved_sources.items() if old not in identities
     }
     renamed = {}
     for name, identity in identities.items():
         if name in saved_sources:
             continue
-        match = [
-            old
-            for old, seen in unclaimed.items()
-            if seen == (identity["size"], identity["fingerprint"])
-        ]
+        match = [old for old, seen in unclaimed.items() if seen == identity]
         if match:
             renamed[name] = match[0]
             del unclaimed[match[0]]
@@ -422,7 +416,7 @@ def _saved_places(saved: dict[str, Any], identities: dict[str, dict]) -> tuple[d
     if saved.get("sampler") == "mixture":
         return dict(saved["positions"]), dict(saved["sources"])
     if saved.get("sampler") == "global":
-        identity = {"size": saved.get("size"), "fingerprint": saved.get("fingerprint")}
+        identity = saved_identity(saved)
         for name, own in identities.items():
             if own == identity:
                 return {name: int(saved["examples"])}, {name: identity}

@@ -311,6 +311,28 @@ def batch_dataset(
     )
 
 
+def saved_identity(saved: dict[str, Any]) -> dict[str, Any]:
+    """{"size", "fingerprint"} of a saved position or a mixture's saved source.
+
+    As `dataset_identity` gives them, to compare with the data a resume reads.
+    """
+    return {key: saved.get(key) for key in ("size", "fingerprint")}
+
+
+def changed_data(change: str, on_change: str, instead: str = "resume on the same data") -> str:
+    """The line to print for data that changed since a checkpoint, under data.on_change.
+
+    Refused in one line (UserError) unless `on_change` is "restart": the new data then
+    starts from its first example.
+    """
+    if on_change != "restart":
+        raise UserError(
+            f"{change}: {instead}, or set data.on_change=restart to train on the new data "
+            f"from its first example"
+        )
+    return f"{change}: data.on_change=restart, so the new data starts from its start"
+
+
 def resume_position(
     saved: dict[str, Any] | None,
     batches: GlobalBatches,
@@ -327,7 +349,7 @@ def resume_position(
     """
     if saved is not None and saved.get("sampler") == "mixture":
         for name, identity in saved["sources"].items():
-            if {key: identity.get(key) for key in ("size", "fingerprint")} == batches.identity:
+            if saved_identity(identity) == batches.identity:
                 examples = int(saved["positions"][name])
                 return examples, (
                     f"checkpoint step {step} read a mixture; data.source is its {name}, "
@@ -337,31 +359,21 @@ def resume_position(
             f"checkpoint step {step} read a mixture ({', '.join(saved['sources'])}), and "
             f"data.source is none of its sources"
         )
-        if on_change != "restart":
-            raise UserError(
-                f"{change}: resume with that data.mixture, or set data.on_change=restart to "
-                f"read data.source from its first example"
-            )
-        return 0, f"{change}: data.on_change=restart, so it starts from its first example"
+        return 0, changed_data(change, on_change, "resume with that data.mixture")
     if saved is None or saved.get("sampler") != "global":
         return step * saved_batch, (
             f"checkpoint step {step} holds a per-process input position (written before the "
             f"global sampler), which cannot be continued exactly: the input goes on from "
             f"example {step * saved_batch} of the global order"
         )
-    old = {key: saved.get(key) for key in ("size", "fingerprint")}
+    old = saved_identity(saved)
     if old != batches.identity:
         change = (
             f"checkpoint step {step} was trained on data of {old['size']} examples "
             f"(fingerprint {old['fingerprint']}); the data now has "
             f"{batches.identity['size']} (fingerprint {batches.identity['fingerprint']})"
         )
-        if on_change != "restart":
-            raise UserError(
-                f"{change}: resume on the same data, or set data.on_change=restart to train "
-                f"on the new data from its first example"
-            )
-        return 0, f"{change}: data.on_change=restart, so the new data starts from its start"
+        return 0, changed_data(change, on_change)
     if saved.get("seed") != batches.seed:
         return int(saved["examples"]), (
             f"train.seed changed since checkpoint step {step} ({saved.get('seed')} -> "

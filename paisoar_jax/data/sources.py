@@ -127,12 +127,21 @@ def _same_tokenizer(wanted: str, records: TokenRecords) -> bool:
     `byte`; a tokenizer file, or a directory holding tokenizer.json (its bytes must be those
     the dataset was converted with); or a tokenizer's name as the manifest records it.
     """
-    path = pathlib.Path(wanted)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if wanted != "byte" and path.is_file():
+    path = tokenizer_file(wanted)
+    if path is not None:
         return file_sha256(path) == records.tokenizer_sha256
     return wanted == records.tokenizer
+
+
+def tokenizer_file(spec: str) -> pathlib.Path | None:
+    """The tokenizer file that data.tokenizer names, or None (`byte`, a tokenizer's name).
+
+    A tokenizer.json, or one in the directory named (an HF model or an import).
+    """
+    path = pathlib.Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return path if spec != "byte" and path.is_file() else None
 
 
 def open_token_records(
@@ -202,10 +211,8 @@ def hf_cache_directory(data_config: DataConfig, path: str) -> pathlib.Path:
             f"{file.relative_to(target.parent)}\0{status.st_size}\0{status.st_mtime_ns}\n".encode()
         )
     tokenizer = data_config.tokenizer or "byte"
-    tokenizer_path = pathlib.Path(tokenizer)
-    if tokenizer_path.is_dir():
-        tokenizer_path = tokenizer_path / "tokenizer.json"
-    sha = file_sha256(tokenizer_path) if tokenizer != "byte" and tokenizer_path.is_file() else ""
+    tokenizer_path = tokenizer_file(tokenizer)
+    sha = file_sha256(tokenizer_path) if tokenizer_path is not None else ""
     settings = (tokenizer, sha, data_config.hf_split, data_config.hf_format, data_config.hf_field)
     digest.update(repr(settings).encode())
     root = pathlib.Path(data_config.cache_dir or "~/.cache/paisoar_jax/hf").expanduser()
