@@ -111,7 +111,64 @@ def test_tokenizer_without_an_end_of_document_token(tmp_path, capsys):
     train_tokenizer(tmp_path / "plain.json", [])
     args = ["--input", write_texts(tmp_path / "in"), "--output", tmp_path / "out"]
     assert run_convert("text", *args, "--tokenizer", tmp_path / "plain.json") == 2
-    assert "plain.json has no end-of-document token (one of <|endoftext|>" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    assert "plain.json has no end-of-sequence token: its directory declares none" in line
+    assert line.endswith("name it with --eos TOKEN")
+
+
+def instruction_records(path):
+    rows = [{"prompt": "Add 2 and 3.", "response": "5"}, {"prompt": "Say hi.", "response": "hi"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def response_ends(directory):
+    """The token after each response (learned tokens end where the response does)."""
+    records = TokenRecords(directory)
+    stream = records.read(0, records.token_count).tolist()
+    return {stream[index] for index in np.load(directory / "documents.npy")[1:] - 1} | {stream[-1]}
+
+
+@pytest.mark.parametrize(
+    "declaring_file, declared",
+    [
+        ("tokenizer_config.json", lambda ids: {"eos_token": {"content": "<|im_end|>"}}),
+        ("generation_config.json", lambda ids: {"eos_token_id": [ids["<|im_end|>"], 0]}),
+        ("config.json", lambda ids: {"eos_token_id": ids["<|im_end|>"]}),
+    ],
+)
+def test_instructions_end_with_the_declared_eos_not_the_first_known_name(
+    tmp_path, declaring_file, declared
+):
+    # A ChatML model whose pad token is <|endoftext|>: its turns end with <|im_end|>.
+    model = tmp_path / "chatml"
+    model.mkdir()
+    tokenizer = train_tokenizer(model / "tokenizer.json", ["<|endoftext|>", "<|im_end|>"])
+    end = tokenizer.token_to_id("<|im_end|>")
+    (model / declaring_file).write_text(json.dumps(declared(tokenizer.get_vocab())))
+    data = instruction_records(tmp_path / "sft.jsonl")
+    args = ["--input", data, "--format", "instruction", "--tokenizer", model]
+    assert run_convert("text", *args, "--output", tmp_path / "out") == 0
+    assert TokenRecords(tmp_path / "out").eos_id == end
+    assert response_ends(tmp_path / "out") == {end}
+    # A bare tokenizer.json declares nothing: the names are the last resort.
+    args[-1] = model / "tokenizer.json"
+    (model / declaring_file).unlink()
+    assert run_convert("text", *args, "--output", tmp_path / "bare") == 0
+    assert TokenRecords(tmp_path / "bare").eos_id == tokenizer.token_to_id("<|endoftext|>")
+
+
+def test_llama3_end_tokens_are_accepted_and_eos_names_any_token(tmp_path, capsys):
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    tokenizer = train_tokenizer(tmp_path / "llama3.json", specials)
+    data = instruction_records(tmp_path / "sft.jsonl")
+    args = ["--input", data, "--format", "instruction", "--tokenizer", tmp_path / "llama3.json"]
+    assert run_convert("text", *args, "--output", tmp_path / "out") == 0
+    assert TokenRecords(tmp_path / "out").eos_id == tokenizer.token_to_id("<|end_of_text|>")
+    assert run_convert("text", *args, "--eos", "<|eot_id|>", "--output", tmp_path / "eot") == 0
+    assert response_ends(tmp_path / "eot") == {tokenizer.token_to_id("<|eot_id|>")}
+    assert run_convert("text", *args, "--eos", "<|nope|>", "--output", tmp_path / "bad") == 2
+    assert one_error_line(capsys).endswith("llama3.json has no such token")
 
 
 def test_missing_tokenizers_package_is_one_line(tmp_path, capsys, monkeypatch):

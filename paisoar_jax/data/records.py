@@ -36,6 +36,9 @@ IMAGES_FORMAT = "paisoar_jax.images"
 FORMAT_VERSION = 1
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 LABEL_DTYPE = np.dtype("<i4")
+# Where a Hugging Face model directory declares its end-of-sequence token, in this order
+# (the tokenizer's own word first: what its chat template ends a turn with).
+EOS_DECLARING_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
 # No readahead and no thread pool: training reads scattered single records, not runs.
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
 SHARD_KEYS = {"path", "records", "bytes", "sha256"}

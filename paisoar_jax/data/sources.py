@@ -27,7 +27,13 @@ import numpy as np
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig
 from paisoar_jax.data import documents
-from paisoar_jax.data.records import MANIFEST_NAME, PackedWindows, TokenRecords, file_sha256
+from paisoar_jax.data.records import (
+    EOS_DECLARING_FILES,
+    MANIFEST_NAME,
+    PackedWindows,
+    TokenRecords,
+    file_sha256,
+)
 from paisoar_jax.errors import UserError
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
@@ -213,6 +219,9 @@ def hf_cache_directory(data_config: DataConfig, path: str) -> pathlib.Path:
     tokenizer = data_config.tokenizer or "byte"
     tokenizer_path = tokenizer_file(tokenizer)
     sha = file_sha256(tokenizer_path) if tokenizer_path is not None else ""
+    # The files beside it that declare its end-of-sequence token decide the tokens too.
+    declaring = [tokenizer_path.parent / name for name in EOS_DECLARING_FILES] if sha else []
+    sha += "".join(file_sha256(path) for path in declaring if path.is_file())
     settings = (tokenizer, sha, data_config.hf_split, data_config.hf_format, data_config.hf_field)
     digest.update(repr(settings).encode())
     root = pathlib.Path(data_config.cache_dir or "~/.cache/paisoar_jax/hf").expanduser()

@@ -11,7 +11,10 @@ GPT-2 and Llama weights between Hugging Face's format and ours (paisoar_jax/tool
 Inputs are files, directories (every non-hidden file below them) or recursive globs. The
 `byte` tokenizer stores each file's raw UTF-8 bytes (vocab 256) and uses 0 as the
 end-of-document id: text never contains NUL, so a file that does is rejected as binary.
-A `tokenizers` JSON file ends documents with the first of <|endoftext|>, </s>, <eos> it has.
+A `tokenizers` JSON file ends documents with the end-of-sequence token its model directory
+declares (tokenizer_config.json's eos_token, else generation_config.json's or config.json's
+eos_token_id), or the one `--eos` names; only a bare tokenizer.json falls back to the first
+of EOS_NAMES it has.
 
 The same inputs give byte-identical output: inputs are sorted and the manifest holds no
 timestamps or absolute paths. A dataset is built in a hidden sibling directory and renamed
@@ -42,7 +45,8 @@ from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.convert"
 DEFAULT_RECORD_TOKENS = 16384
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")
+# The last resort for a tokenizer whose directory declares no end-of-sequence token.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 # One record per chunk, so reading one record decompresses only that record.
 TOKEN_WRITER_OPTIONS = "group_size:1,zstd:3"
 # JPEG and PNG bytes are compressed already; compressing again costs time and saves nothing.
@@ -63,9 +67,15 @@ class Tokenizer:
     path: pathlib.Path | None = None  # the tokenizers JSON file (None: byte)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`byte`, a HuggingFace `tokenizers` JSON file, or an HF model directory (its own)."""
+def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
+    """`byte`, a HuggingFace `tokenizers` JSON file, or an HF model directory (its own).
+
+    `eos` names the end-of-document token; by default the one the directory declares
+    (declared_end_id).
+    """
     if spec == "byte":
+        if eos:
+            raise UserError("--eos names a token of a tokenizers model, not of --tokenizer byte")
         # UTF-8 text never contains NUL, so byte 0 is free to mark the end of a document.
         return Tokenizer("byte", None, 256, 0)
     path = pathlib.Path(spec)
@@ -86,15 +96,54 @@ def load_tokenizer(spec: str) -> Tokenizer:
         model = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:
         raise UserError(f"{path} is not a tokenizers JSON file: {error}") from None
-    eos_id = end_of_text_id(model)
+    if eos:
+        eos_id = model.token_to_id(eos)
+        if eos_id is None:
+            raise UserError(f"--eos {eos}: {path} has no such token")
+    else:
+        eos_id = end_of_text_id(model, path.parent)
     if eos_id is None:
-        raise UserError(f"{path} has no end-of-document token (one of {', '.join(EOS_NAMES)})")
+        raise UserError(
+            f"{path} has no end-of-sequence token: its directory declares none (an eos_token "
+            f"in tokenizer_config.json, an eos_token_id in generation_config.json or "
+            f"config.json) and it has none of {', '.join(EOS_NAMES)}; name it with --eos TOKEN"
+        )
     sha256 = records.file_sha256(path)
     return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model, path)
 
 
-def end_of_text_id(model: Any) -> int | None:
-    """The id of a `tokenizers` model's end-of-text token (the first of EOS_NAMES it has)."""
+def declared_end_id(model: Any, directory: pathlib.Path) -> int | None:
+    """The end-of-sequence id a model directory declares for its `tokenizers` model.
+
+    tokenizer_config.json's eos_token (a string or an AddedToken), else the eos_token_id
+    (an id or a list: its first) of generation_config.json, else of config.json, as
+    transformers reads them; None when none of them says.
+    """
+    for name in records.EOS_DECLARING_FILES:
+        path = directory / name
+        try:
+            settings = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            continue  # an unreadable file declares nothing; the next one may
+        token = settings.get("eos_token") if name == records.EOS_DECLARING_FILES[0] else None
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and model.token_to_id(token) is not None:
+            return model.token_to_id(token)
+        token_id = settings.get("eos_token_id")
+        token_id = token_id[0] if isinstance(token_id, list) and token_id else token_id
+        if isinstance(token_id, int) and 0 <= token_id < model.get_vocab_size():
+            return token_id
+    return None
+
+
+def end_of_text_id(model: Any, directory: pathlib.Path | None = None) -> int | None:
+    """The end-of-text id of a `tokenizers` model: its directory's declared one, else by name.
+
+    The first of EOS_NAMES it has is only the last resort, for a bare tokenizer.json.
+    """
+    declared = declared_end_id(model, directory) if directory is not None else None
+    if declared is not None:
+        return declared
     ids = (model.token_to_id(name) for name in EOS_NAMES)
     return next((token for token in ids if token is not None), None)
 
@@ -271,7 +320,7 @@ def convert_text(args: argparse.Namespace) -> str:
     if args.record_tokens < 1:
         raise UserError(f"--record-tokens must be at least 1, got {args.record_tokens}")
     files = expand_inputs(args.input) if args.input else []
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, args.eos)
     template = None
     if args.format == "chat":
         if tokenizer.model is None:
@@ -427,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--split", default="train", help="--from-hf: the split of a DatasetDict")
     text.add_argument(
         "--tokenizer", default="byte", help="byte, a tokenizers JSON file or an HF model directory"
+    )
+    text.add_argument(
+        "--eos",
+        metavar="TOKEN",
+        help="the end-of-document token (default: the one the tokenizer's directory declares)",
     )
     text.add_argument("--record-tokens", type=int, default=DEFAULT_RECORD_TOKENS)
     text.add_argument(

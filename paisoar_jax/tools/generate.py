@@ -94,7 +94,8 @@ def end_of_sequence_ids(
         return ()
     if tokenizer_file is None:
         return ()
-    end = end_of_text_id(tokenizers.Tokenizer.from_file(str(tokenizer_file)))
+    model = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    end = end_of_text_id(model, tokenizer_file.parent)
     return () if end is None else (end,)
 
 
