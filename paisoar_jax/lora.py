@@ -163,13 +163,16 @@ def add_adapters(model: nnx.Module, settings: LoraConfig, seed: int) -> list[str
             "lora.targets is needed for a model of your own: regexes of the nnx.Linear "
             f"kernels to adapt ({_listing(candidates)})"
         )
+    aliases = peft_aliases(model)
     chosen = {}
     for pattern in settings.targets or (".",):
-        matched = {path: found for path, found in candidates.items() if re.search(pattern, path)}
+        regex = aliases.get(pattern, pattern)
+        matched = {path: found for path, found in candidates.items() if re.search(regex, path)}
         if not matched:
+            named = f"; or PEFT's names: {', '.join(sorted(aliases))}" if aliases else ""
             raise UserError(
                 f"lora.targets: {pattern!r} matches no projection LoRA can adapt "
-                f"({_listing(candidates)})"
+                f"({_listing(candidates)}{named})"
             )
         chosen.update(matched)
     for path, (module, name, input_axes) in sorted(chosen.items()):
@@ -181,6 +184,20 @@ def add_adapters(model: nnx.Module, settings: LoraConfig, seed: int) -> list[str
         if isinstance(module, nnx.Linear) and type(module) not in _LINEAR_CLASSES.values():
             module.__class__ = _adapted_linear(type(module))
     return sorted(chosen)
+
+
+def peft_aliases(model: nnx.Module) -> dict[str, str]:
+    """{PEFT module name: the regex of our kernels it stands for} of a zoo model's blocks.
+
+    PEFT's target_modules name transformers' modules (`q_proj`, GPT-2's `c_attn`) and
+    `all-linear`; a zoo block's PEFT_NAMES table says which of its kernels each one is. A
+    model of one's own names its own modules, so it has none.
+    """
+    aliases = {}
+    for _, module in nnx.iter_modules(model):
+        for name, kernels in getattr(module, "PEFT_NAMES", {}).items():
+            aliases[name] = rf"(^|\.)({'|'.join(kernels)})$"
+    return aliases | {"all-linear": "."} if aliases else {}
 
 
 def _listing(candidates: dict) -> str:

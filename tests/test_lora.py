@@ -276,3 +276,24 @@ def lora_split_frozen(run):
 
     abstract = run.layout.abstract_state
     return abstract.replace(params=lora.split(abstract.params, run.layout.trainable)[1])
+
+
+@pytest.mark.parametrize(
+    "model, peft_names, ours",
+    [
+        ("llama", "[q_proj,v_proj,o_proj]", ["out_kernel", "q_kernel", "v_kernel"]),
+        ("gpt", "[c_proj]", ["mlp_out_kernel", "out_kernel"]),
+        ("gpt", "[all-linear]", ["mlp_in_kernel", "mlp_out_kernel", "out_kernel", "qkv_kernel"]),
+    ],
+)
+def test_peft_module_names_are_lora_targets(model, peft_names, ours):
+    from paisoar_jax import lora
+    from paisoar_jax.precision import get_policy
+    from paisoar_jax.zoo import build_model
+
+    overrides = [f"model.name={model}", "lora.rank=2", f"lora.targets={peft_names}"]
+    config = load_config(None, [*TINY, *overrides])
+    with nnx.use_eager_sharding(False):
+        built = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+    chosen = lora.add_adapters(built, config.lora, 0)
+    assert [path.removeprefix("blocks.") for path in chosen] == ours

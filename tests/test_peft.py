@@ -186,7 +186,11 @@ def test_bad_exports_and_imports_are_one_line(tuned, tmp_path):
     hf_llama(width=32).save_pretrained(tmp_path / "other")
     with pytest.raises(UserError) as error:
         hf.hf_import(tmp_path / "other", tmp_path / "mixed", adapter=tmp_path / "adapter")
-    failures.append((error.value, "an adapter for another base model"))
+    failures.append((error.value, "an adapter for another base model: 2 layers of width 64 ("))
+    # It names both bases: the adapter's base_model_name_or_path, and this import's.
+    assert f"({base_dir}), and this one ({tmp_path / 'other'}) has 2 layers of width 32" in str(
+        error.value
+    )
     with pytest.raises(UserError) as error:
         hf.hf_import(base_dir, tmp_path / "none", adapter=tmp_path / "plain_missing")
     failures.append((error.value, "not a PEFT adapter"))

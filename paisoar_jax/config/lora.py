@@ -23,8 +23,9 @@ class LoraConfig:
     rank: int = 0  # the adapters' rank r; 0 trains every parameter (no LoRA)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # dropout on a projection's input to its adapter, in training only
-    # regexes of the projections to adapt (`q_kernel|v_kernel`); empty: the zoo decoder's
-    # attention and MLP projections (a model of your own names its nnx.Linear kernels)
+    # regexes of the projections to adapt (`q_kernel|v_kernel`), or PEFT's module names on a
+    # zoo decoder (`q_proj`, `c_attn`, `all-linear`); empty: the zoo decoder's attention and
+    # MLP projections (a model of your own names its nnx.Linear kernels)
     targets: tuple[str, ...] = ()
 
     def __post_init__(self):

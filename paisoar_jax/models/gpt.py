@@ -248,6 +248,12 @@ class Block(DecoderBlock):
     """
 
     LORA_KERNELS = {"qkv_kernel": 1, "out_kernel": 2, "mlp_in_kernel": 1, "mlp_out_kernel": 1}
+    # lora.targets may name them as PEFT does (GPT-2's modules; c_proj is both projections).
+    PEFT_NAMES = {
+        "c_attn": ("qkv_kernel",),
+        "c_proj": ("out_kernel", "mlp_out_kernel"),
+        "c_fc": ("mlp_in_kernel",),
+    }
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, F = config.width, config.heads, mlp_width(config)

@@ -101,6 +101,11 @@ class Block(DecoderBlock):
         **{f"{name}_kernel": 1 for name in ("q", "k", "v", "gate", "up", "down")},
         "out_kernel": 2,
     }
+    # lora.targets may name them as PEFT does (target_modules: transformers' module names).
+    PEFT_NAMES = {
+        **{f"{name}_proj": (f"{name}_kernel",) for name in ("q", "k", "v", "gate", "up", "down")},
+        "o_proj": ("out_kernel",),
+    }
 
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
         D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)

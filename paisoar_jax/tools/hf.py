@@ -129,7 +129,7 @@ def hf_import(
     adapters, lora_settings = {}, None
     if adapter is not None:
         kernel_shapes = {path: shape.shape for path, shape in expected.items()}
-        adapters, lora_settings = peft.read_adapter(adapter, model, kernel_shapes)
+        adapters, lora_settings = peft.read_adapter(adapter, model, kernel_shapes, source)
     params = {}
     for tensor in tensors_of(model):
         if tensor.ours not in expected:  # the head of tied embeddings

@@ -115,18 +115,23 @@ def adapter_config(
 
 
 def read_adapter(
-    directory: pathlib.Path, model: LanguageModelConfig, kernel_shapes: dict
+    directory: pathlib.Path,
+    model: LanguageModelConfig,
+    kernel_shapes: dict,
+    base: pathlib.Path | None = None,
 ) -> tuple[dict, LoraConfig]:
     """({our adapter path: array}, lora section) of the PEFT adapter in `directory`.
 
-    `kernel_shapes`: {our kernel path: shape} of the base model. An adapter whose modules
-    or shapes the base does not have (an adapter for another base) is refused in one line.
+    `kernel_shapes`: {our kernel path: shape} of the base model, imported from `base`. An
+    adapter whose modules or shapes the base does not have (an adapter for another base) is
+    refused in one line that sets its layers, width and base model beside this one's.
     """
     from safetensors.numpy import load_file
 
     settings = _adapter_settings(directory)
     stored = load_file(str(directory / "adapter_model.safetensors"))
     stored = {key.replace(".default.", "."): value for key, value in stored.items()}
+    _check_base(directory, stored, model, base)
     from paisoar_jax.models.gpt import Block as GptBlock
     from paisoar_jax.models.llama import Block as LlamaBlock
 
@@ -169,6 +174,29 @@ def read_adapter(
     kernels = [path.removeprefix("blocks.") for path in _kernels_of(adapters)]
     targets = (rf"^blocks\.({'|'.join(kernels)})$",)
     return adapters, LoraConfig(settings.rank, settings.alpha, settings.dropout, targets)
+
+
+def _check_base(
+    directory: pathlib.Path, stored: dict, model: LanguageModelConfig, base: pathlib.Path | None
+) -> None:
+    """One line if the adapter's layers or width are not this base's: it adapts another.
+
+    Its layers: the highest layer index in its keys, plus one; its width: the input size
+    most of its lora_A matrices have (the residual stream's, for all but a down projection).
+    """
+    indices = [re.search(r"\.(?:layers|h)\.(\d+)\.", key) for key in stored]
+    layers = 1 + max((int(found.group(1)) for found in indices if found), default=-1)
+    inputs = [value.shape[1] for key, value in stored.items() if key.endswith("lora_A.weight")]
+    width = max(set(inputs), key=inputs.count) if inputs else None
+    if (layers, width) == (model.layers, model.width):
+        return
+    settings = json.loads((directory / "adapter_config.json").read_text())
+    named = settings.get("base_model_name_or_path") or "no base_model_name_or_path"
+    raise UserError(
+        f"{directory} is an adapter for another base model: {layers} layers of width {width} "
+        f"({named}), and this one ({base or model.name}) has {model.layers} layers of width "
+        f"{model.width}"
+    )
 
 
 def _adapter_settings(directory: pathlib.Path) -> LoraConfig:
