@@ -9,6 +9,9 @@ USER_ERROR_EXIT_CODE = 2
 # No step finished within train.hang_timeout_s (watchdog.py): `launch --max-restarts` retries
 # it, as it does a crash; a user error (2) it never retries.
 HANG_EXIT_CODE = 3
+# Ctrl-C (SIGINT) stopped the run after saving: 128 + SIGINT, as a shell reports it, so that
+# `train && export` stops there. SIGTERM (a preemption) saves and exits 0.
+INTERRUPTED_EXIT_CODE = 130
 
 
 class UserError(Exception):

@@ -518,8 +518,11 @@ def _print_summary(summary: dict[str, Any], task: Task) -> None:
         if first_loss is not None
         else "no loss logged"
     )
+    steps, resumed_from = summary["steps"], summary["resumed_from"]
+    # This process's steps, apart from those a resumed checkpoint had done already.
+    ran = f" ({steps - resumed_from} this run, resumed from {resumed_from})" if resumed_from else ""
     output.note(
-        f"done: {summary['steps']} steps in {summary['train_s']:.1f}s{eval_time}, "
+        f"done: {steps} steps{ran} in {summary['train_s']:.1f}s{eval_time}, "
         f"{loss_text}{eval_text}, "
         f"{summary[f'{task.unit}_per_s']:,.0f} {task.unit}/s, "
         f"compile {summary['compile_s']:.1f}s, run dir {summary['run_dir']}"

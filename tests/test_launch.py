@@ -236,7 +236,8 @@ def test_a_killed_process_stops_the_launcher(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stop_signal_reaches_every_process_which_save_and_exit(tmp_path):
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_stop_signal_reaches_every_process_which_save_and_exit(tmp_path, signal_number):
     log, run_dir = tmp_path / "launcher.log", tmp_path / "run"
     process = start_launcher(log, run_dir)
     try:
@@ -245,14 +246,16 @@ def test_a_stop_signal_reaches_every_process_which_save_and_exit(tmp_path):
         while not (metrics.exists() and '"step": 2,' in metrics.read_text()):
             assert process.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal_number)
         status = process.wait(timeout=120)
     finally:
         stop_for_sure(process)
-    text = log.read_text()
-    assert status == 0, text[-3000:]
-    assert "paisoar_jax.launch: SIGTERM: passed on to the processes" in text
-    stopped = re.search(r"\[rank 0\] paisoar_jax: stopped by SIGTERM after step (\d+); saved", text)
+    text, name = log.read_text(), signal.Signals(signal_number).name
+    # Ctrl-C ends the job with 130 (so `launch ... && export` stops), with no rank blamed.
+    assert status == (130 if signal_number == signal.SIGINT else 0), text[-3000:]
+    assert "stopping" not in text and "last lines of rank" not in text, text[-3000:]
+    assert f"paisoar_jax.launch: {name}: passed on to the processes" in text
+    stopped = re.search(rf"\[rank 0\] paisoar_jax: stopped by {name} after step (\d+); saved", text)
     assert stopped, text[-3000:]
     assert checkpoint_steps(run_dir) == [int(stopped.group(1))]
 

@@ -11,6 +11,7 @@ from paisoar_jax.config import Config, load_config
 from paisoar_jax.config.keys import keys_help
 from paisoar_jax.errors import (
     HANG_EXIT_CODE,
+    INTERRUPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
     DivergenceError,
     HangError,
@@ -66,10 +67,11 @@ def run(
 def exit_status(program: str, work: Callable[[], object]) -> int:
     """Runs `work`; a UserError is one line and status 2, a divergence one line and status 1.
 
-    A hang the watchdog stopped (after saving) is one line and status 3.
+    A hang the watchdog stopped (after saving) is one line and status 3; a run Ctrl-C
+    stopped (after saving: its summary says `stopped_by` SIGINT) exits 130.
     """
     try:
-        work()
+        result = work()
     except (UserError, DivergenceError, HangError) as error:
         output.error(str(error), program=program)
         # Under the launcher: which rank failed first, and whether a restart could help.
@@ -88,7 +90,8 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
         traceback.print_exc()  # a bug keeps its traceback
         status = 1
     else:
-        return 0
+        interrupted = isinstance(result, dict) and result.get("stopped_by") == "SIGINT"
+        return INTERRUPTED_EXIT_CODE if interrupted else 0
     if distributed.joined():  # a failed process must not wait for the others at exit
         distributed.exit_now(status)
     return status

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from paisoar_jax import distributed, heartbeat
-from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
 from paisoar_jax.tools.restarts import Ending, SignalLog, run_with_restarts
 from paisoar_jax.tools.restarts import say as _say
@@ -365,8 +365,9 @@ def _supervise(
 ) -> Ending:
     """Waits for the children: the first failure or stall stops them all; signals go on."""
     forwarded, deadline, logs_open, next_watch = 0, None, False, 0.0
+    clean = {None, 0}  # the statuses of a rank still running or done as it should be
     while True:
-        failed = next((child for child in children if child.process.poll() not in (None, 0)), None)
+        failed = next((child for child in children if child.process.poll() not in clean), None)
         if failed is not None:
             # A peer whose beats stopped is the cause: jax aborts the healthy ranks after it.
             stalled = _stalled([child for child in children if child is not failed], STALE_S)
@@ -374,8 +375,9 @@ def _supervise(
                 return _report_stall(stalled, children, args, screen)
             return _fail(failed, children, args.grace, screen)
         running = [child for child in children if child.process.returncode is None]
-        if not running:
-            return Ending(0)
+        if not running:  # a Ctrl-C that every rank saved for ends as theirs did: 130
+            statuses = {child.process.returncode for child in children}
+            return Ending(INTERRUPTED_EXIT_CODE if statuses - {0} else 0)
         if time.monotonic() > next_watch:  # the beats, once a second
             next_watch = time.monotonic() + heartbeat.INTERVAL_S
             logs_open = logs_open or _open_logs(children, screen)
@@ -391,6 +393,8 @@ def _supervise(
                 _stop(running, grace=0)
                 return Ending(128 + number, f"a second {name}")
             _say(f"{name}: passed on to the processes (they save and exit); again to kill them")
+            if number == signal.SIGINT:  # a rank that saved for it exits 130, not a failure
+                clean |= {INTERRUPTED_EXIT_CODE, -signal.SIGINT}  # (a script: KeyboardInterrupt)
             for child in running:
                 os.kill(child.process.pid, number)
             deadline = time.monotonic() + args.stop_timeout
