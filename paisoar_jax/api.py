@@ -135,6 +135,7 @@ def build_workload(
         None if eval_data is None else open_user_data(eval_data, "eval_data"),
         get_policy(config.precision.policy),
         flops_per_example,
+        config.precision.cast_inputs,
     )
     return config, Workload(model, task, optimizer)
 
@@ -204,8 +205,9 @@ def fit(
         an nnx.Module instance whose weights are the start (placed with the shardings).
     loss: `(model, batch, rng) -> (scalar loss, {name: scalar})`, taken in fp32.
     optimizer: an optax GradientTransformation, or a function of the config's lr
-        schedule that returns one; default: the config's optim section. Clipping
-        (optim.clip_norm), the loss scaler and grad accumulation wrap it either way.
+        schedule that returns one; default: the config's optim section. It runs as
+        given: clipped only when optim.clip_norm is set; the loss scaler (fp16) and grad
+        accumulation wrap it.
     data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array,
         a dict or an (x, y) tuple of arrays) or batches (a grain IterDataset or a
         re-iterable of per-process batches); eval_data None: no eval. Both are checked

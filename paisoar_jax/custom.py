@@ -2,11 +2,12 @@
 
 `loss(model, batch, rng) -> (loss, metrics)` is the user's function: the model is their NNX
 module (its weights already in the compute dtype, see state.compute_casts), the batch their
-arrays with floating ones cast to the compute dtype, and rng a key that differs per step and
-micro-batch. The loss and each metric must be scalars; they are taken in fp32. `setup`
-checks that once, abstractly, before anything compiles (`prepare`). Eval runs the same
-loss with the model switched to eval mode (`model.eval()`: dropout off, BatchNorm on its
-running statistics) and a fixed key, row by row (`eval_rows`).
+arrays as the data holds them (each in its own dtype; `precision.cast_inputs=true` casts the
+floating ones to the compute dtype), and rng a key that differs per step and micro-batch.
+The loss and each metric must be scalars; they are taken in fp32. `setup` checks that once,
+abstractly, before anything compiles (`prepare`). Eval runs the same loss with the model
+switched to eval mode (`model.eval()`: dropout off, BatchNorm on its running statistics)
+and a fixed key, row by row (`eval_rows`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ class CustomTask:
         eval_data: ExampleData | BatchData | None,
         policy: Policy,
         flops_per_example: float | None = None,
+        cast_inputs: bool = False,
     ):
         self.user_loss = loss
         self.data, self.eval_data = data, eval_data
         self.policy = policy
+        self.cast_inputs = cast_inputs
         self.flops_per_example = flops_per_example
         self.metric_names: tuple[str, ...] = ()  # known once `prepare` traced the loss
 
@@ -73,11 +76,14 @@ class CustomTask:
         return self.flops_per_example
 
     def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
-        """The user's loss and metrics in fp32, on the batch with floats in the compute dtype."""
-        batch = jax.tree.map(self.policy.cast_to_compute, batch)
-        loss, metrics = self.user_loss(model, batch, key)
+        """The user's loss and metrics in fp32, on the batch as `inputs` gives it."""
+        loss, metrics = self.user_loss(model, self.inputs(batch), key)
         as_float32 = lambda value: jnp.asarray(value).astype(jnp.float32)
         return as_float32(loss), {name: as_float32(metrics[name]) for name in self.metric_names}
+
+    def inputs(self, batch: Any) -> Any:
+        """The batch as the loss sees it: as is, or floats in the compute dtype (cast_inputs)."""
+        return jax.tree.map(self.policy.cast_to_compute, batch) if self.cast_inputs else batch
 
     def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
         """{"loss", *metrics} of the model in eval mode, one value per row of the batch.
@@ -88,9 +94,14 @@ class CustomTask:
         the batch's value (an eval's wrapped-round rows then weigh in its last batch).
         """
         model.eval()  # outside the vmap: NNX refuses a module changed in another trace
+        # Each row's model is merged inside the vmap from the weights: a module built in the
+        # outer trace, called there, would refuse the checkpointed blocks' (remat.blocks,
+        # remat_block) writes to it from the vmap's trace level.
+        graphdef, weights = nnx.split(model)
 
         def metrics_of(rows: Any) -> dict[str, jax.Array]:
-            loss, metrics = self.loss(model, rows, jax.random.PRNGKey(0))
+            row_model = nnx.merge(graphdef, weights, copy=True)
+            loss, metrics = self.loss(row_model, rows, jax.random.PRNGKey(0))
             return {"loss": loss, **metrics}
 
         if pipeline.is_active():
@@ -123,7 +134,7 @@ class CustomTask:
             model = nnx.merge(layout.graphdef, params, model_state)
             if not train:
                 model.eval()
-            return self.user_loss(model, jax.tree.map(self.policy.cast_to_compute, batch), key)
+            return self.user_loss(model, self.inputs(batch), key)
 
         def probe_rows(params, model_state, batch, key):
             return self.eval_rows(nnx.merge(layout.graphdef, params, model_state), batch)
@@ -133,14 +144,14 @@ class CustomTask:
         # key would be placed on the mesh, which a GPU target's compile-only devices refuse.
         abstract, key = layout.abstract_state, jax.eval_shape(lambda: jax.random.PRNGKey(0))
 
-        def trace(name: str, function: Callable, spec: Any) -> Any:
+        def trace(name: str, function: Callable, spec: Any, how: str = "on its batches") -> Any:
             try:
                 return jax.eval_shape(function, abstract.params, abstract.model_state, spec, key)
             except UserError:
                 raise
             except Exception as error:  # the whole traceback stays as the cause
                 raise UserError(
-                    f"{name}: the loss fails on its batches ({_shapes(spec)}): "
+                    f"{name}: the loss fails {how} ({_shapes(spec)}): "
                     f"{type(error).__name__}: {_first_line(error)}"
                 ) from error
 
@@ -152,7 +163,9 @@ class CustomTask:
             missing = set(self.metric_names) - set(_check_loss_result(result))
             if missing:
                 raise UserError(f"eval_data: the loss returns no {sorted(missing)[0]} on it")
-            trace("eval_data", probe_rows, eval_batch)
+            # It ran on a whole batch: a failure here is the row-by-row form, not the data.
+            how = "on one row at a time (eval's jax.vmap over the rows), not on a whole batch"
+            trace("eval_data", probe_rows, eval_batch, how)
 
 
 def _check_loss_result(result: Any) -> tuple[str, ...]:

@@ -140,7 +140,16 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
-        parts = RunParts(config, run.mesh, task, run.layout, run.schedule, eval_source, limit_bytes)
+        parts = RunParts(
+            config,
+            run.mesh,
+            task,
+            run.layout,
+            run.schedule,
+            eval_source,
+            limit_bytes,
+            run.given_optimizer,
+        )
         summary, state, compiled = _run_loop(
             parts, checkpointer, stop, watchdog, state, start_step, batches
         )
@@ -182,6 +191,7 @@ class RunParts:
     schedule: Any  # None: a user's optimizer whose learning rate is its own
     eval_source: Any  # None: no eval data
     limit_bytes: int | None  # what one device may hold, for the out-of-memory report
+    given_optimizer: dict[str, Any] | None = None  # fit's optimizer, as trackers record it
 
     @property
     def eval_every(self) -> int:
@@ -337,7 +347,9 @@ def _instruments(parts: RunParts, start_step: int) -> Instruments:
     )
     return Instruments(
         timer=timer,
-        writer=MetricsWriter(run_dir, resume_step=start_step, config=config),
+        writer=MetricsWriter(
+            run_dir, resume_step=start_step, config=config, optimizer=parts.given_optimizer
+        ),
         progress=progress,
         profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
     )

@@ -48,7 +48,8 @@ class MetricsWriter:
     """Appends metric records to run_dir/metrics.jsonl and the trackers (process 0 only).
 
     `config`: the run's, whose run.trackers receive every record; without it, TensorBoard
-    alone when `tensorboard`.
+    alone when `tensorboard`. `optimizer`: an optimizer given to fit, as the trackers record
+    it (optim.describe_given).
     """
 
     def __init__(
@@ -57,10 +58,12 @@ class MetricsWriter:
         tensorboard: bool = True,
         resume_step: int = 0,
         config: Config | None = None,
+        optimizer: dict[str, Any] | None = None,
     ):
         self.enabled = jax.process_index() == 0
         self._file = None
         self._trackers = []
+        self._logged_through = 0  # the trackers already hold the steps up to this one
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,11 +71,12 @@ class MetricsWriter:
         # A resumed run continues the file as if uninterrupted: records past the restored
         # step (logged after the last checkpoint) are dropped, earlier ones kept.
         if resume_step and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line)["step"] <= resume_step
+            lines = [
+                line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")
             ]
+            steps = [json.loads(line)["step"] for line in lines]
+            kept = [line for line, step in zip(lines, steps, strict=True) if step <= resume_step]
+            self._logged_through = max(steps, default=0)
             # Replaced in one rename: a kill right now leaves the old file or the new one.
             temporary = path.with_suffix(".jsonl.tmp")
             temporary.write_text("".join(kept))
@@ -80,7 +84,7 @@ class MetricsWriter:
         elif path.exists():
             path.unlink()  # a fresh run (no checkpoint to continue) starts a fresh file
         if config is not None:
-            self._trackers = trackers.open_trackers(config, run_dir)
+            self._trackers = trackers.open_trackers(config, run_dir, resume_step, optimizer)
         elif tensorboard:
             self._trackers = [trackers.TensorBoard(None, run_dir)]
         self._file = path.open("a")
@@ -92,6 +96,8 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         for tracker in list(self._trackers):
+            if record["step"] <= self._logged_through and not tracker.replays:
+                continue  # logged by the interrupted run, to the same values
             try:
                 tracker.log(record)
             except Exception as error:  # a tracker's server gone mid-run: training goes on

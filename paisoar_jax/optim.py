@@ -93,17 +93,22 @@ def build_optimizer(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
             optax.sgd(schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
-    return wrap_optimizer(optimizer, optim_config, precision), schedule
+    return wrap_optimizer(
+        optimizer, optim_config.clipping(own_optimizer=False), precision
+    ), schedule
 
 
 def wrap_optimizer(
     optimizer: optax.GradientTransformation,
-    optim_config: OptimConfig,
+    clip_norm: float,
     precision: PrecisionConfig | None = None,
 ) -> optax.GradientTransformation:
-    """`optimizer` (the config's or a user's) inside global-norm clipping and the loss scaler."""
-    if optim_config.clip_norm > 0:
-        optimizer = optax.chain(optax.clip_by_global_norm(optim_config.clip_norm), optimizer)
+    """`optimizer` (the config's or a user's) inside clipping (0: none) and the loss scaler.
+
+    The scaler only unscales the gradients and skips the steps whose gradients overflow.
+    """
+    if clip_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
     if precision is not None:
         mode, static_scale = precision.loss_scale_mode()
         if mode != "none":
@@ -118,3 +123,45 @@ def wrap_optimizer(
                 max_scale=max(precision.max_scale, static_scale),
             )
     return optimizer
+
+
+def describe_given(
+    optimizer: optax.GradientTransformation, factory: object, clip_norm: float
+) -> dict[str, object]:
+    """What the trackers record of an optimizer given to fit, in place of the optim section.
+
+    Its states' names in chain order (ScaleByAdam, Trace, ...), the hyperparameters it
+    injects (optax.inject_hyperparams) at their start values, the factory's name when one
+    built it, and the clipping the run adds (0: none).
+    """
+    try:  # on no parameters: the states' kinds and the injected values, nothing sized
+        state = optimizer.init({})
+    except Exception:  # a chain that needs the parameters' structure: its kinds unknown
+        state = None
+    hyperparams: dict[str, float] = {}
+    described = {
+        "given_to_fit": getattr(factory, "__qualname__", "an optax GradientTransformation"),
+        "transforms": ", ".join(_state_names(state, hyperparams)) or "unknown",
+    }
+    return described | {"hyperparams": hyperparams, "clip_norm": clip_norm}
+
+
+def _state_names(state: object, hyperparams: dict[str, float]) -> list[str]:
+    """The optax state kinds in `state`, outermost first; injected values into hyperparams."""
+    if isinstance(state, dict):
+        return [name for value in state.values() for name in _state_names(value, hyperparams)]
+    if not isinstance(state, tuple):
+        return []
+    names = []
+    kind = type(state).__name__
+    if hasattr(state, "_fields") and kind != "EmptyState":
+        names.append(kind.removesuffix("State"))
+    if kind.startswith("Inject") and isinstance(getattr(state, "hyperparams", None), dict):
+        for key, value in state.hyperparams.items():
+            if getattr(value, "shape", None) == ():
+                hyperparams[key] = float(f"{float(value):.7g}")  # float32's digits
+    for value in state:
+        if kind.startswith("Inject") and value is getattr(state, "hyperparams", None):
+            continue
+        names += _state_names(value, hyperparams)
+    return names

@@ -6,10 +6,18 @@ get the resolved config and the git commit of the code that started the run (the
 directory's repository, when it is one). Only process 0 writes (metrics.MetricsWriter).
 
 A resumed run continues its tracker run: the W&B run id and the MLflow run id are kept in
-the run directory (`wandb_run_id`, `mlflow_run_id`). W&B runs online when it is logged in,
-offline with `WANDB_MODE=offline` (no network; `wandb sync` uploads later). MLflow writes to
-`run.tracking_uri`, by default a file store in `<run.dir>/mlruns`. A tracker whose package
-is missing is one line naming the extra to install.
+the run directory (`wandb_run_id`, `mlflow_run_id`), and the steps the interrupted run had
+logged past its checkpoint (run again, to the same values) are not logged twice: W&B and
+MLflow skip them, TensorBoard hides its old events after the checkpoint's step
+(tensorboardX's purge_step) and takes them anew.
+
+The name a tracker shows is run.dir's last folder when run.dir is set, else run.name; with
+an optimizer given to fit, the config it records holds that optimizer's description in
+place of the unused optim section.
+
+W&B runs online when it is logged in, offline with `WANDB_MODE=offline` (no network; `wandb
+sync` uploads later). MLflow writes to `run.tracking_uri`, by default a file store in
+`<run.dir>/mlruns`. A tracker whose package is missing is one line naming the extra.
 """
 
 from __future__ import annotations
@@ -29,10 +37,24 @@ from paisoar_jax.errors import UserError
 DEFAULT_PROJECT = "paisoar_jax"
 
 
-def open_trackers(config: Config, run_dir: pathlib.Path) -> list[Any]:
-    """The trackers `config.run` names, each ready to `log(record)` and `close()`."""
+def open_trackers(
+    config: Config,
+    run_dir: pathlib.Path,
+    resume_step: int = 0,
+    optimizer: dict[str, Any] | None = None,
+) -> list[Any]:
+    """The trackers `config.run` names, each ready to `log(record)` and `close()`.
+
+    `resume_step`: the checkpoint's step a resumed run starts from; `optimizer`: what an
+    optimizer given to fit is (optim.describe_given), recorded in place of `optim`.
+    """
+    settings = to_dict(config)
+    if optimizer is not None:
+        settings["optim"] = optimizer
     kinds = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
-    return [kinds[name](config, run_dir) for name in config.run.active_trackers]
+    return [
+        kinds[name](config, run_dir, settings, resume_step) for name in config.run.active_trackers
+    ]
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:
@@ -72,10 +94,13 @@ def _import(name: str, package: str):
 class TensorBoard:
     """Scalars in <run.dir>/tensorboard (tensorboardX)."""
 
-    def __init__(self, config: Config | None, run_dir: pathlib.Path):
+    replays = True  # a resumed run's steps past its checkpoint replace the old ones
+
+    def __init__(self, config: Config | None, run_dir: pathlib.Path, settings=None, resume_step=0):
         from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        purge_step = resume_step + 1 if resume_step else None  # hides the old steps after it
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
         """Each numeric field as a scalar at the record's step."""
@@ -90,18 +115,20 @@ class TensorBoard:
 class WandB:
     """A Weights & Biases run: the config (with the git commit), then each record."""
 
-    def __init__(self, config: Config, run_dir: pathlib.Path):
+    replays = False  # W&B takes no step twice: a resumed run's logged steps are skipped
+
+    def __init__(self, config: Config, run_dir: pathlib.Path, settings: dict, resume_step=0):
         wandb = _import("wandb", "wandb")
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(
                 project=config.run.project or DEFAULT_PROJECT,
-                name=config.run.name,
+                name=config.run.display_name,
                 id=run_id,
                 resume="allow",  # a resumed run continues the same W&B run
                 dir=str(run_dir),
-                config=to_dict(config) | {"git_commit": git_commit()},
+                config=settings | {"git_commit": git_commit()},
                 # Its own lines stay in <run.dir>/wandb/*/logs; the console is ours.
                 settings=wandb.Settings(console="off", quiet=True),
             )
@@ -124,7 +151,9 @@ class WandB:
 class MLflow:
     """An MLflow run in an experiment named run.project: params, a commit tag, metrics."""
 
-    def __init__(self, config: Config, run_dir: pathlib.Path):
+    replays = False  # a metric logged twice at a step would show twice: skipped instead
+
+    def __init__(self, config: Config, run_dir: pathlib.Path, settings: dict, resume_step=0):
         mlflow = _import("mlflow", "mlflow")
         uri = config.run.tracking_uri
         if not uri:
@@ -134,14 +163,14 @@ class MLflow:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.metric = mlflow.entities.Metric
         try:
-            self._start(mlflow, config, run_dir, uri)
+            self._start(mlflow, config, settings, run_dir, uri)
         except Exception as error:  # a server that does not answer, a bad URI, ...
             raise UserError(
                 f"run.trackers=mlflow: MLflow at {uri} did not start a run "
                 f"({_first_line(error, 300)}); check run.tracking_uri"
             ) from None
 
-    def _start(self, mlflow, config: Config, run_dir: pathlib.Path, uri: str) -> None:
+    def _start(self, mlflow, config: Config, settings: dict, run_dir: pathlib.Path, uri: str):
         """Opens the run: the one this run directory started, or a new one."""
         from mlflow.entities import Param
 
@@ -156,9 +185,10 @@ class MLflow:
         experiment = found.experiment_id if found else self.client.create_experiment(name)
         commit = git_commit()
         tags = {"mlflow.source.git.commit": commit} if commit else {}
-        self.run_id = self.client.create_run(experiment, run_name=config.run.name, tags=tags)
+        run_name = config.run.display_name
+        self.run_id = self.client.create_run(experiment, run_name=run_name, tags=tags)
         self.run_id = self.run_id.info.run_id
-        flat = traverse_util.flatten_dict(to_dict(config), sep=".")
+        flat = traverse_util.flatten_dict(settings, sep=".")
         params = [Param(key, str(value)[:6000]) for key, value in flat.items()]
         for start in range(0, len(params), 100):  # MLflow takes 100 params a batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])

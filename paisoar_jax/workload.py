@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from paisoar_jax import lora, precision, remat
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.optim import build_optimizer, build_schedule, wrap_optimizer
+from paisoar_jax.optim import build_optimizer, build_schedule, describe_given, wrap_optimizer
 from paisoar_jax.parallel import pipeline, sharding
 from paisoar_jax.state import StateLayout, state_layout
 
@@ -93,6 +93,7 @@ class Setup:
     layout: StateLayout
     schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
     task: Task
+    given_optimizer: dict[str, Any] | None = None  # fit's optimizer as trackers record it
 
 
 def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module]:
@@ -131,7 +132,7 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
 
 
 def optimizer_for(config: Config, given: Optimizer | None):
-    """(optimizer chain, schedule): the config's, or the user's inside clipping and scaling."""
+    """(optimizer chain, schedule): the config's, or the user's (clipped only when asked)."""
     train = config.train
     if given is None:
         return build_optimizer(config.optim, train.steps, train.global_batch, config.precision)
@@ -147,7 +148,20 @@ def optimizer_for(config: Config, given: Optimizer | None):
             f"optimizer must be an optax GradientTransformation or a function of the schedule, "
             f"got {type(given).__name__}"
         )
-    return wrap_optimizer(inner, config.optim, config.precision), schedule
+    # It runs as given: clipped only when optim.clip_norm is set (and loss-scaled under fp16).
+    return wrap_optimizer(
+        inner, config.optim.clipping(own_optimizer=True), config.precision
+    ), schedule
+
+
+def describe_optimizer(config: Config, given: Optimizer | None) -> dict[str, Any] | None:
+    """An optimizer given to fit as the trackers record it (optim.describe_given); else None."""
+    if given is None:
+        return None
+    if isinstance(given, optax.GradientTransformation):
+        return describe_given(given, None, config.optim.clipping(own_optimizer=True))
+    schedule = build_schedule(config.optim, config.train.steps, config.train.global_batch)
+    return describe_given(given(schedule), given, config.optim.clipping(own_optimizer=True))
 
 
 def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -161,4 +175,5 @@ def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | No
     with jax.set_mesh(mesh):
         layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
         workload.task.prepare(layout, config.train.global_batch)
-    return Setup(config, mesh, layout, schedule, workload.task)
+    given = describe_optimizer(config, workload.optimizer)
+    return Setup(config, mesh, layout, schedule, workload.task, given)

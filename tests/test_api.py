@@ -15,7 +15,7 @@ from paisoar_jax import api
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import rules, sharding
 from paisoar_jax.state import init_state
-from paisoar_jax.step import jit_train_step, loss_and_grads
+from paisoar_jax.step import jit_eval_step, jit_train_step, loss_and_grads
 from paisoar_jax.workload import setup
 
 BASE = FIT_BASE  # a model of one's own through fit: log each step, no eval
@@ -201,7 +201,11 @@ def test_fp16_overflow_skips_the_step_bit_for_bit(devices):
     assert float(after.opt_state.scale) == float(before.opt_state.scale) / 2
 
 
-def test_batch_floats_and_weights_reach_the_loss_in_the_compute_dtype(devices):
+@pytest.mark.parametrize("cast_inputs", [False, True])
+def test_batch_floats_reach_the_loss_in_their_dtype_and_weights_in_the_compute_dtype(
+    devices, cast_inputs
+):
+    """A float input (a diffusion timestep) stays float32 unless precision.cast_inputs."""
     seen = {}
 
     def spying_loss(model, batch, rng):
@@ -209,12 +213,14 @@ def test_batch_floats_and_weights_reach_the_loss_in_the_compute_dtype(devices):
         seen["scale"] = model.blocks[0].norm.scale[...].dtype
         return net_loss(model, batch, rng)
 
-    config, run = prepared(["mesh.data=1", "precision.policy=bf16"], devices[:1], loss=spying_loss)
+    overrides = ["mesh.data=1", "precision.policy=bf16", f"precision.cast_inputs={cast_inputs}"]
+    config, run = prepared(overrides, devices[:1], loss=spying_loss)
     with jax.set_mesh(run.mesh):
         state = init_state(config, run.layout)
         step = jit_train_step(run.layout, run.task, run.schedule, 1, run.mesh)
         _, metrics = step(state, batches(1)[0])
-    assert seen == {"x": jax.numpy.bfloat16, "kernel": jax.numpy.bfloat16, "scale": np.float32}
+    x_dtype = jax.numpy.bfloat16 if cast_inputs else np.float32
+    assert seen == {"x": x_dtype, "kernel": jax.numpy.bfloat16, "scale": np.float32}
     assert metrics["loss"].dtype == np.float32
 
 
@@ -230,7 +236,8 @@ def test_force_policy_keeps_a_submodule_in_fp32(devices):
 
 
 def test_remat_blocks_by_path_and_by_helper(devices):
-    """remat.blocks and paisoar_jax.remat_block checkpoint the blocks; gradients unchanged."""
+    """remat.blocks and paisoar_jax.remat_block checkpoint the blocks, eval_data too (each
+    eval row's model under vmap); gradients and eval sums unchanged."""
 
     def helped(rngs):
         net = Net(rngs)
@@ -244,17 +251,22 @@ def test_remat_blocks_by_path_and_by_helper(devices):
         ("by path", ["remat.policy=full", "remat.blocks=[blocks\\.\\d+$]"], Net),
         ("helper", ["remat.policy=full"], helped),
     ):
-        config, run = prepared(["mesh.data=1", *overrides], devices[:1], model=model)
+        config, run = prepared(
+            ["mesh.data=1", *overrides], devices[:1], model=model, eval_data=examples(32, 2)
+        )
         layout = run.layout
         with jax.set_mesh(run.mesh):
             state = init_state(config, layout)
             grad_fn = gradient_function(layout, run.task)
             batch = batches(1)[0]
-            results[name] = jax.device_get(grad_fn(state.params, state.model_state, batch))
+            grads = grad_fn(state.params, state.model_state, batch)
+            evaluate = jit_eval_step(layout, run.task, run.mesh)
+            sums = evaluate(state.params, state.model_state, batch, np.ones(16, bool))
+            results[name] = jax.device_get((grads, sums))
             jaxpr = str(jax.make_jaxpr(grad_fn)(state.params, state.model_state, batch))
         assert ("remat" in jaxpr) == (name != "none"), name
     for name in ("by path", "helper"):
-        jax.tree.map(np.testing.assert_array_equal, results[name], results["none"])
+        jax.tree.map(np.testing.assert_allclose, results[name], results["none"])
 
 
 BAD_INPUT = {

@@ -2,10 +2,12 @@ import dataclasses
 
 import jax
 import numpy as np
+import optax
 import pytest
 
-from paisoar_jax.config import OptimConfig
+from paisoar_jax.config import OptimConfig, load_config
 from paisoar_jax.optim import build_optimizer, build_schedule, decay_mask, scaled_lr
+from paisoar_jax.workload import optimizer_for
 
 
 def test_warmup_then_cosine_to_final_fraction():
@@ -92,3 +94,26 @@ def test_layerwise_trust_ratio_scales_steps_to_the_weights(name):
         step = float(np.linalg.norm(np.asarray(updates["kernel"])))
         expected = 0.1 * 0.01 * 6.0 if name == "lars" else 0.1 * 6.0
         assert step == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides, own, expected_norm",
+    [
+        ([], False, 1.0),  # the config's optimizer: clipped at 1.0 unless told otherwise
+        ([], True, 1e6 * np.sqrt(3)),  # a user's optax chain runs as given
+        (["optim.clip_norm=2"], True, 2.0),  # ... and is clipped when asked
+        (["optim.clip_norm=0"], False, 1e6 * np.sqrt(3)),
+        (["optim.clip_norm=null"], False, 1.0),  # unset again, as a saved config says
+    ],
+)
+def test_clipping_wraps_a_users_optimizer_only_when_asked(overrides, own, expected_norm):
+    config = load_config(
+        None,
+        ["optim.name=sgd", "optim.lr=1", "optim.warmup_steps=0", "optim.schedule=constant"]
+        + ["optim.weight_decay=0", "optim.momentum=0", *overrides],
+    )
+    optimizer, _ = optimizer_for(config, optax.sgd(1.0) if own else None)
+    params = {"kernel": np.zeros(3, np.float32)}
+    huge = {"kernel": np.full(3, 1e6, np.float32)}
+    updates, _ = optimizer.update(huge, optimizer.init(params), params)
+    assert float(np.linalg.norm(np.asarray(updates["kernel"]))) == pytest.approx(expected_norm)

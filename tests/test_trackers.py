@@ -2,9 +2,11 @@
 metrics.jsonl holds; a resumed run continues the same tracker runs; bad input is one line."""
 
 import json
+import shutil
 import subprocess
 import sys
 
+import optax
 import pytest
 from conftest import TINY, run_records
 from wandb.proto.wandb_internal_pb2 import Record
@@ -25,7 +27,7 @@ def wandb_records(run_dir):
     The file is a LevelDB-style log of W&B's own protobuf Records (32 KiB blocks, each
     record a 7-byte header: crc, length, kind); W&B itself reads it when it syncs.
     """
-    rows, config = {}, {}
+    rows, config, logged = {}, {}, []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         data, position, pending, block = path.read_bytes(), 7, b"", 32768
         assert data[:4] == b":W&B"
@@ -47,10 +49,12 @@ def wandb_records(run_dir):
                     for item in items
                 }
                 rows[record.history.step.num] = row
+                logged.append(record.history.step.num)
             elif record.WhichOneof("record_type") == "run":
                 config |= {
                     item.key: json.loads(item.value_json) for item in record.run.config.update
                 }
+    assert len(logged) == len(set(logged)), f"W&B got a step twice: {sorted(logged)}"
     return rows, config
 
 
@@ -60,25 +64,35 @@ def mlflow_history(run_dir):
 
     client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").absolute().as_uri())
     run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
-    history = {
-        key: {point.step: point.value for point in client.get_metric_history(run.info.run_id, key)}
-        for key in run.data.metrics
-    }
-    return history, run.data.params, run.data.tags
+    history = {}
+    for key in run.data.metrics:
+        points = client.get_metric_history(run.info.run_id, key)
+        history[key] = {point.step: point.value for point in points}
+        assert len(points) == len(history[key]), f"MLflow got a step of {key} twice"
+    return history, run.data.params, run.data.tags | {"run_name": run.info.run_name}
 
 
 def test_wandb_offline_and_mlflow_hold_metrics_jsonl_and_resume_into_the_same_runs(
     tmp_path, monkeypatch
 ):
+    """... each step once, though the resumed run redoes steps the first had logged; the
+    run named after run.dir; the optimizer given to fit recorded, not the optim section."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = tmp_path / "run"
-    paisoar_jax.fit(None, [*SETTINGS, "train.steps=4", f"run.dir={run_dir}"])
+    run_dir = tmp_path / "exp7"
+    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=2e-3, weight_decay=0.0)
+    paisoar_jax.fit(None, [*SETTINGS, "train.steps=4", f"run.dir={run_dir}"], optimizer=optimizer)
     first_mlflow_run = (run_dir / "mlflow_run_id").read_text()
-    paisoar_jax.fit(None, [*SETTINGS, "train.steps=6", f"run.dir={run_dir}"])  # resumed
+    first = {record["step"]: numeric(record) for record in run_records(run_dir)}
+    # As if killed after logging step 4 but before its save: the resumed run redoes 3 and 4.
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    paisoar_jax.fit(None, [*SETTINGS, "train.steps=6", f"run.dir={run_dir}"], optimizer=optimizer)
     assert (run_dir / "mlflow_run_id").read_text() == first_mlflow_run
     records = {record["step"]: numeric(record) for record in run_records(run_dir)}
     assert sorted(records) == [1, 2, 3, 4, 5, 6] and "eval_loss" in records[6]
+    for step in (3, 4):  # redone to the same values; the trackers keep the first run's
+        assert records[step]["loss"] == first[step]["loss"]
+    records |= {step: first[step] for step in (3, 4)}
 
     rows, config = wandb_records(run_dir)
     history, params, tags = mlflow_history(run_dir)
@@ -92,6 +106,11 @@ def test_wandb_offline_and_mlflow_hold_metrics_jsonl_and_resume_into_the_same_ru
     assert params["train.global_batch"] == "16" and params["run.trackers"] == str(
         ("wandb", "mlflow")
     )
+    assert tags["run_name"] == "exp7"
+    for recorded in (config["optim"], {"hyperparams": {"learning_rate": 2e-3}}):
+        assert recorded["hyperparams"]["learning_rate"] == pytest.approx(2e-3)
+    assert config["optim"]["transforms"].startswith("InjectStatefulHyperparams, ScaleByAdam")
+    assert params["optim.clip_norm"] == "0.0" and "optim.lr" not in params
     if commit.returncode == 0:
         assert tags["mlflow.source.git.commit"] == commit.stdout.strip()
         assert config["git_commit"] == commit.stdout.strip()

@@ -20,7 +20,7 @@ def check_finite_non_negative(section: str, owner: object, keys: tuple[str, ...]
     """Each named number of `owner` must be finite and >= 0."""
     for key in keys:
         value = getattr(owner, key)
-        if not math.isfinite(value) or value < 0:
+        if value is not None and (not math.isfinite(value) or value < 0):  # None: unset
             raise UserError(f"{section}.{key} must be a finite number >= 0, got {value}")
 
 

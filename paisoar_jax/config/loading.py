@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import types
 import typing
 from typing import Any, Literal
 
@@ -32,6 +33,11 @@ CONFIG_DIR = next(
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
     """Returns `value` as type `kind`, accepting strings from the command line."""
+    optional = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    if typing.get_origin(kind) is types.UnionType and len(optional) == 1:  # `float | None`
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, optional[0], key)
     if typing.get_origin(kind) is tuple:
         item_kind = typing.get_args(kind)[0]
         if item_kind in (int, str):  # [10, 20] in YAML, 10,20 or [10,20] on the command line

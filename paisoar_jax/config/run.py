@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 from paisoar_jax.errors import UserError
@@ -33,3 +34,8 @@ class RunConfig:
     def active_trackers(self) -> tuple[str, ...]:
         """The trackers this run writes to (run.tensorboard=false removes TensorBoard)."""
         return tuple(name for name in self.trackers if self.tensorboard or name != "tensorboard")
+
+    @property
+    def display_name(self) -> str:
+        """The run's name in the trackers: run.dir's last folder when run.dir is set."""
+        return (pathlib.Path(self.dir).absolute().name if self.dir else "") or self.name

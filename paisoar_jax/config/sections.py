@@ -143,7 +143,9 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 30
     final_lr_fraction: float = 0.1  # cosine/linear decay ends at lr * this
-    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    # Global-norm clipping; 0 disables. Unset: 1.0 around the config's optimizer, none around
+    # an optimizer given to fit (it runs as given; set this to clip it too).
+    clip_norm: float | None = None
     weight_decay: float = 0.1  # adamw: decoupled; sgd: L2 on the gradient; never norms, biases
     b1: float = 0.9
     b2: float = 0.95
@@ -153,6 +155,12 @@ class OptimConfig:
     trust_coefficient: float = 0.001  # lars: the layer-wise trust ratio's coefficient
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # rescale lr for the global batch
     base_batch: int = 0  # the global batch `lr` was tuned for (needed when lr_scaling != none)
+
+    def clipping(self, own_optimizer: bool) -> float:
+        """The clip norm of the run (0: none), with or without an optimizer given to fit."""
+        if self.clip_norm is not None:
+            return self.clip_norm
+        return 0.0 if own_optimizer else 1.0
 
     def __post_init__(self):
         if self.lr_scaling != "none" and self.base_batch < 1:
@@ -175,6 +183,10 @@ class PrecisionConfig:
     hysteresis: int = 1  # non-finite steps in a row before the scale halves
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+    # A model of one's own: cast the batch's floating arrays to the compute dtype before the
+    # loss. Off, each input reaches the loss in its own dtype (a float32 timestep stays exact;
+    # the flax layers cast what they are given).
+    cast_inputs: bool = False
 
     def __post_init__(self):
         self.loss_scale_mode()

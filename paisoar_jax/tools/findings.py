@@ -355,7 +355,7 @@ def loss_scale_collapse(run: Run) -> Finding | None:
     (first_step, first), (last_step, last) = scales[0], scales[-1]
     config = run.config
     fixes = [_lower_lr(run)]
-    if config.optim.clip_norm == 0:
+    if config.optim.clipping(_own_optimizer(run)) == 0:
         fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
     fixes.append(_no_loss_scale(config))
     evidence = (
@@ -405,7 +405,7 @@ def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
     config = run.config
     optim = config.optim
     fixes = [_lower_lr(run)]
-    if optim.clip_norm == 0:
+    if optim.clipping(_own_optimizer(run)) == 0:
         fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
     if not _own_optimizer(run):  # its warm-up is its own too
         warmup = max(100, 2 * optim.warmup_steps)
