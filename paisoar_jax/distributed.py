@@ -55,6 +55,13 @@ SLURM_VARIABLES = (
 OPENMPI_4_URI = "OMPI_MCA_orte_hnp_uri"
 # jax's timeout must outlast ours, so that our one-line error comes before its abort.
 JAX_TIMEOUT_MARGIN_S = 30
+# Every rank of a script that used jax before fit (or initialize) says this: status 2, and
+# the launcher does not restart what would fail the same way.
+JAX_USED_FIRST = (
+    "jax was used before this process joined the others (jax.devices(), an array, a model "
+    "built eagerly); call paisoar_jax.initialize() at the top of the script, before anything "
+    "touches jax"
+)
 
 
 @dataclass(frozen=True)
@@ -288,8 +295,14 @@ def initialize(
     plan = resolve(settings, environ)
     import jax
 
-    if plan.cpu_devices is not None:
+    started = _jax_in_use()
+    # Each rank says so at once, before the join (none waits for a rank 0 that never joins).
+    if started and plan.multi_process and not jax.distributed.is_initialized():
+        raise UserError(JAX_USED_FIRST)
+    if plan.cpu_devices is not None and not started:
         jax.config.update("jax_num_cpu_devices", plan.cpu_devices)
+    elif plan.cpu_devices is not None and jax.local_device_count() != plan.cpu_devices:
+        raise UserError(JAX_USED_FIRST)  # too late to set the device count
     if not plan.multi_process or jax.distributed.is_initialized():
         return plan
     heartbeat.start(environ)  # under the launcher: beats from before the (long) join
@@ -308,6 +321,10 @@ def initialize(
             initialization_timeout=plan.timeout_s + JAX_TIMEOUT_MARGIN_S,
             **_peer_timeout(plan, environ, jax.distributed.initialize),
         )
+    except RuntimeError as error:
+        if "must be called before" not in str(error):
+            raise
+        raise UserError(JAX_USED_FIRST) from None  # (a jax without the check above)
     finally:
         watchdog.cancel()
     if jax.default_backend() == "cpu" and not environ.get(heartbeat.HEARTBEAT_FILE):
@@ -319,6 +336,14 @@ def initialize(
             f"{jax.local_device_count()} per process"
         )
     return plan
+
+
+def _jax_in_use() -> bool:
+    """Whether this process has started jax's backends (devices listed, an array made)."""
+    from jax._src import xla_bridge  # no public check; jax 0.10 and later have this one
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started and started())
 
 
 def _peer_timeout(plan: Plan, environ: Mapping[str, str], start_jax) -> dict[str, int]:

@@ -552,6 +552,8 @@ seed = rank if os.environ["CASE"] == "different" else 0  # different: each proce
 x = np.random.default_rng(seed).normal(size=(64, 8)).astype(np.float32)
 x[7, 3] = np.nan if os.environ["CASE"] == "nan" else x[7, 3]
 y = (x[:, 0] > 0).astype(np.int32)
+if os.environ["CASE"] == "early":  # jax used before fit joins the processes
+    import jax; print(jax.device_count())
 
 def loss(model, batch, rng):
     logits = model(batch["x"]).astype(np.float32)
@@ -567,6 +569,7 @@ paisoar_jax.fit(None, sys.argv[1:], model=lambda rngs: nnx.Linear(8, 2, rngs=rng
     [
         ("different", "the processes were given different train data: process 1's has 64"),
         ("nan", "holds non-finite values ("),  # one process reads the row; both stop
+        ("early", "call paisoar_jax.initialize() at the top of the script"),
     ],
 )
 def test_bad_data_on_two_processes_stops_both_with_one_line(case, expected, tmp_path):
