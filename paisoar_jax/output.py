@@ -42,9 +42,11 @@ def progress_bar(**settings) -> tqdm:
 
     On a terminal it redraws in place every second; into a file or a pipe (a launcher's log,
     nohup, a scheduler's output) every 30 seconds, each time on a line of its own, where
-    carriage-return redraws would join into one endless line.
+    carriage-return redraws would join into one endless line. A task srun started writes
+    to the job's log whatever its stderr looks like (srun --pty excepted): lines too.
     """
-    if sys.stderr.isatty():
+    under_srun = "SLURM_STEP_ID" in os.environ and "SLURM_PTY_PORT" not in os.environ
+    if sys.stderr.isatty() and not under_srun:
         return tqdm(mininterval=1.0, **settings)
     return tqdm(file=_LinePerRedraw(sys.stderr), mininterval=30.0, ascii=True, **settings)
 

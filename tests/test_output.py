@@ -1,7 +1,9 @@
 """The one output path: text, quiet and JSON-lines modes, in a function and in a real run."""
 
+import io
 import json
 import subprocess
+import sys
 
 import pytest
 from conftest import PYTHON, TINY, subprocess_env
@@ -100,3 +102,29 @@ def test_a_progress_bar_into_a_file_draws_lines_not_carriage_returns(capsys):
     err = capsys.readouterr().err
     assert "\r" not in err and err.splitlines()[-1].startswith("train: 100%|")
     assert len(err.splitlines()) <= 3  # the start, the end (30 s apart at most in between)
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    "srun", [{}, {"SLURM_STEP_ID": "0"}, {"SLURM_STEP_ID": "0", "SLURM_PTY_PORT": "1"}]
+)
+def test_a_progress_bar_under_srun_draws_lines_even_on_a_terminal(srun, monkeypatch):
+    """Before: a task srun started redrew with carriage returns into the SLURM log."""
+    for name in ("SLURM_STEP_ID", "SLURM_PTY_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    stream = Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    bar = output.progress_bar(total=3, desc="train")
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    in_place = not srun or "SLURM_PTY_PORT" in srun  # a terminal, or srun --pty's
+    assert ("\r" in stream.getvalue()) == in_place
