@@ -55,11 +55,21 @@ class LanguageModelling:
             self.metric_names = moe.metric_names(config.model)
 
     def open_sources(self) -> tuple[Any, Any]:
-        """The (train, eval) window sources named by data.source, or data.mixture's."""
+        """(train, eval) windows: data.source's or data.mixture's, eval data.eval_source's."""
         data, model, seed = self.config.data, self.config.model, self.config.train.seed
-        if data.mixture:
-            return mixture.open_mixture(data, lambda one: open_source(one, model, seed))
-        return open_source(data, model, seed)
+        opened = (
+            mixture.open_mixture(data.train_side(), lambda one: open_source(one, model, seed))
+            if data.mixture
+            else open_source(data.train_side(), model, seed)
+        )
+        if not data.eval_source:
+            return opened
+        try:
+            train, held_out = open_source(data.eval_side(), model, seed)
+        except UserError as error:
+            raise UserError(f"data.eval_source: {error}") from None
+        whole = data.eval_side().eval_fraction == 0  # a converted set: all of it
+        return opened[0], train if whole else held_out
 
     def host_batches(
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0

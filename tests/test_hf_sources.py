@@ -102,3 +102,37 @@ def test_an_instruction_dataset_names_its_two_columns(tmp_path):
     tokens, mask = records.read_with_mask(0, records.token_count)
     learned = bytes(tokens[mask.astype(bool)].astype(np.uint8)).decode()
     assert learned.startswith(" 1\0 2\0 3\0")  # the answers (and their end) alone are learned
+
+
+def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
+    """data.eval_source: eval reads all of another split (here a DatasetDict's validation),
+    and data.source is trained on whole, not less data.eval_fraction."""
+    from conftest import TINY, run_records
+
+    from paisoar_jax.loop import train
+    from paisoar_jax.tasks import LanguageModelling
+
+    splits = {"train": ROWS[:240], "validation": [{"text": "x = 'held out'\n" * 40}] * 20}
+    splits = datasets.DatasetDict(
+        {name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}
+    )
+    splits.save_to_disk(str(tmp_path / "splits"))
+    overrides = [f"data.source=hf:{tmp_path / 'splits'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    overrides += [f"data.eval_source=hf:{tmp_path / 'splits'}", "data.eval_hf_split=validation"]
+    overrides += [*TINY, "train.steps=2", "train.eval_every=2", f"run.dir={tmp_path / 'run'}"]
+    config = load_config(None, overrides)
+    hf_sources.prepare(config)
+    assert "data.eval_source=hf:" in capsys.readouterr().out  # tokenized once, on its own
+    train_windows, eval_windows = LanguageModelling(config, object).open_sources()
+    apart = [
+        TokenRecords(hf_cache_directory(data, str(tmp_path / "splits")))
+        for data in (config.data, config.data.eval_side())
+    ]
+    seq_len = config.model.seq_len
+    assert len(train_windows) == (apart[0].token_count - 1) // seq_len  # no windows held out
+    assert len(eval_windows) == (apart[1].token_count - 1) // seq_len  # all of validation
+    assert bytes(eval_windows[0][:14].astype(np.uint8)) == b"x = 'held out'"
+    train(config)
+    assert "eval_loss" in run_records(tmp_path / "run")[-1]
+    with pytest.raises(UserError, match="data.eval_source is a token eval set"):
+        load_config(None, ["model.name=resnet", "data.eval_source=synthetic"])

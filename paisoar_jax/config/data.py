@@ -10,6 +10,7 @@ source paused, or added later), but every source is read in some stage.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -164,7 +165,12 @@ class DataConfig:
     prefetch: int = 2  # global batches in flight on the devices
     # Stop at a batch whose floating arrays hold nan or inf (false: a loss that masks them)
     check_finite: bool = True
-    eval_fraction: float = 0.05  # share of the data held out for eval (no separate split)
+    eval_fraction: float = 0.05  # share of the data held out for eval (no data.eval_source)
+    # A separate eval set, any token source data.source takes (arrayrecord:, hf:, embedded,
+    # synthetic): eval reads all of it (embedded, synthetic: their eval split) and
+    # data.source is trained on whole (data.eval_fraction unused); empty: held out as above
+    eval_source: str = ""
+    eval_hf_split: str = ""  # hf: data.eval_source's split of a DatasetDict; empty: hf_split
     min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
     mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
     # a resume onto data of another size or fingerprint: refuse it, or start the new data
@@ -173,7 +179,8 @@ class DataConfig:
 
     def __post_init__(self):
         check_at_least("data", self, {"prefetch": 1, "workers": 0})
-        for source in [self.source, *(entry.source for entry in self.mixture)]:
+        sources = [self.source, *(entry.source for entry in self.mixture), self.eval_source]
+        for source in filter(None, sources):
             if (
                 source.startswith(("hf:", "arrayrecord:", "images:"))
                 and not source.partition(":")[2]
@@ -193,6 +200,23 @@ class DataConfig:
                 f"data.mixup_alpha must be a finite number >= 0, got {self.mixup_alpha}"
             )
         self._check_mixture()
+
+    def eval_side(self) -> DataConfig:
+        """The data section data.eval_source is read with: it as the one source, whole."""
+        return dataclasses.replace(
+            self,
+            source=self.eval_source,
+            hf_split=self.eval_hf_split or self.hf_split,
+            mixture=(),
+            mixture_stages=(),
+            eval_source="",
+            eval_hf_split="",
+            eval_fraction=0.0 if self.eval_source.startswith(("arrayrecord:", "hf:")) else 0.05,
+        )
+
+    def train_side(self) -> DataConfig:
+        """The data section data.source (or the mixture) is read with: whole with eval_source."""
+        return dataclasses.replace(self, eval_fraction=0.0) if self.eval_source else self
 
     def _check_mixture(self) -> None:
         """Stages need a mixture, name one weight per source, in step order; all are read."""

@@ -373,7 +373,13 @@ class Config:
                 f"model.name={self.model.name} reads "
                 f"{'the data given to fit' if custom else 'one data.source'}"
             )
-        if self.data.eval_fraction == 0 and self.train.eval_every > 0:
+        if self.data.eval_source and not isinstance(self.model, LanguageModelConfig):
+            raise UserError(
+                f"data.eval_source is a token eval set for the zoo's decoders (gpt, llama); "
+                f"model.name={self.model.name} holds out data.eval_fraction"
+                f"{' (or takes fit(eval_data=...))' if self.model.name == 'custom' else ''}"
+            )
+        if self.data.eval_fraction == 0 and self.train.eval_every > 0 and not self.data.eval_source:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
         self._check_pipeline()
         self._check_grad_comm()

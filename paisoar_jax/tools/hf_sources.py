@@ -15,7 +15,7 @@ import re
 import jax
 
 from paisoar_jax import output
-from paisoar_jax.config import Config
+from paisoar_jax.config import Config, DataConfig
 from paisoar_jax.data.records import MANIFEST_NAME
 from paisoar_jax.data.sources import hf_cache_directory
 from paisoar_jax.errors import UserError
@@ -36,10 +36,18 @@ def wait_for_everyone(name: str) -> None:
     jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=WAIT_S * 1000)
 
 
-def hf_paths(config: Config) -> list[str]:
-    """The paths of the run's hf:<path> sources (data.source or the mixture's)."""
-    specs = [entry.source for entry in config.data.mixture] or [config.data.source]
-    return [spec.removeprefix("hf:") for spec in specs if spec.startswith("hf:")]
+def hf_paths(config: Config) -> list[tuple[str, str, DataConfig]]:
+    """The run's hf:<path> sources: (its key, its path, the data section it is read with).
+
+    data.source or the mixture's, and data.eval_source (read with its own split).
+    """
+    data = config.data
+    specs = [("data.mixture", entry.source, data) for entry in data.mixture]
+    specs = specs or [("data.source", data.source, data)]
+    specs += [("data.eval_source", data.eval_source, data.eval_side())] if data.eval_source else []
+    return [
+        (key, spec.removeprefix("hf:"), read) for key, spec, read in specs if spec.startswith("hf:")
+    ]
 
 
 # convert's flags, and the keys of the data section that set them here
@@ -78,8 +86,7 @@ def prepare(config: Config) -> None:
         return
     from paisoar_jax.tools import convert  # tokenizers and datasets: only when needed
 
-    data = config.data
-    for path in paths:
+    for key, path, data in paths:
         directory = hf_cache_directory(data, path)
         if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
             arguments = ["text", "--from-hf", path, "--split", data.hf_split]
@@ -95,14 +102,14 @@ def prepare(config: Config) -> None:
                     f"data.cache_dir: cannot write {directory} ({error.strerror or error}): set "
                     f"data.cache_dir to a writable directory"
                 ) from None
-            output.note(f"data.source=hf:{path}, tokenized once for this and later runs: {summary}")
+            output.note(f"{key}=hf:{path}, tokenized once for this and later runs: {summary}")
     if jax.process_count() > 1:
         wait_for_everyone(f"paisoar_jax.hf_sources.{next(_BARRIERS)}")
-        for path in paths:
+        for key, path, data in paths:
             directory = hf_cache_directory(data, path)
             if not (directory / MANIFEST_NAME).is_file():
                 raise UserError(
-                    f"data.source=hf:{path}: process 0 tokenized it into {directory}, which "
+                    f"{key}=hf:{path}: process 0 tokenized it into {directory}, which "
                     f"process {jax.process_index()} cannot see: set data.cache_dir to a "
                     f"directory every host shares"
                 )
