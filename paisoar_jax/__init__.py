@@ -8,6 +8,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     load(run_dir_or_step, model=factory)   the trained module again, from disk
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
     export_run(run_dir, output)            a run's weights, for checkpoint.init_from
+    Generator(run_or_export)               a zoo or imported decoder's batched generation:
+                                           .complete(texts), .generate(token lists)
     initialize()                           join a multi-process run (fit does it itself)
     load_config(path, overrides), Config   the run's configuration
     remat_block(block)                     checkpoint a block with the run's remat.policy
@@ -58,6 +60,7 @@ _EXPORTS = {
     "bench_fit": "paisoar_jax.api",
     "initialize": "paisoar_jax.api",
     "export_run": "paisoar_jax.api",
+    "Generator": "paisoar_jax.tools.generate",
     "load_config": "paisoar_jax.config",
     "Config": "paisoar_jax.config",
     "remat_block": "paisoar_jax.remat",

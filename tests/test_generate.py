@@ -16,7 +16,7 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools import hf
-from paisoar_jax.tools.generate import Model
+from paisoar_jax.tools.generate import Generator
 from paisoar_jax.zoo import build_model
 
 PROMPT = [5, 17, 3, 88, 41, 9]
@@ -44,6 +44,27 @@ def test_the_cache_gives_the_full_forward_logits(overrides):
         logits, cache = model.decode(tokens[:, index : index + 1], cache, jnp.int32(index))
         stepped.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(stepped, axis=1), full, atol=2e-5)
+
+
+def test_left_padded_rows_decode_as_each_prompt_alone():
+    """Prompts of several lengths in one batch: each row's logits are its own prompt's."""
+    config = load_config(None, ["model.name=llama", "model.layers=2", "model.width=32"])
+    with nnx.use_eager_sharding(False):
+        model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+    prompts = [np.arange(1, 8), np.arange(20, 23)]  # 7 and 3 tokens
+    starts = np.array([0, 4], np.int32)
+    tokens = np.zeros((2, 7), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, starts[row] :] = prompt
+    cache = empty_cache(config.model, 2, 9, jnp.float32)
+    logits, cache = model.decode(tokens, cache, 0, starts)
+    next_logits, _ = model.decode(np.array([[5], [6]], np.int32), cache, jnp.int32(7), starts)
+    for row, prompt in enumerate(prompts):
+        alone = empty_cache(config.model, 1, 9, jnp.float32)
+        own, alone = model.decode(prompt[None].astype(np.int32), alone, 0)
+        np.testing.assert_allclose(logits[row, -1], own[0, -1], atol=2e-5)
+        own_next, _ = model.decode(np.array([[5 + row]], np.int32), alone, jnp.int32(len(prompt)))
+        np.testing.assert_allclose(next_logits[row], own_next[0], atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +104,30 @@ def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     }
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_batch_of_prompts_gives_transformers_tokens_for_each_compiled_once(
+    imported, name, devices
+):
+    """Before: one prompt at a time, recompiled at every call, a host sync per token."""
+    model, ours = imported[name]
+    generator = Generator(ours, devices[:2])
+    prompts = [list(range(3, 3 + length)) for length in (5, 2, 9, 3, 7)]
+    first = generator.generate(prompts, 6, batch_size=4)
+    again = generator.generate(prompts[::-1], 6, batch_size=4)[::-1]
+    assert first == again == [transformers_greedy(model, prompt, 6) for prompt in prompts]
+    (compiled,) = generator._compiled.values()
+    # Rows of 4: the 4 longest (padded to 16 tokens), then the last alone (filled to 4 rows).
+    assert compiled._cache_size() == 2
+
+
 @pytest.mark.parametrize("build", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
 def test_a_mixture_of_experts_generates_transformers_greedy_tokens(devices, tmp_path, build):
     """A mixture of experts decodes token by token through its router, as transformers does."""
     model = build()
     model.save_pretrained(tmp_path / "hf")
     hf.hf_import(tmp_path / "hf", tmp_path / "ours")
-    ours = Model(tmp_path / "ours", devices[:1])
-    assert ours.generate(PROMPT, 10) == transformers_greedy(model, PROMPT, 10)
+    ours = Generator(tmp_path / "ours", devices[:1])
+    assert ours.generate([PROMPT], 10)[0] == transformers_greedy(model, PROMPT, 10)
 
 
 @pytest.mark.slow
@@ -101,13 +138,13 @@ def test_a_sharded_model_generates_what_one_device_does(imported, devices, tmp_p
     (sharded / "params").symlink_to(ours / "params")
     config = load_config(str(ours / "config.yaml"), ["mesh.fsdp=2", "mesh.tensor=2"])
     (sharded / "config.yaml").write_text(dump_yaml(config))
-    many = Model(sharded, devices)
+    many = Generator(sharded, devices)
     whole = {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert dict(many.mesh.shape) == whole
-    one = Model(ours, devices[:1])
-    assert many.generate(PROMPT, 8) == one.generate(PROMPT, 8)
+    one = Generator(ours, devices[:1])
+    assert many.generate([PROMPT], 8) == one.generate([PROMPT], 8)
     sampled = dict(greedy=False, temperature=0.8, top_k=5, seed=3)
-    assert many.generate(PROMPT, 8, **sampled) == one.generate(PROMPT, 8, **sampled)
+    assert many.generate([PROMPT], 8, **sampled) == one.generate([PROMPT], 8, **sampled)
 
 
 @pytest.mark.slow
@@ -193,7 +230,7 @@ def test_a_run_over_more_devices_is_placed_whole_here():
 
 def test_a_missing_source_is_refused(tmp_path):
     with pytest.raises(UserError, match="no such run, checkpoint step or export directory"):
-        Model(tmp_path / "nowhere")
+        Generator(tmp_path / "nowhere")
 
 
 def test_generation_stops_at_the_end_of_sequence_token_as_transformers_does(imported, devices):
@@ -204,13 +241,13 @@ def test_generation_stops_at_the_end_of_sequence_token_as_transformers_does(impo
     copy = ours.parent / "gpt2_eos"
     if not copy.exists():
         shutil.copytree(ours, copy)
-    going_on = Model(ours, devices[:1]).generate(PROMPT, 10)  # no stop ids given: all 10
+    going_on = Generator(ours, devices[:1]).generate([PROMPT], 10)[0]  # no stop ids: all 10
     end = going_on[2]
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": end}))
-    stopping = Model(copy, devices[:1])
+    stopping = Generator(copy, devices[:1])
     assert stopping.end_ids == (end,)
     expected = going_on[: going_on.index(end) + 1]  # the end token itself is the last
-    assert stopping.generate(PROMPT, 10, stop_at=stopping.end_ids) == expected
+    assert stopping.generate([PROMPT], 10, stop_at=stopping.end_ids)[0] == expected
     model.generation_config.eos_token_id = end
     with torch.no_grad():
         out = model.generate(
@@ -218,7 +255,7 @@ def test_generation_stops_at_the_end_of_sequence_token_as_transformers_does(impo
         )
     assert out[0, len(PROMPT) :].tolist() == expected
     # --temperature 0 is greedy (it was refused).
-    assert stopping.generate(PROMPT, 5, greedy=False, temperature=0.0) == going_on[:5]
+    assert stopping.generate([PROMPT], 5, greedy=False, temperature=0.0)[0] == going_on[:5]
 
 
 @pytest.mark.parametrize(

@@ -203,10 +203,12 @@ class DecoderBlock(nnx.Module):
             )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
-    def decode(self, x_BxTxD, rotary, cache, index) -> tuple[jax.Array, tuple]:
+    def decode(self, x_BxTxD, rotary, cache, index, valid_BxS=None) -> tuple[jax.Array, tuple]:
         """The block at positions index.., attending over the cache (models/decoding.py)."""
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
-        attention_BxTxHxE, cache = cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index)
+        attention_BxTxHxE, cache = cached_attention(
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS
+        )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)[0], cache
 
     def _feed_forward(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -368,12 +370,27 @@ class Decoder(nnx.Module):
         logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
         return logits, statistics
 
-    def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array) -> tuple:
-        """(logits, cache) for tokens at positions index.. with the cache of those before."""
+    def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array, starts_B=None) -> tuple:
+        """(logits, cache) for tokens at positions index.. with the cache of those before.
+
+        `starts_B`: left-padded rows of prompts of several lengths, each row's padding; its
+        tokens then sit at positions index - start.., and the padding is never attended.
+        """
         with sequence_whole():  # decoding runs unsplit, whatever mesh.context is
-            x_BxTxD, rotary = self._embed(tokens_BxT, index)
+            valid_BxS, positions_BxT = None, None
+            if starts_B is not None:
+                T, S = tokens_BxT.shape[1], cache[0].shape[2]
+                valid_BxS = jnp.arange(S)[None, :] >= starts_B[:, None]
+                positions_BxT = index + jnp.arange(T)[None, :] - starts_B[:, None]
+                positions_BxT = jnp.maximum(positions_BxT, 0)  # the padding's own: unused
+            x_BxTxD, rotary = self._embed(tokens_BxT, index, positions_BxT)
+            rotary_of = self.rotary_function()
+            if positions_BxT is not None and rotary_of is not None:
+                rotary = rotary_of(positions_BxT)  # each row's own positions
             scanned = self.config.scan_layers
-            x_BxTxD, cache = decode_blocks(self.blocks, x_BxTxD, rotary, cache, index, scanned)
+            x_BxTxD, cache = decode_blocks(
+                self.blocks, x_BxTxD, rotary, cache, index, scanned, valid_BxS
+            )
             logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
         return logits, cache
 

@@ -11,6 +11,9 @@ the model's end-of-sequence token (generation_config.json, config.json or the to
 unless `--ignore-eos`; a prompt longer than the model's positions is refused, or cut to its
 last positions with `--truncate-prompt`.
 
+From Python, `paisoar_jax.Generator(SOURCE)` generates for many prompts at once (batched,
+left-padded, one compiled loop per batch shape): `.complete(texts)`, `.generate(token lists)`.
+
 `--prompt` needs a tokenizer: the tokenizer.json beside the weights (`hf-import` copies the
 model's own; a run fine-tuned from an import finds it through checkpoint.init_from), or
 bytes for a byte-level model (vocab 256, the embedded corpus). `--json` prints one line
@@ -24,7 +27,7 @@ import functools
 import json
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,7 @@ from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
 
 PROGRAM = "paisoar_jax.generate"
+PROMPT_BUCKET = 16  # batched prompts of several lengths are padded to a multiple of this
 
 
 def weights_of(source: pathlib.Path):
@@ -99,11 +103,21 @@ def end_of_sequence_ids(
     return () if end is None else (end,)
 
 
-class Model:
-    """A decoder's weights on the devices, with its jitted prefill and next-token steps."""
+class Generator:
+    """A decoder's weights on the devices, generating for many prompts at once.
 
-    def __init__(self, source: pathlib.Path, devices=None):
+        generator = paisoar_jax.Generator("runs/sft")          # a run, a step or an export
+        answers = generator.complete(["2+2=", "3+5="], max_new=8)  # text in, text out
+        tokens = generator.generate([[1, 2, 3], [4, 5]], max_new=8)  # ids in, ids out
 
+    Prompts go in batches of up to `batch_size` rows (the longest prompts together), each
+    left-padded to its longest with the padding masked, decoded with a key/value cache in
+    one compiled loop that stops once every row has ended. One compile per batch shape
+    (rows, prompt length, max_new and the sampling settings), kept for the next call.
+    """
+
+    def __init__(self, source: str | pathlib.Path, devices=None):
+        source = pathlib.Path(source)
         config, path, self.tokenizer_file = weights_of(source)
         if not isinstance(config.model, LanguageModelConfig):
             raise UserError(f"{source}: model.name={config.model.name} does not generate text")
@@ -111,16 +125,34 @@ class Model:
         self.config = config_from_dict(to_dict(config), placement(config, len(devices)))
         run = setup(self.config, zoo_workload(self.config), devices)
         self.mesh, self.layout = run.mesh, run.layout
-        self.rows = sharding.batch_shards(self.mesh)  # one row per batch shard, as in training
+        self.rows = sharding.batch_shards(self.mesh)  # rows come in multiples of this
         with jax.set_mesh(self.mesh):
             self.params, model_state = load_weights(path, self.layout.abstract_state)
         self.model_state = model_state or {}
         self.end_ids = end_of_sequence_ids(config, (path, source), self.tokenizer_file)
+        self._text: Text | None = None
+        self._compiled: dict[tuple, Callable] = {}
+
+    def complete(self, prompts: Sequence[str], max_new: int = 64, **settings) -> list[str]:
+        """The text each prompt continues with, up to its end-of-sequence token (left out).
+
+        `settings` are `generate`'s (greedy, temperature, ..., batch_size); stop_at defaults
+        to the model's end-of-sequence ids.
+        """
+        if self._text is None:
+            self._text = Text(self.tokenizer_file, self.config.model.vocab_size)
+        settings.setdefault("stop_at", self.end_ids)
+        encoded = [self._text.encode(prompt) for prompt in prompts]
+        continued = self.generate(encoded, max_new, **settings)
+        stops = set(settings["stop_at"])
+        return [
+            self._text.decode(new[:-1] if new and new[-1] in stops else new) for new in continued
+        ]
 
     def generate(
         self,
-        prompt: list[int],
-        max_new: int,
+        prompts: Sequence[Sequence[int]],
+        max_new: int = 64,
         *,
         greedy: bool = True,
         temperature: float = 1.0,
@@ -128,48 +160,60 @@ class Model:
         top_p: float = 1.0,
         seed: int = 0,
         stop_at: Sequence[int] = (),
-    ) -> list[int]:
-        """The token ids that follow `prompt`: `max_new` of them, or fewer.
+        batch_size: int = 64,
+    ) -> list[list[int]]:
+        """The token ids that follow each prompt: `max_new` of them, or fewer.
 
         Fewer when one of `stop_at` (end-of-sequence ids) comes first: it ends the list, as
-        in transformers' generate.
+        in transformers' generate. Sampling (greedy=False) draws from `temperature`, the
+        `top_k` likeliest and the `top_p` nucleus; a prompt's draws depend on its batch.
         """
-        model_config = self.config.model
-        self._check(prompt, max_new, top_k)
-        length = len(prompt) + max_new
-        dtype = get_policy(self.config.precision.policy).compute_dtype  # the keys' dtype
-        sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
-        pick = functools.partial(_pick, **sampling)
-        graphdef = self.layout.graphdef
-
-        @jax.jit
-        def prefill(params, model_state, tokens_RxP, key):
-            model = nnx.merge(graphdef, params, model_state)
-            cache = empty_cache(model_config, tokens_RxP.shape[0], length, dtype)
-            logits_RxPxV, cache = model.decode(tokens_RxP, cache, 0)
-            return pick(logits_RxPxV[:, -1], key), cache
-
-        @functools.partial(jax.jit, donate_argnums=(2,))
-        def next_token(params, model_state, cache, token_R, index, key):
-            model = nnx.merge(graphdef, params, model_state)
-            logits_Rx1xV, cache = model.decode(token_R[:, None], cache, index)
-            return pick(logits_Rx1xV[:, -1], key), cache
-
-        keys = jax.random.split(jax.random.key(seed), max_new)
-        tokens_RxP = np.tile(np.asarray(prompt, np.int32), (self.rows, 1))
+        prompts = [list(map(int, prompt)) for prompt in prompts]
+        for prompt in prompts:
+            self._check(prompt, max_new, top_k)
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or batch_size < 1:
+            raise UserError(
+                "temperature must be >= 0, top_k >= 0, top_p in (0, 1] and batch_size >= 1"
+            )
+        sampling = (greedy or temperature == 0, temperature, top_k, top_p)
+        decode = self._decoder(sampling, tuple(stop_at), max_new)
+        # The longest prompts together: the least padding. Rows: a multiple of the shards.
+        order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
+        rows = -(-min(batch_size, len(prompts)) // self.rows) * self.rows
+        results: list[list[int]] = [[] for _ in prompts]
+        key = jax.random.key(seed)
         with jax.set_mesh(self.mesh):
-            batch = jax.device_put(tokens_RxP, sharding.batch_sharding(self.mesh))
-            token_R, cache = prefill(self.params, self.model_state, batch, keys[0])
-            new = [int(np.asarray(token_R)[0])]  # read each: it may be the end
-            for step in range(1, max_new):
-                if new[-1] in stop_at:
-                    break
-                index = jnp.int32(len(prompt) + step - 1)
-                token_R, cache = next_token(
-                    self.params, self.model_state, cache, token_R, index, keys[step]
+            for first in range(0, len(order), rows):
+                chosen = order[first : first + rows]
+                tokens_RxP, starts_R = _left_padded([prompts[index] for index in chosen], rows)
+                placed = jax.device_put((tokens_RxP, starts_R), sharding.batch_sharding(self.mesh))
+                new_RxN, made = jax.device_get(
+                    decode(self.params, self.model_state, *placed, jax.random.fold_in(key, first))
                 )
-                new.append(int(np.asarray(token_R)[0]))
-        return new
+                for row, index in enumerate(chosen):
+                    results[index] = _until_stop(new_RxN[row, :made].tolist(), stop_at)
+        return results
+
+    def _decoder(self, sampling: tuple, stop_at: tuple, max_new: int) -> Callable:
+        """The jitted generation loop for these settings (jit keeps a compile per shape)."""
+        settings = (sampling, stop_at, max_new)
+        if settings not in self._compiled:
+            greedy, temperature, top_k, top_p = sampling
+            pick = functools.partial(
+                _pick, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+            )
+            self._compiled[settings] = jax.jit(
+                functools.partial(
+                    _generate_rows,
+                    graphdef=self.layout.graphdef,
+                    model_config=self.config.model,
+                    dtype=get_policy(self.config.precision.policy).compute_dtype,
+                    pick=pick,
+                    stop_at=stop_at,
+                    max_new=max_new,
+                )
+            )
+        return self._compiled[settings]
 
     def _check(self, prompt: list[int], max_new: int, top_k: int) -> None:
         model = self.config.model
@@ -196,6 +240,76 @@ class Model:
             )
         if top_k > model.vocab_size:
             raise UserError(f"--top-k {top_k} is more than the vocabulary's {model.vocab_size}")
+
+
+def _left_padded(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens R x P, each row's padding): prompts right-aligned at P, rows filled to R.
+
+    P is the longest prompt's length, rounded up to a multiple of PROMPT_BUCKET when they
+    differ (fewer shapes to compile); filler rows repeat the first prompt.
+    """
+    longest = max(map(len, prompts))
+    same = all(len(prompt) == longest for prompt in prompts)
+    length = longest if same else -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+    filled = prompts + [prompts[0]] * (rows - len(prompts))
+    tokens_RxP = np.zeros((rows, length), np.int32)
+    starts_R = np.array([length - len(prompt) for prompt in filled], np.int32)
+    for row, prompt in enumerate(filled):
+        tokens_RxP[row, starts_R[row] :] = prompt
+    return tokens_RxP, starts_R
+
+
+def _until_stop(tokens: list[int], stop_at: Sequence[int]) -> list[int]:
+    """`tokens` up to and with the first of `stop_at`."""
+    for position, token in enumerate(tokens):
+        if token in stop_at:
+            return tokens[: position + 1]
+    return tokens
+
+
+def _generate_rows(
+    params,
+    model_state,
+    tokens_RxP,
+    starts_R,
+    key,
+    *,
+    graphdef,
+    model_config,
+    dtype,
+    pick,
+    stop_at,
+    max_new,
+):
+    """(new tokens R x max_new, how many were made), in one compiled program.
+
+    The prefill, then a loop of next tokens that ends after max_new or once every row has
+    made one of `stop_at`.
+    """
+    rows, length = tokens_RxP.shape
+    keys = jax.random.split(key, max_new)
+    stops = jnp.asarray(stop_at or (-1,), jnp.int32)
+    model = nnx.merge(graphdef, params, model_state)
+    cache = empty_cache(model_config, rows, length + max_new, dtype)
+    logits_RxPxV, cache = model.decode(tokens_RxP, cache, 0, starts_R)
+    token_R = pick(logits_RxPxV[:, -1], keys[0])
+    new_RxN = jnp.zeros((rows, max_new), jnp.int32).at[:, 0].set(token_R)
+
+    def going_on(carry) -> jax.Array:
+        made, _, _, _, ended_R = carry
+        return (made < max_new) & ~jnp.all(ended_R)
+
+    def next_token(carry):
+        made, token_R, cache, new_RxN, ended_R = carry
+        model = nnx.merge(graphdef, params, model_state)
+        logits_Rx1xV, cache = model.decode(token_R[:, None], cache, length + made - 1, starts_R)
+        token_R = pick(logits_Rx1xV[:, -1], keys[made])
+        new_RxN = jax.lax.dynamic_update_slice_in_dim(new_RxN, token_R[:, None], made, axis=1)
+        return made + 1, token_R, cache, new_RxN, ended_R | jnp.isin(token_R, stops)
+
+    carry = (jnp.int32(1), token_R, cache, new_RxN, jnp.isin(token_R, stops))
+    made, _, _, new_RxN, _ = jax.lax.while_loop(going_on, next_token, carry)
+    return new_RxN, made
 
 
 def filtered_logits(logits_RxV, temperature: float, top_k: int = 0, top_p: float = 1.0):
@@ -295,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def work() -> None:
         if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
             raise UserError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
-        model = Model(args.source)
+        model = Generator(args.source)
         text = None
         if args.prompt is not None:
             text = Text(model.tokenizer_file, model.config.model.vocab_size)
@@ -308,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt = prompt[-positions:]
         sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k)
         sampling |= dict(top_p=args.top_p, stop_at=() if args.ignore_eos else model.end_ids)
-        new = model.generate(prompt, args.max_new, seed=args.seed, **sampling)
+        (new,) = model.generate([prompt], args.max_new, seed=args.seed, **sampling)
         if args.json or text is None:
             output.result(json.dumps({"tokens": new}))
         else:
