@@ -42,7 +42,8 @@ ConfigLike = Config | str | pathlib.Path | None
 class FitResult(dict):
     """The run's summary (a dict: steps, final_loss, eval_loss, run_dir, ...) and `.model`.
 
-    `.model` is the trained module as the factory builds it, holding the trained weights,
+    `.model` is the trained module as the factory builds it, holding the trained weights
+    (`.ema_model` the same with their moving average, under train.ema_decay > 0),
     for inference in plain Python (paisoar_jax/trained.py). It is built when first read,
     gathering the weights whole onto one device (under several processes, every process
     must read it); until then the result holds the sharded weights. None for a zoo model
@@ -51,6 +52,8 @@ class FitResult(dict):
 
     _build: Callable[[], Any] | None = None
     _model: Any = None
+    _build_ema: Callable[[], Any] | None = None
+    _ema_model: Any = None
 
     @property
     def model(self) -> Any:
@@ -58,6 +61,16 @@ class FitResult(dict):
         if self._model is None and self._build is not None:
             self._model, self._build = self._build(), None
         return self._model
+
+    @property
+    def ema_model(self) -> Any:
+        """The module holding the weights' moving average (train.ema_decay > 0), or None.
+
+        Built on first read, as `.model`.
+        """
+        if self._ema_model is None and self._build_ema is not None:
+            self._ema_model, self._build_ema = self._build_ema(), None
+        return self._ema_model
 
 
 def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> Config:
@@ -244,15 +257,23 @@ def fit(
             result._build = lambda: trained.model_with(
                 run_workload.model, params, model_state, resolved
             )
+            if finished.state.ema:
+                average = finished.state.ema["params"]
+                result._build_ema = lambda: trained.model_with(
+                    run_workload.model, average, model_state, resolved
+                )
         return result
 
     return _run("paisoar_jax.fit", work, exit_on_error)
 
 
-def load(path: str | pathlib.Path, model: Callable, *, exit_on_error: bool = True) -> Any:
+def load(
+    path: str | pathlib.Path, model: Callable, *, ema: bool = False, exit_on_error: bool = True
+) -> Any:
     """The module `model` (rngs -> nnx.Module) builds, holding a run's trained weights.
 
-    `path`: a run directory (its newest checkpoint), a checkpoint step or an export.
+    `path`: a run directory (its newest checkpoint), a checkpoint step or an export. `ema`:
+    the moving average of the weights instead (a run with train.ema_decay > 0).
     """
     from paisoar_jax import trained
     from paisoar_jax.tools.export import weights_source
@@ -260,7 +281,7 @@ def load(path: str | pathlib.Path, model: Callable, *, exit_on_error: bool = Tru
     def work() -> Any:
         # As hf-export and generate find it; the run's config says which adapters it has.
         config, where, _ = weights_source(pathlib.Path(path))
-        return trained.load(where, as_factory(model), config)
+        return trained.load(where, as_factory(model), config, ema)
 
     return _run("paisoar_jax.load", work, exit_on_error)
 

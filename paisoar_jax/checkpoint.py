@@ -185,9 +185,14 @@ def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> N
         name: shape
         for name, shape in _leaf_names(saved_tree).items()
         if shape is not None  # empty optimizer states are stored as None
-        and not name.startswith("comm.")  # per-device exchange state: see _comm_target
+        # per-device exchange state (see _comm_target); the weights' average, kept or not
+        and not name.startswith(("comm.", "ema."))
     }
-    wanted = {name: shape for name, shape in _leaf_names(target).items() if name[:5] != "comm."}
+    wanted = {
+        name: shape
+        for name, shape in _leaf_names(target).items()
+        if not name.startswith(("comm.", "ema."))
+    }
     for name, shape in wanted.items():
         if name not in saved:
             raise UserError(
@@ -341,16 +346,23 @@ class Checkpointer:
         # BatchNorm) or comm (before grad_comm): restore the fields it has, the missing ones
         # are empty here anyway.
         comm_target = _comm_target(saved_tree, target)
+        # ema: a run that turned train.ema_decay on starts the average from these weights.
         missing = [
             name
-            for name in ("model_state", "comm")
+            for name in ("model_state", "comm", "ema")
             if isinstance(saved_tree, dict)
             and name not in saved_tree
-            and (name == "comm" or not jax.tree.leaves(getattr(target, name)))
+            and (name != "model_state" or not jax.tree.leaves(target.model_state))
         ]
         older = bool(missing)
         if comm_target is None and "comm" not in missing:  # restored as written, then dropped
             target = target.replace(comm=_restorable_as_saved(saved_tree["comm"], target))
+        wants_ema = bool(target.ema)
+        has_ema = isinstance(saved_tree, dict) and bool(jax.tree.leaves(saved_tree.get("ema", {})))
+        if has_ema and not wants_ema:  # an average this run does not keep: restored, dropped
+            target = target.replace(ema={"params": target.params})
+        elif wants_ema and not has_ema:  # none saved: restored as the empty one written
+            target = target.replace(ema={})
         names = [field.name for field in fields(target) if field.name not in missing]
         state_target = {name: getattr(target, name) for name in names} if older else target
         items = {"state": ocp.args.StandardRestore(state_target)}
@@ -370,9 +382,19 @@ class Checkpointer:
         state = restored["state"]
         if older:
             # (a missing comm is empty as saved; a residual this run needs comes below)
-            empty = {name: {} if name == "comm" else getattr(target, name) for name in missing}
+            empty = {
+                name: {} if name in ("comm", "ema") else getattr(target, name) for name in missing
+            }
             state = target.replace(**state, **empty)
         _verify(state, meta.get("checksums"), step_dir)
+        if wants_ema and not has_ema:
+            warn(
+                "the checkpoint holds no moving average of the weights (it was written with "
+                "train.ema_decay=0): the average starts from its weights"
+            )
+            state = state.replace(ema={"params": jax.tree.map(jnp.copy, state.params)})
+        elif not wants_ema:
+            state = state.replace(ema={})
         if comm_target is None:
             warn(
                 "the gradient exchange's error-feedback residual of the checkpoint does not fit "
@@ -475,17 +497,27 @@ def abstract_weights(path: pathlib.Path, sharding: jax.sharding.Sharding) -> Any
     )
 
 
-def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | None]:
+def load_weights(
+    path: pathlib.Path, abstract_state: Any, ema: bool = False
+) -> tuple[dict, dict | None]:
     """(params, model state) from an export or any checkpoint step, in the current shardings.
 
     The model state (BatchNorm's running statistics, fp8 scales) is None when the model has
     none, or when the export or step was written without it (with a warning: it then starts
-    afresh).
+    afresh). `ema`: the params are the step's moving average of the weights (train.ema_decay).
     """
     item = _params_item(path.absolute())
     checkpointer = ocp.PyTreeCheckpointer()
     saved_tree = _tree_metadata(item)
     target = {"params": abstract_state.params}
+    if ema:
+        if not jax.tree.leaves(saved_tree.get("ema", {})):
+            raise UserError(
+                f"{path} holds no moving average of the weights: its run had train.ema_decay=0"
+            )
+        saved_average = {"params": saved_tree["ema"]["params"]}
+        check_compatible(saved_average, storable_target({"params": abstract_state.params}), item)
+        target = {"ema": {"params": abstract_state.params}}
     if jax.tree.leaves(abstract_state.model_state):
         # A step of a model with no model state (a bf16 GPT for an fp8 run) holds it empty.
         if jax.tree.leaves(saved_tree.get("model_state", {})):
@@ -503,7 +535,8 @@ def load_weights(path: pathlib.Path, abstract_state: Any) -> tuple[dict, dict | 
         ),
     )
     restored = live({name: restored[name] for name in target}, typed_target)
-    return restored["params"], restored.get("model_state")
+    params = restored["ema"]["params"] if ema else restored["params"]
+    return params, restored.get("model_state")
 
 
 def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> None:

@@ -43,6 +43,8 @@ class TrainState:
     # The compressed gradient exchange's state (grad_comm.py): {"residual": ...} with error
     # feedback, else empty.
     comm: dict[str, Any] = struct.field(default_factory=dict)
+    # train.ema_decay > 0: {"params": the moving average of the params}, else empty.
+    ema: dict[str, Any] = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class StateLayout:
     # LoRA (lora.py): the key paths of the params that train, the rest frozen; None: all.
     trainable: frozenset[tuple] | None = None
     trainable_count: int = 0  # the parameters that train (param_count without LoRA)
+    ema_decay: float = 0.0  # train.ema_decay: the weights' moving average (0: none)
 
     @property
     def flops_param_count(self) -> float:
@@ -146,6 +149,7 @@ def state_layout(
         opt_state=opt_shardings,
         rng=sharding.replicated(mesh),
         comm=grad_comm.comm_state_shardings(exchange, mesh),
+        ema={"params": param_shardings} if config.train.ema_decay else {},
     )
     param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     shapes = TrainState(
@@ -155,6 +159,7 @@ def state_layout(
         opt_state=abstract_opt_state,
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
         comm=jax.eval_shape(lambda: grad_comm.initial_comm_state(exchange, mesh)),
+        ema={"params": abstract_params} if config.train.ema_decay else {},
     )
     abstract_state = jax.tree.map(
         lambda shape, leaf_sharding: jax.ShapeDtypeStruct(
@@ -182,6 +187,7 @@ def state_layout(
         pipeline=from_config(config),
         exchange=exchange,
         trainable=trainable,
+        ema_decay=config.train.ema_decay,
     )
 
 
@@ -276,6 +282,15 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
             opt_state=layout.optimizer.init(trainable_part(params, layout.trainable)),
             rng=jax.random.PRNGKey(config.train.seed),
             comm=grad_comm.initial_comm_state(layout.exchange, layout.shardings.step.mesh),
+            ema=ema_start(params) if layout.ema_decay else {},
         )
 
     return jax.jit(init, out_shardings=layout.shardings)()
+
+
+def ema_start(params: dict[str, Any]) -> dict[str, Any]:
+    """The moving average's start: a copy of the weights.
+
+    A copy: buffers of its own, as the step takes the state donated, every buffer once.
+    """
+    return {"params": jax.tree.map(jnp.copy, params)}

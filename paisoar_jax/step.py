@@ -260,8 +260,17 @@ def train_step(
         model_state=model_state,
         opt_state=opt_state,
         comm=comm,
+        ema=_moved_average(state.ema, params, layout.ema_decay),
     )
     return new_state, metrics
+
+
+def _moved_average(ema: dict[str, Any], params, decay: float) -> dict[str, Any]:
+    """The weights' moving average one step on: average * decay + new * (1 - decay)."""
+    if not ema:
+        return ema
+    move = lambda average, new: average * decay + new.astype(average.dtype) * (1 - decay)
+    return {"params": jax.tree.map(move, ema["params"], params)}
 
 
 def _trained_and_frozen(params, layout: StateLayout) -> tuple[Any, Any]:

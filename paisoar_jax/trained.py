@@ -50,13 +50,16 @@ def model_with(
 
 
 def load(
-    where: pathlib.Path, model: Callable[[nnx.Rngs], nnx.Module], config: Config | None = None
+    where: pathlib.Path,
+    model: Callable[[nnx.Rngs], nnx.Module],
+    config: Config | None = None,
+    ema: bool = False,
 ) -> nnx.Module:
     """The module `model` builds, with the weights of a checkpoint step or an export.
 
     `where` holds them (`runs/x/checkpoints/400`, an export); `paisoar_jax.load` finds it
     for a run directory too. Their shapes are checked against the module's. `config`: the
-    run's, whose LoRA adapters (if any) the module gets.
+    run's, whose LoRA adapters (if any) the module gets. `ema`: the weights' moving average.
     """
     model = _as_run_built(model, config)
     _, abstract_params, abstract_rest = _abstract(model)
@@ -66,7 +69,7 @@ def load(
         params=jax.tree.map(place, nnx.to_pure_dict(abstract_params)),
         model_state=jax.tree.map(place, nnx.to_pure_dict(abstract_rest)),
     )
-    params, model_state = checkpoint.load_weights(where, target)
+    params, model_state = checkpoint.load_weights(where, target, ema)
     if model_state is None:  # saved without it (load_weights warned): a fresh one
         model_state = nnx.to_pure_dict(nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
     return model_with(model, params, model_state)

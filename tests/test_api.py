@@ -628,3 +628,39 @@ def test_the_lr_of_an_optax_schedule_is_logged_when_injected(tmp_path, capsys):
     np.testing.assert_allclose(logged["injected"], [schedule(step) for step in range(3)], 1e-6)
     assert logged["plain"] == [None] * 3  # unreadable: said once, not guessed
     assert capsys.readouterr().out.count("lr is not logged: your optimizer's learning rate") == 1
+
+
+def test_the_moving_average_of_the_weights_resumes_exactly_and_loads(tmp_path, capsys):
+    """train.ema_decay: each step average * d + new * (1 - d); checkpointed (a resumed run
+    ends on the uninterrupted run's average), result.ema_model, load(ema=True), export --ema;
+    turned on mid-run it starts from the restored weights."""
+    from paisoar_jax.tools import export
+
+    decay = 0.5
+    common = [*BASE, "checkpoint.every=2", "optim.schedule=constant", f"train.ema_decay={decay}"]
+    parts = {"model": Net, "loss": net_loss, "data": examples(), "optimizer": optax.adam(1e-2)}
+    steps = []
+    for step in range(1, 4):  # one step a run: the weights after each, from its checkpoint
+        run = [*common, f"train.steps={step}", "checkpoint.every=1", f"run.dir={tmp_path}/cut"]
+        steps.append(paisoar_jax.fit(None, run, **parts).model)
+    whole = paisoar_jax.fit(None, [*common, "train.steps=3", f"run.dir={tmp_path}/whole"], **parts)
+    weights = lambda module: nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    expected = weights(Net(nnx.Rngs(0)))  # the factory's weights at the run's seed
+    for module in steps:
+        expected = jax.tree.map(lambda a, w: a * decay + w * (1 - decay), expected, weights(module))
+    for average in (whole.ema_model, paisoar_jax.load(tmp_path / "whole", Net, ema=True)):
+        jax.tree.map(np.testing.assert_allclose, weights(average), expected)
+    assert export.main([str(tmp_path / "whole"), "--output", str(tmp_path / "out"), "--ema"]) == 0
+    exported = paisoar_jax.load(tmp_path / "out", Net)
+    jax.tree.map(np.testing.assert_allclose, weights(exported), expected)
+    # A run without the average: none to load; turned on later, it starts from the weights.
+    plain = [*BASE, f"run.dir={tmp_path}/plain"]
+    assert paisoar_jax.fit(None, [*plain, "train.steps=2"], **parts).ema_model is None
+    with pytest.raises(UserError, match="holds no moving average of the weights"):
+        paisoar_jax.load(tmp_path / "plain", Net, ema=True, exit_on_error=False)
+    on_later = [*plain, "train.steps=3", f"train.ema_decay={decay}"]
+    later = paisoar_jax.fit(None, on_later, **parts)
+    assert "the average starts from its weights" in capsys.readouterr().err
+    assert later.ema_model is not None
+    # Turned off again: the saved average is dropped, the run goes on.
+    assert paisoar_jax.fit(None, [*plain, "train.steps=4"], **parts)["steps"] == 4

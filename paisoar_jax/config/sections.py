@@ -292,8 +292,16 @@ class TrainConfig:
     # stages (1: gpipe; more: the circular schedule, a smaller bubble)
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # An exponential moving average of the weights, moved each step: average * d + new * (1
+    # - d) (0.999: about the last 1000 steps). Checkpointed with the run; fit's result has it
+    # as .ema_model, `load(..., ema=True)` and `export --ema` read it. 0: none.
+    ema_decay: float = 0.0
 
     def __post_init__(self):
+        if not 0 <= self.ema_decay < 1:
+            raise UserError(
+                f"train.ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}"
+            )
         positive = {key: 1 for key in ("steps", "global_batch", "grad_accum", "log_every")}
         check_at_least("train", self, positive)
         check_at_least("train", self, {"pipeline_microbatches": 0, "pipeline_repeats": 1})

@@ -21,8 +21,13 @@ from paisoar_jax.tools.cli import exit_status
 PROGRAM = "paisoar_jax.export"
 
 
-def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None) -> int:
-    """Writes the params of `step` (default: the newest) of the run in `run_dir` to `output`."""
+def export(
+    run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None, ema: bool = False
+) -> int:
+    """Writes the params of `step` (default: the newest) of the run in `run_dir` to `output`.
+
+    `ema`: the step's moving average of the weights (train.ema_decay) as the params.
+    """
     import math
 
     import jax
@@ -33,11 +38,12 @@ def export(run_dir: pathlib.Path, output: pathlib.Path, step: int | None = None)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory")
     config, path, step = checkpoint_step(run_dir, step)
-    params, model_state = _load(path)
+    params, model_state = _load(path, ema)
     export_weights(params, model_state or {}, output)
     (output / "config.yaml").write_text(dump_yaml(config))
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-    note(f"{describe_params(count)} of step {step} -> {output}/params", program=PROGRAM)
+    what = "the moving average of the weights" if ema else describe_params(count)
+    note(f"{what} of step {step} -> {output}/params", program=PROGRAM)
     return step
 
 
@@ -85,8 +91,11 @@ def read_weights(source: pathlib.Path):
     return config, _load(path)[0], where
 
 
-def _load(path: pathlib.Path):
-    """(params, model state) of an export or checkpoint step, on one device."""
+def _load(path: pathlib.Path, ema: bool = False):
+    """(params, model state) of an export or checkpoint step, on one device.
+
+    `ema`: the params are the step's moving average of the weights.
+    """
     import jax
 
     from paisoar_jax.checkpoint import abstract_weights, load_weights
@@ -94,7 +103,7 @@ def _load(path: pathlib.Path):
     # The weights' shapes come from the checkpoint itself, so no model is rebuilt (a model
     # of one's own cannot be: only its factory knows it); one device holds them.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return load_weights(path, abstract_weights(path, device))
+    return load_weights(path, abstract_weights(path, device), ema)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,8 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", type=pathlib.Path, help="a run directory (holds config.yaml)")
     parser.add_argument("--output", type=pathlib.Path, required=True, help="where to write")
     parser.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    parser.add_argument(
+        "--ema", action="store_true", help="the moving average of the weights (train.ema_decay)"
+    )
     args = parser.parse_args(argv)
-    return exit_status(parser.prog, lambda: export(args.run_dir, args.output, args.step))
+    return exit_status(parser.prog, lambda: export(args.run_dir, args.output, args.step, args.ema))
 
 
 if __name__ == "__main__":
