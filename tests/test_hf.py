@@ -118,6 +118,28 @@ def qwen3():
     return built(transformers.Qwen3ForCausalLM, config, random_head_norms=True)
 
 
+def qwen2():
+    """A 2-layer Qwen2, tied as the small Qwen2.5s: biases on queries, keys and values
+    (randomised: they start at zero, which would hide a mapping that drops them)."""
+    config = transformers.Qwen2Config(
+        **ATTENTION, vocab_size=96, intermediate_size=96, tie_word_embeddings=True
+    )
+    model = built(transformers.Qwen2ForCausalLM, config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, projection).bias.normal_(0, 0.5)
+    return model
+
+
+def mistral():
+    """A 2-layer Mistral with no sliding window (v0.2 on): a Llama to this import."""
+    config = transformers.MistralConfig(
+        **ATTENTION, vocab_size=96, intermediate_size=96, head_dim=16, sliding_window=None
+    )
+    return built(transformers.MistralForCausalLM, config)
+
+
 def gpt2(tied=True):
     config = transformers.GPT2Config(
         vocab_size=96,
@@ -153,6 +175,7 @@ def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     models = {}
     builders = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+    builders |= {"qwen2": qwen2, "mistral": mistral}
     for name, build in builders.items():
         model = build()
         model.save_pretrained(root / name)
@@ -161,7 +184,10 @@ def imported(tmp_path_factory):
     return models
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen3_moe"])
+ARCHITECTURES = ["llama", "gpt2", "mixtral", "qwen3_moe", "qwen2", "mistral"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]])
 def test_imported_logits_match_transformers(imported, devices, name, mesh):
     model, _, ours = imported[name]
@@ -207,7 +233,7 @@ def test_both_spellings_of_rope_scaling_are_read(imported):
     assert hf.model_config_from_hf(spelled_4x, where).rope_factor == 8.0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, devices, tmp_path, name):
     _, _, ours = imported[name]
     logits, params = our_logits(ours, devices[:1])
@@ -288,8 +314,10 @@ def test_bad_checkpoints_get_one_line_naming_the_tensor(imported, tmp_path):
     (other / "config.json").write_text(
         json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
     )
-    with pytest.raises(UserError, match="BertModel is not an architecture this imports"):
+    with pytest.raises(UserError, match="BertModel is not an architecture this imports") as error:
         hf.hf_import(other, tmp_path / "a")
+    for name in ("GPT2LMHeadModel", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in str(error.value)  # every architecture that imports is named
 
     missing = tmp_path / "missing"
     missing.mkdir()

@@ -17,6 +17,7 @@ from paisoar_jax.errors import UserError
 # The keys of the model section that only model.name=llama reads.
 LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
 LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "qk_norm")
+LLAMA_KEYS += ("qkv_bias",)
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
@@ -70,6 +71,7 @@ class LanguageModelConfig:
     # and an RMSNorm of each head's queries and keys before the rotary positions (Qwen3's).
     head_width: int = 0
     qk_norm: bool = False
+    qkv_bias: bool = False  # llama only: biases on the queries, keys and values (Qwen2's)
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when

@@ -120,6 +120,10 @@ class Block(DecoderBlock):
         self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
+        if config.qkv_bias:  # Qwen2: the query, key and value projections have biases
+            self.q_bias = param(rngs, nnx.initializers.zeros, (H, E), ("heads", "head_dim"))
+            self.k_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
+            self.v_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
         if config.qk_norm:  # Qwen3: each head's queries and keys normed, before the rotation
             self.q_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
             self.k_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
@@ -137,6 +141,11 @@ class Block(DecoderBlock):
         q_BxTxHxE = constrain(self._project("btd,dhe->bthe", h_BxTxD, "q_kernel", "q"), heads)
         k_BxTxKxE = constrain(self._project("btd,dke->btke", h_BxTxD, "k_kernel", "k"), heads)
         v_BxTxKxE = constrain(self._project("btd,dke->btke", h_BxTxD, "v_kernel", "v"), heads)
+        if hasattr(self, "q_bias"):
+            cast = self.policy.cast_to_compute
+            q_BxTxHxE = q_BxTxHxE + cast(self.q_bias[...])
+            k_BxTxKxE = k_BxTxKxE + cast(self.k_bias[...])
+            v_BxTxKxE = v_BxTxKxE + cast(self.v_bias[...])
         if hasattr(self, "q_norm"):
             q_BxTxHxE = self.policy.cast_to_compute(self.q_norm(q_BxTxHxE))
             k_BxTxKxE = self.policy.cast_to_compute(self.k_norm(k_BxTxKxE))

@@ -1,11 +1,13 @@
 """The Hugging Face forms of our decoders: each tensor's name and layout, and config.json.
 
-GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mixtral (MixtralForCausalLM: a Llama
-whose MLPs are experts, model.experts > 0). `tensors_of(model)` lists a model's `Tensor`s:
-our dotted parameter path, HF's name ({i}: the layer, {j}: the expert) and the conversions
-each way (HF's Linear stores out x in, GPT-2's Conv1D in x out; our kernels are in x out
-with heads as their own axis). `model_config_from_hf` and `hf_config` map config.json to
-our model section and back, refusing in one line what the other side cannot hold.
+GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM; a Mistral imports as one), Mixtral (a
+Llama whose MLPs are experts, model.experts > 0), Qwen2 (biased queries, keys and values,
+model.qkv_bias), Qwen3 (normed heads, model.qk_norm) and Qwen3-MoE. `tensors_of(model)`
+lists a model's `Tensor`s: our dotted parameter path, HF's name ({i}: the layer, {j}: the
+expert) and the conversions each way (HF's Linear stores out x in, GPT-2's Conv1D in x out;
+our kernels are in x out with heads as their own axis). `model_config_from_hf` and
+`hf_config` map config.json to our model section and back, refusing in one line what the
+other side cannot hold.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from paisoar_jax.errors import UserError
 ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-# HF model_type -> model.name: Mixtral and Qwen3 are Llamas with experts, or heads normed.
-FAMILY = {"gpt2": "gpt"} | {name: "llama" for name in ("llama", "mixtral", "qwen3", "qwen3_moe")}
+# HF model_type -> model.name: Mistral is a Llama; Mixtral, Qwen2 and Qwen3 are Llamas with
+# experts, biased queries, keys and values, or heads normed.
+LLAMA_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+FAMILY = {"gpt2": "gpt"} | dict.fromkeys(LLAMA_TYPES, "llama")
 Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
 
 
@@ -108,6 +114,16 @@ QWEN3_EXPERTS = (
     _transposed("blocks.moe.up_kernel", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
     _transposed("blocks.moe.down_kernel", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
 )
+# Qwen2's biases of the query, key and value projections (one per head and feature).
+QKV_BIASES = tuple(
+    Tensor(
+        f"blocks.{kind}_bias",
+        f"model.layers.{{i}}.self_attn.{kind}_proj.bias",
+        lambda array, config: array.reshape(-1, config.head_size),
+        lambda array, config: array.reshape(-1),
+    )
+    for kind in ("q", "k", "v")
+)
 # Qwen3's norms of each head's queries and keys.
 QK_NORMS = (
     Tensor("blocks.q_norm.scale", "model.layers.{i}.self_attn.q_norm.weight"),
@@ -164,30 +180,43 @@ def tensors_of(model: LanguageModelConfig) -> tuple[Tensor, ...]:
     if model.name == "gpt":
         return GPT2
     mlp = {"mixtral": MIXTRAL_EXPERTS, "qwen3_moe": QWEN3_EXPERTS}.get(hf_type(model), LLAMA_MLP)
-    return LLAMA + (QK_NORMS if model.qk_norm else ()) + mlp
+    biases = QKV_BIASES if model.qkv_bias else ()
+    return LLAMA + biases + (QK_NORMS if model.qk_norm else ()) + mlp
 
 
 def hf_type(model: LanguageModelConfig) -> str:
-    """The HF model_type of our model section: gpt2, llama, mixtral, qwen3 or qwen3_moe.
+    """The HF model_type of our model section: gpt2, llama, mixtral, qwen2, qwen3 or qwen3_moe.
 
-    A llama with its heads' queries and keys normed is a Qwen3; with experts too, a
-    Qwen3-MoE. With experts alone it is a Mixtral.
+    A llama with biased queries, keys and values is a Qwen2; with its heads' queries and
+    keys normed a Qwen3, with experts too a Qwen3-MoE. With experts alone it is a Mixtral.
+    (A Mistral is a Llama: it exports as one, which transformers reads the same.)
     """
     if model.name == "gpt":
         return "gpt2"
+    if model.qkv_bias:
+        if model.qk_norm or model.experts:
+            raise UserError(
+                "no Hugging Face architecture has biased queries, keys and values "
+                "(model.qkv_bias, Qwen2's) with model.qk_norm or model.experts"
+            )
+        return "qwen2"
     if model.qk_norm:
         return "qwen3_moe" if model.experts else "qwen3"
     return "mixtral" if model.experts else "llama"
 
 
 def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
-    """Our model section for an HF config.json of GPT-2, Llama or Mixtral (else one line)."""
+    """Our model section for the config.json of an architecture in ARCHITECTURES.
+
+    Any other is one line naming those that import.
+    """
     model_type = hf.get("model_type")
     if model_type not in FAMILY:
         found = hf.get("architectures") or [model_type]
+        known = sorted(ARCHITECTURES.values())
         raise UserError(
             f"{where}: {', '.join(map(str, found))} is not an architecture this imports "
-            f"(GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM)"
+            f"({', '.join(known[:-1])} or {known[-1]})"
         )
     if model_type == "gpt2":
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -216,7 +245,8 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     windowed = hf.get("use_sliding_window", hf.get("sliding_window") is not None)
     refused = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "attention_bias": hf.get("attention_bias", False),
+        # (Qwen2's are on q, k and v alone, always: model.qkv_bias; a Llama's on o too)
+        "attention_bias": model_type != "qwen2" and hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
         "sliding_window": windowed,  # every layer attends to all the window
         "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1,  # Qwen3-MoE's
@@ -254,6 +284,7 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         tie_embeddings=hf.get("tie_word_embeddings", False),
         head_width=0 if head_width * heads == width else head_width,
         qk_norm=hf["model_type"] in ("qwen3", "qwen3_moe"),
+        qkv_bias=hf["model_type"] == "qwen2",
         **scaling,
         **_experts_from_hf(hf),
     )
@@ -293,6 +324,8 @@ def _variant_json(model: LanguageModelConfig) -> dict:
     if variant == "mixtral":
         return settings | _mixtral_experts(model)
     settings["use_sliding_window"] = False
+    if variant == "qwen2":
+        return settings | {"max_window_layers": model.layers, "attention_bias": None}
     if variant == "qwen3":
         return settings
     _check_routing(model, "Qwen3-MoE", renormalized=model.router_renormalize)
