@@ -27,3 +27,40 @@ def test_writer_writes_jsonl_and_tensorboard(tmp_path):
         {"step": 2, "loss": 2.0, "mfu": None},
     ]
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def tensorboard_events(directory):
+    """Every event of the TensorBoard files in `directory`, in order (TFRecord framing:
+    a length, its crc, the event's bytes, their crc)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, position = path.read_bytes(), 0
+        while position < len(data):
+            length = int.from_bytes(data[position : position + 8], "little")
+            events.append(event_pb2.Event.FromString(data[position + 12 : position + 12 + length]))
+            position += 12 + length + 4
+    return events
+
+
+def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_path):
+    """Before: steps logged after the checkpoint showed twice once the run resumed."""
+    from paisoar_jax.config import load_config
+
+    config = load_config(None, ["run.trackers=[tensorboard]"])
+    first = MetricsWriter(tmp_path, config=config)
+    for step in (1, 2, 3, 4):
+        first.write({"step": step, "loss": float(step)})
+    first.close()
+    resumed = MetricsWriter(tmp_path, resume_step=2, config=config)  # killed after step 4
+    for step in (3, 4, 5):
+        resumed.write({"step": step, "loss": float(step)})
+    resumed.close()
+    events = tensorboard_events(tmp_path / "tensorboard")
+    # TensorBoard hides what the file before holds from the purge step on.
+    purges = [event.step for event in events if event.HasField("session_log")]
+    assert purges == [3]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [
+        1, 2, 3, 4, 5,
+    ]  # fmt: skip
