@@ -115,6 +115,7 @@ def test_a_batch_of_prompts_gives_transformers_tokens_for_each_compiled_once(
     first = generator.generate(prompts, 6, batch_size=4)
     again = generator.generate(prompts[::-1], 6, batch_size=4)[::-1]
     assert first == again == [transformers_greedy(model, prompt, 6) for prompt in prompts]
+    assert generator.generate([], 6) == []
     (compiled,) = generator._compiled.values()
     # Rows of 4: the 4 longest (padded to 16 tokens), then the last alone (filled to 4 rows).
     assert compiled._cache_size() == 2

@@ -169,6 +169,8 @@ class Generator:
         `top_k` likeliest and the `top_p` nucleus; a prompt's draws depend on its batch.
         """
         prompts = [list(map(int, prompt)) for prompt in prompts]
+        if not prompts:
+            return []
         for prompt in prompts:
             self._check(prompt, max_new, top_k)
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or batch_size < 1:
