@@ -30,6 +30,21 @@ _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 COMPUTE = ("fusion", "custom-call")
 
 
+def operand_names(instruction) -> list[str]:
+    """The names of an instruction's operands: those inside its parentheses alone.
+
+    The text after them holds other names (calls=%..., control-predecessors={%...}) that
+    are not read: a scalar loop counter's add after a layer's 40 stacked writes was charged
+    all of them.
+    """
+    depth = 0
+    for position, character in enumerate(instruction.operands):
+        depth += (character == "(") - (character == ")")
+        if depth < 0:
+            return _OPERAND.findall(instruction.operands[:position])
+    return _OPERAND.findall(instruction.operands)
+
+
 def _element_type(shape: str) -> str:
     found = _ELEMENT_TYPE.search(shape)
     return found.group(1) if found else "?"
@@ -63,9 +78,9 @@ def _dot_operand_types(instruction, computations, shapes) -> tuple[str, ...]:
         inner = {item.name: item.shape for item in body}
         for item in body:
             if item.opcode in ("dot", "scaled-dot"):
-                names = _OPERAND.findall(item.operands)[:2]
+                names = operand_names(item)[:2]
                 return tuple(_element_type(inner.get(name, "")) for name in names)
-    names = _OPERAND.findall(instruction.operands)[:2]
+    names = operand_names(instruction)[:2]
     return tuple(_element_type(shapes.get(name, "")) for name in names)
 
 
@@ -96,7 +111,7 @@ def kernels(hlo_text: str) -> dict[str, Any]:
             if instruction.opcode.endswith("-start") and instruction.opcode != "async-start":
                 started[instruction.name] = position
             elif instruction.opcode.endswith("-done") and instruction.opcode != "async-done":
-                names = _OPERAND.findall(instruction.operands)[:1]
+                names = operand_names(instruction)[:1]
                 if names and names[0] in started:
                     between = instructions[started[names[0]] + 1 : position]
                     collectives.append(
@@ -158,7 +173,7 @@ def _gemm_flops(instruction, computations, shapes) -> float:
     """2 x output elements x contracted size of a gemm kernel (cuBLAS call or gemm fusion)."""
     lhs_shape, contracting = "", []
     if instruction.opcode == "custom-call":
-        names = _OPERAND.findall(instruction.operands)
+        names = operand_names(instruction)
         lhs_shape = shapes.get(names[0], "") if names else ""
         if found := _CONTRACTING.search(instruction.line):
             contracting = [int(d.strip().strip('"')) for d in found.group(1).split(",") if d]
@@ -168,7 +183,7 @@ def _gemm_flops(instruction, computations, shapes) -> float:
         inner = {item.name: item.shape for item in body}
         for item in body:
             if item.opcode == "dot" and (found := _DOT_CONTRACTING.search(item.line)):
-                lhs_shape = inner.get(_OPERAND.findall(item.operands)[0], "")
+                lhs_shape = inner.get(operand_names(item)[0], "")
                 contracting = [int(d) for d in found.group(1).split(",") if d.strip()]
     lhs = _dims(lhs_shape)
     size = 1
@@ -201,13 +216,82 @@ def _touched_bytes(shape_text: str, runs: int) -> float:
     return total
 
 
-def roofline_seconds(hlo_text: str, peak_flops: float, bandwidth: float) -> dict[str, float]:
-    """{"gemm_s", "gemm_flops", "convolutions", "memory_bound_s"}: the kernels on a roofline.
+_PARAMETER = re.compile(r"parameter\((\d+)\)")
+SLICING = ("dynamic-slice", "slice", "gather")  # read a part of their first operand
 
-    Gemms by their FLOPs at `peak_flops` (FLOP/s), every other kernel by the bytes it reads
-    and writes at `bandwidth` (bytes/s), each x its runs per step. cuDNN attention,
-    convolutions (counted, not priced) and collectives are the caller's to add. An estimate
-    from the program's shapes: no kernel ran.
+
+def _kernel_bytes(instruction, computations, shapes, runs: int) -> float:
+    """Bytes one run of a non-gemm kernel reads and writes.
+
+    Its result and operands whole, but what the fusion's body says is less: an operand the
+    body only slices (a layer's row of a stacked buffer, one element of it) is charged the
+    slices it reads; one the body updates in place (a dynamic-update-slice at its root) is
+    charged nothing and the result the update it writes. Otherwise `_touched_bytes`.
+    """
+    operands = operand_names(instruction)
+    charged: dict[int, float] = {}
+    written = None
+    called = _CALLS.search(instruction.line) if instruction.opcode == "fusion" else None
+    body = computations.get(called.group(1), []) if called else []
+    if body:
+        inner = {item.name: item for item in body}
+        users: dict[str, list[tuple[Any, int]]] = collections.defaultdict(list)
+        for item in body:
+            for position, used in enumerate(operand_names(item)):
+                users[used].append((item, position))
+        root = next((item for item in body if item.line.lstrip().startswith("ROOT")), None)
+        for item in body:
+            index = _PARAMETER.search(item.line) if item.opcode == "parameter" else None
+            if index is None:
+                continue
+            sliced = _sliced_bytes(item.name, users)
+            if sliced is not None:
+                charged[int(index.group(1))] = sliced
+            elif (
+                root is not None
+                and root.opcode == "dynamic-update-slice"
+                and users[item.name] == [(root, 0)]
+            ):
+                charged[int(index.group(1))] = 0.0  # updated where it lies
+                update = operand_names(root)[1]
+                written = hlo.shape_bytes(inner[update].shape) if update in inner else None
+    total = written if written is not None else _touched_bytes(instruction.shape, runs)
+    for index, operand in enumerate(operands):
+        if index in charged:
+            total += charged[index]
+        else:
+            total += _touched_bytes(shapes.get(operand, ""), runs)
+    return total
+
+
+def _sliced_bytes(name: str, users) -> float | None:
+    """The bytes the slices of value `name` read (None unless slices are all that use it).
+
+    Through bitcasts: a slice of a reshaped view reads as much.
+    """
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    total = 0.0
+    for item, position in uses:
+        if item.opcode in SLICING and position == 0:
+            total += hlo.shape_bytes(item.shape)
+        elif item.opcode == "bitcast" and (inner := _sliced_bytes(item.name, users)) is not None:
+            total += inner
+        else:
+            return None
+    return total
+
+
+def priced_kernels(hlo_text: str) -> list[dict[str, Any]]:
+    """Each kernel of the program once, as a dict (see below).
+
+    Its keys: "name", "op", "shape", "computation", "runs", "kind", "amount".
+
+    kind "gemm" (amount: FLOPs of one run), "bytes" (a non-gemm kernel: bytes one run reads
+    and writes, `_kernel_bytes`), "convolution" or "attention" (cuDNN's: priced by the
+    caller). "op" is the JAX op it computes (its op_name), "shape" its result's. A scanned
+    stack's kernels appear once, with their runs per step.
     """
     computations, entry = hlo.parse(hlo_text)
     runs, _ = hlo.runs_per_step(computations, entry)
@@ -219,8 +303,7 @@ def roofline_seconds(hlo_text: str, peak_flops: float, bandwidth: float) -> dict
         if item.opcode in COMPUTE
         for called in _CALLS.findall(item.line)
     }
-    gemm_flops = other_s = 0.0
-    convolutions = 0
+    found = []
     for name, instructions in computations.items():
         if name in inside:
             continue
@@ -229,24 +312,45 @@ def roofline_seconds(hlo_text: str, peak_flops: float, bandwidth: float) -> dict
             if instruction.opcode not in COMPUTE or runs[name] == 0:
                 continue
             target = _TARGET.search(instruction.line)
-            if target and target.group(1).startswith("__cudnn$fmha"):
-                continue
             backend = _gemm_backend(instruction)
-            if backend == "cudnn-conv":
-                convolutions += runs[name]  # priced by the caller, from the model's FLOPs
-                continue
-            if backend is not None:
-                gemm_flops += _gemm_flops(instruction, computations, shapes) * runs[name]
-                continue
-            operands = _OPERAND.findall(instruction.operands)
-            moved = sum(
-                _touched_bytes(shape, runs[name])
-                for shape in [instruction.shape, *(shapes.get(item, "") for item in operands)]
+            if target and target.group(1).startswith("__cudnn$fmha"):
+                kind, amount = "attention", 0.0
+            elif backend == "cudnn-conv":
+                kind, amount = "convolution", 0.0
+            elif backend is not None:
+                kind, amount = "gemm", _gemm_flops(instruction, computations, shapes)
+            else:
+                kind = "bytes"
+                amount = _kernel_bytes(instruction, computations, shapes, runs[name])
+            op_name = _OP_NAME.search(instruction.line)
+            found.append(
+                {
+                    "name": instruction.name,
+                    "op": op_name.group(1) if op_name else "",
+                    "shape": instruction.shape,
+                    "computation": name,
+                    "runs": runs[name],
+                    "kind": kind,
+                    "amount": amount,
+                }
             )
-            other_s += moved / bandwidth * runs[name]
+    return found
+
+
+def roofline_seconds(hlo_text: str, peak_flops: float, bandwidth: float) -> dict[str, float]:
+    """{"gemm_s", "gemm_flops", "convolutions", "memory_bound_s"}: the kernels on a roofline.
+
+    Gemms by their FLOPs at `peak_flops` (FLOP/s), every other kernel by the bytes it reads
+    and writes at `bandwidth` (bytes/s), each x its runs per step. cuDNN attention,
+    convolutions (counted, not priced) and collectives are the caller's to add. An estimate
+    from the program's shapes: no kernel ran.
+    """
+    kernels_of = priced_kernels(hlo_text)
+    total = lambda kind: sum(k["amount"] * k["runs"] for k in kernels_of if k["kind"] == kind)
+    gemm_flops = total("gemm")
     return {
         "gemm_s": gemm_flops / peak_flops,
         "gemm_flops": gemm_flops,
-        "convolutions": convolutions,
-        "memory_bound_s": other_s,
+        "convolutions": sum(k["runs"] for k in kernels_of if k["kind"] == "convolution"),
+        "memory_bound_s": total("bytes") / bandwidth,
     }
