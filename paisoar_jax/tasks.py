@@ -31,6 +31,8 @@ from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, resolve_model_config
+from paisoar_jax.models.chunked_loss import chunked_cross_entropy
+from paisoar_jax.models.gpt import output_head
 from paisoar_jax.parallel.context import balanced_order
 from paisoar_jax.parallel.sharding import context_shards
 from paisoar_jax.precision import float32_island, get_policy
@@ -324,6 +326,11 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Arr
             x[:, order_T] for x in (inputs_BxT, targets_BxT, learned_BxT)
         )
         documents = {name: x[:, order_T] for name, x in documents.items()}
+    chunks = model.config.loss_chunks
+    if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
+        h_BxTxD, statistics = model.stream_and_statistics(inputs_BxT, **documents)
+        losses_BxT = chunked_cross_entropy(h_BxTxD, output_head(model), targets_BxT, chunks)
+        return losses_BxT, learned_BxT, statistics
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.
     logits_BxTxV, statistics = model.logits_and_statistics(inputs_BxT, **documents)

@@ -56,6 +56,9 @@ class LanguageModelConfig:
     # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
     fp32_logits: bool = True
+    # The loss takes the vocabulary in this many slices (models/chunked_loss.py): no B x T x
+    # V logits are made, for the head's forward matmul twice; 0: the logits whole
+    loss_chunks: int = 0
     init_std: float = 0.02
     norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
@@ -110,7 +113,7 @@ class LanguageModelConfig:
         if self.position == "rotary" and self.head_size % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
-        check_at_least("model", self, {"head_width": 0})
+        check_at_least("model", self, {"head_width": 0, "loss_chunks": 0})
         check_at_least("model", self, {"max_positions": 0})
         if self.max_positions and self.seq_len > self.max_positions:
             raise UserError(

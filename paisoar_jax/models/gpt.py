@@ -349,6 +349,20 @@ class Decoder(nnx.Module):
         Each statistic has a leading axis of the MoE layers (models/moe.py says what they
         are); the loss adds the router's losses from them (moe.auxiliary_loss).
         """
+        h_BxTxD, statistics = self.stream_and_statistics(tokens_BxT, segments_BxT, positions_BxT)
+        return output_logits(self, h_BxTxD), statistics
+
+    def stream_and_statistics(
+        self,
+        tokens_BxT: jax.Array,
+        segments_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the final-normed stream the head reads, in the compute dtype; the statistics).
+
+        The chunked loss (model.loss_chunks) takes it with `output_head(model)` instead of
+        the logits.
+        """
         # Split over mesh.context, attention needs each token's position (the layout may
         # be balanced); packed documents bring theirs.
         if positions_BxT is None and (segments_BxT is not None or context_shards() > 1):
@@ -367,8 +381,7 @@ class Decoder(nnx.Module):
                 self.blocks, rows, self.rotary_function(), self.remat_policy, self.config
             )
             x_BxTxD = rows.stream
-        logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
-        return logits, statistics
+        return self.policy.cast_to_compute(self.final_norm(x_BxTxD)), statistics
 
     def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array, starts_B=None) -> tuple:
         """(logits, cache) for tokens at positions index.. with the cache of those before.
@@ -475,14 +488,19 @@ class GPT(Decoder):
         return functools.partial(rotary_tables, head_width=head_width, theta=self.config.rope_theta)
 
 
+def output_head(model: nnx.Module) -> jax.Array:
+    """A decoder's head (D x V) in the compute dtype: the tied table's transpose, or its own."""
+    head_DxV = model.token_embedding[...].T if model.config.tie_embeddings else model.head[...]
+    return model.policy.cast_to_compute(head_DxV)
+
+
 def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
     """A decoder's logits from its normed stream: through the tied table or the head."""
-    cast = model.policy.cast_to_compute
-    head_DxV = model.token_embedding[...].T if model.config.tie_embeddings else model.head[...]
+    head_DxV = output_head(model)
     if model.config.fp32_logits:  # its backward in the compute dtype, not fp32 x fp32
-        logits_BxTxV = matmul_fp32_out("btd,dv->btv", h_BxTxD, cast(head_DxV))
+        logits_BxTxV = matmul_fp32_out("btd,dv->btv", h_BxTxD, head_DxV)
     else:
-        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, cast(head_DxV))
+        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, head_DxV)
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
 

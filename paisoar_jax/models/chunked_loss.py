@@ -1,0 +1,91 @@
+"""Next-token cross-entropy from a decoder's last stream, a vocabulary chunk at a time.
+
+A small decoder's largest activation is its logits: B x T x V in fp32 (3.3 GB for GPT-2 at
+B16 T1024), written by the head's matmul, read by the softmax and again by its backward.
+Here the head is applied to one slice of the vocabulary at a time; each slice's logits are
+reduced at once to a running log-sum-exp (and the target's logit, in the slice that holds
+it) and dropped. The backward makes each slice's logits again and turns them into that
+slice's share of the stream's gradient and the head's columns' gradient. No buffer of B x T
+x V is ever made; the price is the head's forward matmul twice.
+
+Chunks split the vocabulary, not the tokens: the tokens are split over the batch axes, so a
+token chunk's share of the head's gradient would need a reduction over devices per chunk;
+a vocabulary chunk's is its own columns, reduced once as the unfused gradient is. Exact to
+the unfused loss within fp32 rounding: both accumulate the logits in fp32, and the backward
+rounds the logits' gradient to the stream's dtype before its two matmuls, as
+precision.matmul_fp32_out does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:
+    """[start, end) of each of `chunks` near-equal slices of the vocabulary."""
+    edges = np.linspace(0, vocab_size, min(chunks, vocab_size) + 1).round().astype(int)
+    return [(int(start), int(end)) for start, end in zip(edges[:-1], edges[1:], strict=True)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_cross_entropy(h_BxTxD, head_DxV, targets_BxT, chunks: int) -> jax.Array:
+    """fp32 cross-entropies (B x T) of the logits h @ head against `targets_BxT`."""
+    return _forward(h_BxTxD, head_DxV, targets_BxT, chunks)[0]
+
+
+def _logits(h_BxTxD, head_DxV, start: int, end: int) -> jax.Array:
+    """One vocabulary slice's logits, accumulated in fp32."""
+    return jnp.einsum(
+        "btd,dv->btv", h_BxTxD, head_DxV[:, start:end], preferred_element_type=jnp.float32
+    )
+
+
+def _forward(h_BxTxD, head_DxV, targets_BxT, chunks: int):
+    maximum_BxT = jnp.full(targets_BxT.shape, -jnp.inf, jnp.float32)
+    total_BxT = jnp.zeros(targets_BxT.shape, jnp.float32)
+    target_BxT = jnp.zeros(targets_BxT.shape, jnp.float32)
+    for start, end in chunk_bounds(head_DxV.shape[1], chunks):
+        logits_BxTxC = _logits(h_BxTxD, head_DxV, start, end)
+        chunk_maximum_BxT = jnp.max(logits_BxTxC, axis=-1)
+        new_maximum_BxT = jnp.maximum(maximum_BxT, chunk_maximum_BxT)
+        total_BxT = total_BxT * jnp.exp(maximum_BxT - new_maximum_BxT) + jnp.sum(
+            jnp.exp(logits_BxTxC - new_maximum_BxT[..., None]), axis=-1
+        )
+        maximum_BxT = new_maximum_BxT
+        inside_BxT = (targets_BxT >= start) & (targets_BxT < end)
+        index_BxT = jnp.clip(targets_BxT - start, 0, end - start - 1)
+        picked_BxT = jnp.take_along_axis(logits_BxTxC, index_BxT[..., None], axis=-1)[..., 0]
+        target_BxT = jnp.where(inside_BxT, picked_BxT, target_BxT)
+    log_sum_BxT = maximum_BxT + jnp.log(total_BxT)
+    return log_sum_BxT - target_BxT, (h_BxTxD, head_DxV, targets_BxT, log_sum_BxT)
+
+
+def _backward(chunks: int, residuals, cotangent_BxT):
+    h_BxTxD, head_DxV, targets_BxT, log_sum_BxT = residuals
+    gradient_h_BxTxD = jnp.zeros(h_BxTxD.shape, jnp.float32)
+    gradient_head = []
+    for start, end in chunk_bounds(head_DxV.shape[1], chunks):
+        probabilities_BxTxC = jnp.exp(
+            _logits(h_BxTxD, head_DxV, start, end) - log_sum_BxT[..., None]
+        )
+        hit_BxTxC = targets_BxT[..., None] == start + jnp.arange(end - start)
+        gradient_BxTxC = (probabilities_BxTxC - hit_BxTxC) * cotangent_BxT[..., None]
+        gradient_BxTxC = gradient_BxTxC.astype(h_BxTxD.dtype)
+        gradient_h_BxTxD += jnp.einsum(
+            "btv,dv->btd",
+            gradient_BxTxC,
+            head_DxV[:, start:end],
+            preferred_element_type=jnp.float32,
+        )
+        gradient_head.append(
+            jnp.einsum("btd,btv->dv", h_BxTxD, gradient_BxTxC, preferred_element_type=jnp.float32)
+        )
+    gradient_head_DxV = jnp.concatenate(gradient_head, axis=1).astype(head_DxV.dtype)
+    return gradient_h_BxTxD.astype(h_BxTxD.dtype), gradient_head_DxV, None
+
+
+chunked_cross_entropy.defvjp(_forward, _backward)

@@ -1,0 +1,82 @@
+"""The chunked cross-entropy (paisoar_jax/models/chunked_loss.py) against the unfused one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from paisoar_jax.models.chunked_loss import chunk_bounds, chunked_cross_entropy
+
+B, T, D, V = 2, 8, 16, 50  # a vocabulary that 3 chunks do not divide
+
+
+def unfused(h_BxTxD, head_DxV, targets_BxT):
+    logits = jnp.einsum("btd,dv->btv", h_BxTxD, head_DxV, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxT)
+
+
+def test_the_chunks_cover_the_vocabulary_once():
+    assert chunk_bounds(50, 3) == [(0, 17), (17, 33), (33, 50)]
+    assert chunk_bounds(4, 8) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # never an empty chunk
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 7])
+def test_the_loss_and_its_gradients_are_the_unfused_ones(chunks):
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(D, V)) * 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(B, T)), jnp.float32)  # a masked, weighted mean
+    for loss in (unfused, lambda h, w, t: chunked_cross_entropy(h, w, t, chunks)):
+        np.testing.assert_allclose(loss(h, head, targets), unfused(h, head, targets), rtol=1e-5)
+    gradients = [
+        jax.grad(lambda h, w, loss=loss: jnp.sum(loss(h, w, targets) * weights), (0, 1))(h, head)
+        for loss in (unfused, lambda h, w, t: chunked_cross_entropy(h, w, t, chunks))
+    ]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *gradients)
+
+
+def test_no_buffer_holds_the_whole_logits():
+    """The compiled loss and gradient hold no f32 array of B x T x V elements."""
+    h = jnp.ones((B, T, D), jnp.bfloat16)
+    head = jnp.ones((D, V), jnp.bfloat16)
+    targets = jnp.zeros((B, T), jnp.int32)
+    step = jax.jit(jax.grad(lambda h, w: chunked_cross_entropy(h, w, targets, 4).sum(), (0, 1)))
+    text = step.lower(h, head).compile().as_text()
+    assert f"f32[{B},{T},{V}]" not in text
+    reference = jax.jit(jax.grad(lambda h, w: unfused(h, w, targets).sum(), (0, 1)))
+    assert f"f32[{B},{T},{V}]" in reference.lower(h, head).compile().as_text()  # the check bites
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.name=llama", "model.kv_heads=2", "model.tie_embeddings=false"]],
+    ids=["gpt-tied", "llama"],
+)
+def test_model_loss_chunks_trains_a_decoder_as_the_logits_do(overrides):
+    """model.loss_chunks: the zoo decoder's loss and gradients are the unfused ones."""
+    from conftest import TINY, token_batches
+    from flax import nnx
+
+    from paisoar_jax.config import load_config
+    from paisoar_jax.precision import get_policy
+    from paisoar_jax.tasks import LanguageModelling
+    from paisoar_jax.zoo import build_model
+
+    batch = token_batches(1, batch=4)[0]
+    results = []
+    for chunks in (0, 3):
+        config = load_config(None, [*TINY, *overrides, f"model.loss_chunks={chunks}"])
+        with nnx.use_eager_sharding(False):
+            model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
+        task = LanguageModelling(config, type(model))
+        loss = lambda model, task=task: task.loss(model, batch, jax.random.PRNGKey(0))[0]
+        value, gradients = nnx.value_and_grad(loss)(model)
+        results.append((value, nnx.to_pure_dict(gradients)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+        results[0][1],
+        results[1][1],
+    )
