@@ -66,11 +66,12 @@ class LanguageModelling:
         )
         if not data.eval_source:
             return opened
+        eval_side = data.eval_side()
         try:
-            train, held_out = open_source(data.eval_side(), model, seed)
+            train, held_out = open_source(eval_side, model, seed)
         except UserError as error:
             raise UserError(f"data.eval_source: {error}") from None
-        whole = data.eval_side().eval_fraction == 0  # a converted set: all of it
+        whole = eval_side.eval_fraction == 0  # a converted set: all of it
         return opened[0], train if whole else held_out
 
     def host_batches(

@@ -132,15 +132,23 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
 
 
 def optimizer_for(config: Config, given: Optimizer | None):
-    """(optimizer chain, schedule): the config's, or the user's (clipped only when asked)."""
+    """(optimizer chain, schedule, description): the config's chain, or the user's.
+
+    A user's runs as given: clipped only when optim.clip_norm is set (and loss-scaled under
+    fp16). Its description is what the trackers record of it (optim.describe_given); None
+    for the config's.
+    """
     train = config.train
     if given is None:
-        return build_optimizer(config.optim, train.steps, train.global_batch, config.precision)
+        chain, schedule = build_optimizer(
+            config.optim, train.steps, train.global_batch, config.precision
+        )
+        return chain, schedule, None
     schedule = build_schedule(config.optim, train.steps, train.global_batch)
     if isinstance(given, optax.GradientTransformation):
-        inner, schedule = given, None  # its own learning rate: read back if injected
+        inner, schedule, factory = given, None, None  # its own learning rate: read if injected
     elif callable(given):
-        inner = given(schedule)
+        inner, factory = given(schedule), given
         if not isinstance(inner, optax.GradientTransformation):
             raise UserError(f"optimizer factory returned {type(inner).__name__}, not an optax one")
     else:
@@ -148,20 +156,9 @@ def optimizer_for(config: Config, given: Optimizer | None):
             f"optimizer must be an optax GradientTransformation or a function of the schedule, "
             f"got {type(given).__name__}"
         )
-    # It runs as given: clipped only when optim.clip_norm is set (and loss-scaled under fp16).
-    return wrap_optimizer(
-        inner, config.optim.clipping(own_optimizer=True), config.precision
-    ), schedule
-
-
-def describe_optimizer(config: Config, given: Optimizer | None) -> dict[str, Any] | None:
-    """An optimizer given to fit as the trackers record it (optim.describe_given); else None."""
-    if given is None:
-        return None
-    if isinstance(given, optax.GradientTransformation):
-        return describe_given(given, None, config.optim.clipping(own_optimizer=True))
-    schedule = build_schedule(config.optim, config.train.steps, config.train.global_batch)
-    return describe_given(given(schedule), given, config.optim.clipping(own_optimizer=True))
+    clip_norm = config.optim.clipping(own_optimizer=True)
+    chain = wrap_optimizer(inner, clip_norm, config.precision)
+    return chain, schedule, describe_given(inner, factory, clip_norm)
 
 
 def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -170,10 +167,9 @@ def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | No
     schedule = pipeline.from_config(config)
     pipelined = schedule.microbatches if schedule else 1
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh, pipelined)
-    optimizer, schedule = optimizer_for(config, workload.optimizer)
+    optimizer, schedule, given = optimizer_for(config, workload.optimizer)
     create_model = model_builder(config, workload)
     with jax.set_mesh(mesh):
         layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
         workload.task.prepare(layout, config.train.global_batch)
-    given = describe_optimizer(config, workload.optimizer)
     return Setup(config, mesh, layout, schedule, workload.task, given)
