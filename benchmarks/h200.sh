@@ -15,6 +15,9 @@
 #             pipeline
 #   vision    ResNet-50 and ViT-B/16 beside the PyTorch ResNet-50 peer (issue 8)
 #   all       the three in order (too long for one device call at full size)
+#   first     one call's worth when little device time is left: the shipped gpt2_124m beside
+#             both peers (plain JAX, PyTorch compile), the layouts issue 48 weighs (unrolled,
+#             chunked loss), gpt_1b and ResNet-50 each beside their peers; 200 s per item
 # Each result line is written as it comes, so a call cut short keeps what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,12 +45,13 @@ else
   CUDNN=model.attention=cudnn
 fi
 
-record() {  # record NAME COMMAND...: runs it (5 min at most) and keeps its last JSON line
+ITEM_S=${ITEM_S:-300}
+record() {  # record NAME COMMAND...: runs it (ITEM_S seconds at most) and keeps its last JSON line
   local name=$1
   shift
-  echo "== $name: $*"
+  echo "== $name ($(date +%T)): $*"
   local line
-  line=$(timeout 300 "$@" | grep '^{' | tail -1)
+  line=$(timeout "$ITEM_S" "$@" | grep '^{' | tail -1)
   if [ -n "$line" ]; then
     echo "{\"name\": \"$name\", \"result\": $line}" | tee -a "$OUT/results.jsonl"
   else
@@ -60,6 +64,24 @@ ours() {  # ours NAME CONFIG OVERRIDES...
   shift 2
   record "$name" python3 -m paisoar_jax.bench --config "$config" "${SHAPE[@]}" "${STEPS[@]}" "$@"
 }
+
+if [ "$PART" = first ]; then
+ours gpt2_shipped gpt2_124m  # as a user runs it: bf16, attention auto, the shipped layout
+if [ "$SIZE" != tiny ]; then
+  record peer_gpt2_jax python3 .peers/gpt_jax.py cudnn
+  record peer_gpt2_bf16_compile python3 .peers/gpt_torch.py bf16_compile
+fi
+ours gpt2_unrolled_chunked gpt2_124m model.scan_layers=false model.loss_chunks=8
+ours gpt2_unrolled gpt2_124m model.scan_layers=false
+if [ "$SIZE" != tiny ]; then
+  ours gpt1b_shipped gpt_1b train.steps=30
+  record peer_gpt1b_jax env L=24 D=2048 H=16 T=2048 B=8 python3 .peers/gpt_jax.py cudnn
+  record peer_gpt1b_bf16_compile env L=24 D=2048 H=16 T=2048 B=8 \
+    python3 .peers/gpt_torch.py bf16_compile
+  record resnet50_bf16 python3 -m paisoar_jax.bench --config resnet50 train.steps=60
+  record peer_resnet50_compile python3 .peers/resnet_torch.py compile
+fi
+fi
 
 if [ "$PART" = targets ] || [ "$PART" = all ]; then
 # Issue 7's targets first: gpt2_124m (B=16, T=1024) and gpt_1b (L24 D2048 T2048 B=8) in bf16

@@ -1,12 +1,15 @@
 import itertools
 import json
+import time
 
 import jax
 import numpy as np
 import pytest
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig, MeshConfig
+from paisoar_jax.data.images import image_batches
 from paisoar_jax.data.pipeline import (
+    READ_AHEAD_BATCHES,
     GlobalBatches,
     PerExampleReads,
     WholeBatchReads,
@@ -16,6 +19,7 @@ from paisoar_jax.data.pipeline import (
 )
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.data.records import TokenRecords
+from paisoar_jax.data.small_images import SyntheticImages
 from paisoar_jax.data.sources import (
     EMBEDDED_EVAL_BYTES,
     SyntheticWindows,
@@ -142,6 +146,26 @@ def test_workers_give_the_same_batches():
     plain = first_batches(source, 6, global_batch=4, seed=1)
     workers = first_batches(source, 6, global_batch=4, seed=1, workers=1)
     assert all(np.array_equal(a, b) for a, b in zip(plain, workers, strict=True))
+
+
+class CountedImages(SyntheticImages):
+    """Synthetic images that count the examples read (grain's reader threads share it)."""
+
+    reads = 0
+
+    def __getitem__(self, index: int) -> dict:
+        CountedImages.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_file_source_is_read_a_few_batches_ahead_not_grains_500():
+    # Grain's default read-ahead counts elements, which are our whole batches: a worker
+    # of the resnet50 config held 500 x 256 images (19 GB) and was killed on the H200.
+    source = CountedImages(image_size=8, channels=3, num_classes=10, seed=0)
+    batches = image_batches(source, global_batch=16, seed=0, image_size=8, train=True)
+    next(batches)
+    time.sleep(0.5)  # the reader threads run ahead as far as they are let
+    assert 16 < CountedImages.reads <= 16 * (READ_AHEAD_BATCHES + 2)
 
 
 def test_prefetched_arrays_carry_the_batch_sharding(devices):
