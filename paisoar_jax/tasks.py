@@ -31,7 +31,7 @@ from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, resolve_model_config
-from paisoar_jax.models.chunked_loss import chunked_cross_entropy
+from paisoar_jax.models.chunked_loss import chunk_count, chunked_cross_entropy
 from paisoar_jax.models.gpt import output_head
 from paisoar_jax.parallel.context import balanced_order
 from paisoar_jax.parallel.sharding import context_shards
@@ -327,7 +327,7 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Arr
             x[:, order_T] for x in (inputs_BxT, targets_BxT, learned_BxT)
         )
         documents = {name: x[:, order_T] for name, x in documents.items()}
-    chunks = model.config.loss_chunks
+    chunks = chunk_count(model.config.loss_chunks, model.config.vocab_size)
     if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
         h_BxTxD, statistics = model.stream_and_statistics(inputs_BxT, **documents)
         losses_BxT = chunked_cross_entropy(h_BxTxD, output_head(model), targets_BxT, chunks)

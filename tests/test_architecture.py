@@ -79,6 +79,24 @@ def test_the_core_never_imports_a_tool():
     assert not offenders, f"core modules importing tools: {offenders}"
 
 
+# Import cycles between two modules still owed (issue 49: plan's CLI apart from its core).
+KNOWN_CYCLES = {frozenset({"paisoar_jax.tools.plan", "paisoar_jax.tools.plan_variants"})}
+
+
+def test_no_two_modules_import_each_other():
+    """Function-local imports count: a module that must import lazily to break a cycle is
+    still in one (bench and overhead, convert and hf were)."""
+    names = list(module_names())
+    imports = {name: package_imports(name) - {name} for name in names}
+    cycles = {
+        frozenset({first, second})
+        for first in names
+        for second in imports[first]
+        if first in imports.get(second, set())
+    }
+    assert cycles == KNOWN_CYCLES, sorted(map(sorted, cycles - KNOWN_CYCLES))
+
+
 def test_config_is_a_leaf():
     for name in module_names():
         if name == "paisoar_jax.config" or name.startswith("paisoar_jax.config."):

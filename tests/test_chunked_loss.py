@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from paisoar_jax.models.chunked_loss import chunk_bounds, chunked_cross_entropy
+from paisoar_jax.models.chunked_loss import chunk_bounds, chunk_count, chunked_cross_entropy
 
 B, T, D, V = 2, 8, 16, 50  # a vocabulary that 3 chunks do not divide
 
@@ -19,6 +19,14 @@ def unfused(h_BxTxD, head_DxV, targets_BxT):
 def test_the_chunks_cover_the_vocabulary_once():
     assert chunk_bounds(50, 3) == [(0, 17), (17, 33), (33, 50)]
     assert chunk_bounds(4, 8) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # never an empty chunk
+
+
+def test_auto_slices_only_a_vocabulary_wider_than_8192():
+    assert chunk_count(-1, 256) == 0  # the tiny models' logits stay whole
+    assert chunk_count(-1, 8192) == 0
+    assert chunk_count(-1, 50304) == 7  # gpt2: 7 slices of 7,186
+    assert chunk_count(-1, 128256) == 16  # llama 3
+    assert chunk_count(0, 50304) == 0 and chunk_count(3, 256) == 3  # as asked
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 7])

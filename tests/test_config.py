@@ -117,6 +117,7 @@ def test_sections_are_frozen():
         (["train.memory_limit_gb=-1"], "train.memory_limit_gb must be a finite number >= 0"),
         (["model.experts_per_token=1"], "model.experts_per_token is for a mixture of experts"),
         (["model.experts=1"], "model.experts must be >= 2"),
+        (["model.loss_chunks=-2"], "model.loss_chunks must be >= -1"),
         (["model.experts=4", "model.experts_per_token=5"], "is more than the model.experts=4"),
         (["model.experts=4", "model.moe_every=2"], "set model.scan_layers=false"),
         (["model.experts=4", "model.moe_every=9"], "no layer would have experts"),

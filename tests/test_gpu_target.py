@@ -4,7 +4,9 @@ extra's CUDA plugin); the first tests run in any environment."""
 
 import functools
 import json
+import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -126,7 +128,7 @@ def test_a_128k_window_split_over_8_h200_fits_with_cudnn_over_the_gathered_keys(
 
 
 @pytest.mark.gpu_aot
-def test_llama3_8b_with_lora_fits_one_h200_where_full_fine_tuning_does_not():
+def test_llama3_8b_with_lora_needs_under_half_of_full_fine_tuning_on_one_h200():
     from paisoar_jax.config import load_config
     from paisoar_jax.tools import plan
 
@@ -139,9 +141,13 @@ def test_llama3_8b_with_lora_fits_one_h200_where_full_fine_tuning_does_not():
     frozen = lora["param_count"] - lora["trainable_count"]
     assert lora["memory_bytes"]["params"] == 2 * frozen + 4 * lora["trainable_count"]
     assert lora["memory_bytes"]["optimizer_state"] < 1 << 30
-    # The same shape and settings without the lora section: every parameter trains.
+    # The same shape and settings without the lora section: every parameter trains, with
+    # fp32 weights, gradients and Adam's two moments. (It fits since the loss takes the
+    # vocabulary in slices: 130 GiB, 156.5 with the logits whole.)
     full = plan.plan(load_config(REPO / "configs" / "llama3_8b.yaml"), one, target="h200")
-    assert not full["target"]["fits"]
+    held = full["memory_bytes"]
+    assert held["params"] + held["gradients"] + held["optimizer_state"] >= 16 * frozen
+    assert lora["memory_bytes"]["total"] < 0.5 * held["total"]
 
 
 @pytest.mark.gpu_aot
@@ -161,7 +167,12 @@ def test_fp8_int8_exchange_and_stages_show_in_the_gpu_program():
     int8 = target_plan("gpt2_124m", "mesh.grad_comm=int8", "model.layers=2")
     assert any(row["dtype"] == "s8" for row in int8["collectives_by_dtype"])
     staged = target_plan(
-        "gpt2_124m", "mesh.stage=4", "mesh.data=2", "model.layers=4", "train.global_batch=16"
+        "gpt2_124m",
+        "mesh.stage=4",
+        "mesh.data=2",
+        "model.layers=4",
+        "model.scan_layers=true",  # stages split the stacked blocks
+        "train.global_batch=16",
     )
     assert staged["collectives"].get("collective-permute", {}).get("count", 0) > 0
 
@@ -206,6 +217,32 @@ def test_a_model_of_ones_own_plans_for_the_target():
     )
     assert result["target"]["fits"]
     assert [row["operands"] for row in result["target"]["matmuls"]] == ["bf16 x bf16"]
+
+
+PEER_TEMPORARIES = 10_810_937_888  # ../shared/peers/gpt_jax.py at B16 T1024 on one H200
+# (benchmarks/peer_side_by_side.py, 2026-12-04): the hand-written step measured at 34.95 ms
+
+
+@pytest.mark.gpu_aot
+def test_gpt2_on_one_h200_never_makes_the_fp32_logits_and_holds_less_than_the_peer():
+    """gpt2_124m as shipped (B16 T1024): the loss takes the vocabulary in slices, so no f32
+    buffer of B x T x V elements is made, and the step holds fewer temporaries than the
+    plain-JAX step that ran at the same speed on a real H200."""
+    from paisoar_jax.config import load_config
+    from paisoar_jax.tools import plan
+
+    config = load_config(REPO / "configs" / "gpt2_124m.yaml")
+    model, batch = config.model, config.train.global_batch
+    compiled, *_ = plan.compile_step(config, gpu_target.target_devices("h200", 1, 1))
+    text = compiled.as_text()
+    logits = batch * model.seq_len * model.vocab_size
+    f32_sizes = {
+        math.prod(int(n) for n in dims.split(",") if n)
+        for dims in re.findall(r"f32\[([\d,]*)\]", text)
+    }
+    assert logits not in f32_sizes
+    assert f"bf16[{batch},{model.seq_len},{model.vocab_size}]" not in text
+    assert compiled.memory_analysis().temp_size_in_bytes < PEER_TEMPORARIES
 
 
 @pytest.mark.gpu_aot

@@ -14,12 +14,20 @@ MESHES = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    # the chunked loss (the default for a large vocabulary) with the head's columns split
+    # over tensor: the slices cut across the shards
+    "fsdp=2,tensor=4,loss_chunks=3": [
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.tensor=4",
+        "model.loss_chunks=3",
+    ],
     "data=4,fsdp=2,zero=1": ["mesh.data=4", "mesh.fsdp=2", "mesh.zero=1"],
     "data=8,zero=3": ["mesh.data=8", "mesh.zero=3"],
 }
 # The fast tier checks two meshes that between them split every axis (test_api adds ZeRO-3
 # for a model of one's own); the slow tier checks the rest.
-FAST_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+FAST_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4,loss_chunks=3")
 
 
 def three_steps(overrides, devices):

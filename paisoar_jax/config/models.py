@@ -57,8 +57,10 @@ class LanguageModelConfig:
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
     fp32_logits: bool = True
     # The loss takes the vocabulary in this many slices (models/chunked_loss.py): no B x T x
-    # V logits are made, for the head's forward matmul twice; 0: the logits whole
-    loss_chunks: int = 0
+    # V logits are made, for the head's forward matmul twice; 0: the logits whole; -1
+    # (auto): slices of at most 8,192 columns where the vocabulary is larger (gpt2_124m on
+    # an H200: 3% faster a step and 1.5 GiB less, benchmarks/RESULTS.md), else whole
+    loss_chunks: int = -1
     init_std: float = 0.02
     norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
@@ -113,7 +115,7 @@ class LanguageModelConfig:
         if self.position == "rotary" and self.head_size % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
-        check_at_least("model", self, {"head_width": 0, "loss_chunks": 0})
+        check_at_least("model", self, {"head_width": 0, "loss_chunks": -1})
         check_at_least("model", self, {"max_positions": 0})
         if self.max_positions and self.seq_len > self.max_positions:
             raise UserError(

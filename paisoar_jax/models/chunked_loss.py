@@ -24,6 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+AUTO_CHUNK_COLUMNS = 8192  # model.loss_chunks=-1: the widest slice of the vocabulary
+
+
+def chunk_count(loss_chunks: int, vocab_size: int) -> int:
+    """model.loss_chunks resolved: -1 (auto) slices a vocabulary wider than 8,192 columns.
+
+    0 means the logits whole (a small vocabulary's are small, and one matmul beats two).
+    """
+    if loss_chunks >= 0:
+        return loss_chunks
+    return -(-vocab_size // AUTO_CHUNK_COLUMNS) if vocab_size > AUTO_CHUNK_COLUMNS else 0
+
 
 def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:
     """[start, end) of each of `chunks` near-equal slices of the vocabulary."""

@@ -210,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UserError("--overhead measures the token loop: use a gpt config")
             overrides = [*OVERHEAD_OVERRIDES, *args.overrides, *BENCH_OVERRIDES]
             overrides.append(f"run.dir={config.run.dir or 'runs/bench/overhead'}")
-            result = overhead(load_config(args.config, overrides))
+            overhead_config = load_config(args.config, overrides)
+            result = overhead(overhead_config, bench_train(overhead_config))
         else:
             # Synthetic tokens unless the command line names a source; nothing saved.
             overrides = ["data.source=synthetic", *args.overrides, *BENCH_OVERRIDES]

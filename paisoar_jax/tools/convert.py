@@ -42,11 +42,10 @@ from paisoar_jax.data import records
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import conversations, hf, hf_datasets
 from paisoar_jax.tools.cli import exit_status
+from paisoar_jax.tools.hf import EOS_NAMES
 
 PROGRAM = "paisoar_jax.convert"
 DEFAULT_RECORD_TOKENS = 16384
-# The last resort for a tokenizer whose directory declares no end-of-sequence token.
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 # One record per chunk, so reading one record decompresses only that record.
 TOKEN_WRITER_OPTIONS = "group_size:1,zstd:3"
 # JPEG and PNG bytes are compressed already; compressing again costs time and saves nothing.

@@ -56,6 +56,9 @@ KEPT_FILES = (
     "generation_config.json",
 )
 
+# The last resort for a tokenizer whose directory declares no end-of-sequence token.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
 
 class SafetensorsReader:
     """The tensors of an HF directory, each read memory-mapped when asked for."""
@@ -270,8 +273,6 @@ def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
     (config.json's), the eos from the usual end-of-text names where none is given, and
     pad falls back to eos (what fine-tuning scripts set, as no token of ours is padding).
     """
-    from paisoar_jax.tools.convert import EOS_NAMES  # (convert imports this module)
-
     path = output / "tokenizer_config.json"
     settings = json.loads(path.read_text()) if path.is_file() else {}
     tokenizer = json.loads((output / "tokenizer.json").read_text())

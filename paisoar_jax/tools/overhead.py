@@ -143,11 +143,11 @@ def pieces_ms(config: Config) -> dict[str, float]:
         getattr(host, "close", lambda: None)()
 
 
-def overhead(config: Config) -> dict[str, Any]:
-    """The library's ms/step beside the bare loop's, their ratio and the pieces."""
-    from paisoar_jax.tools.bench import bench_train
+def overhead(config: Config, library: dict[str, Any]) -> dict[str, Any]:
+    """The library's ms/step beside the bare loop's, their ratio and the pieces.
 
-    library = bench_train(config)
+    `library`: bench_train's result for `config` (the CLI measures it first).
+    """
     bare_ms = bare_loop_ms(config)
     step_ms = library["step_ms"]
     return {
