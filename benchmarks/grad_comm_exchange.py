@@ -8,7 +8,7 @@ process ends with the mean). fp32 is XLA's own all-reduce of the shards (what a 
 with mesh.grad_comm=fp32); bf16 and int8 are grad_comm.exchange_gradients. Process 0 prints
 one row per setting: the median wall time, the bytes each device sends per exchange (ring
 costs, from the compiled HLO), the error against the fp32 mean, and plan's projection of
-the same bytes on 10 GbE and InfiniBand (tools/plan.py LINKS).
+the same bytes on 10 GbE and InfiniBand (tools/plan/core.py LINKS).
 """
 
 from __future__ import annotations

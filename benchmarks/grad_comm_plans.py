@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python benchmarks/grad_comm_plans.py \
         --config gpt_1b train.global_batch=64 mesh.data=16 [mesh.zero=1]
 
-Compiles the train step with mesh.grad_comm fp32, bf16 and int8 (tools/plan.py
+Compiles the train step with mesh.grad_comm fp32, bf16 and int8 (tools/plan/core.py
 compare_grad_comm: nothing runs) and prints a markdown table: per link of plan.LINKS the
 projected step time without overlap and the scaling efficiency, every collective timed on
 that one link (a ring over hosts runs at its slowest link), compute at 50% of 989 TFLOP/s.
@@ -18,7 +18,7 @@ import jax
 from paisoar_jax.config import load_config
 from paisoar_jax.memory import format_bytes
 from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, LINKS
-from paisoar_jax.tools.plan_variants import compare_grad_comm
+from paisoar_jax.tools.plan.variants import compare_grad_comm
 
 
 def main() -> None:

@@ -98,6 +98,14 @@ def describe_params(count: int) -> str:
     return f"{count:,} params" if count < 10_000 else f"{count / 1e6:.2f}M params"
 
 
+def format_count(number: float) -> str:
+    """A count as 842K, 124M or 1.31B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return f"{number:.0f}"
+
+
 def _write(level: str, message: str, program: str, stream) -> None:
     current = mode()
     if current == "quiet" and level == "note":

@@ -254,11 +254,11 @@ def run_plan(*arguments, status=0):
 
     from conftest import TINY
 
-    from paisoar_jax.tools import plan
+    from paisoar_jax.tools.plan import command as plan_command
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        found = plan.main(["--devices", "8", "--json", *TINY, *arguments])
+        found = plan_command.main(["--devices", "8", "--json", *TINY, *arguments])
     assert found == status, err.getvalue()
     if status:
         lines = err.getvalue().strip().splitlines()
@@ -269,7 +269,7 @@ def run_plan(*arguments, status=0):
 
 def test_plan_shows_the_split_and_proposes_a_context_size(devices):
     """The split's tokens and K/V bytes by hand; --context-for compiles each size."""
-    from paisoar_jax.tools.plan_table import format_table
+    from paisoar_jax.tools.plan.table import format_table
 
     result = run_plan(*LLAMA, "mesh.data=2", "mesh.context=4", "--context-for", "128")
     split = result["context"]
@@ -323,11 +323,11 @@ def test_context_for_refuses_an_image_model_in_one_line(devices):
 
     from conftest import TINY_RESNET
 
-    from paisoar_jax.tools import plan
+    from paisoar_jax.tools.plan import command as plan_command
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = plan.main(["--devices", "8", *TINY_RESNET, "--context-for", "64"])
+        status = plan_command.main(["--devices", "8", *TINY_RESNET, "--context-for", "64"])
     lines = err.getvalue().strip().splitlines()
     assert status == 2 and len(lines) == 1, lines
     assert "--context-for plans a decoder's window" in lines[0]

@@ -23,7 +23,8 @@ from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env
 from paisoar_jax import loop, tasks
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
-from paisoar_jax.tools import doctor, findings, plan
+from paisoar_jax.tools import doctor, findings
+from paisoar_jax.tools.plan import command as plan_command
 
 QUIET = ["train.eval_every=0", "checkpoint.enabled=false"]
 # 12.75M params (over the 10M that has an MFU floor), split over 8 devices by tensor
@@ -256,7 +257,7 @@ def test_communication_bound_from_the_runs_plan(healthy_copy):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         output = ["--output", str(healthy_copy / "plan.json")]
-        status = plan.main(["--devices", "8", *TINY, *MEDIUM, "--json", *output])
+        status = plan_command.main(["--devices", "8", *TINY, *MEDIUM, "--json", *output])
     assert status == 0, err.getvalue()
     written = json.loads((healthy_copy / "plan.json").read_text())
     assert written == json.loads(out.getvalue())  # the file holds what --json prints
@@ -470,7 +471,7 @@ def test_an_image_model_run_with_its_plan_is_diagnosed(tmp_path, devices):
     loop.train(load_config(None, [*overrides, "train.peak_tflops=100", f"run.dir={run_dir}"]))
     with contextlib.redirect_stdout(io.StringIO()):
         output = ["--output", str(run_dir / "plan.json")]
-        assert plan.main(["--devices", "8", *overrides, *output]) == 0
+        assert plan_command.main(["--devices", "8", *overrides, *output]) == 0
     findings = found(run_dir)
     assert "low-mfu" in findings  # a CPU against 100 TFLOP/s
     assert not any("attention" in fix for fix in findings["low-mfu"]["fixes"])
@@ -485,7 +486,7 @@ def test_a_data_parallel_run_bound_by_a_slow_link_is_told_about_grad_comm(health
     arguments = ["--devices", "8", *TINY, *MEDIUM, "mesh.data=8", "mesh.tensor=1"]
     arguments += ["--link", "1gbe", "--compare-grad-comm"]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = plan.main([*arguments, "--output", str(healthy_copy / "plan.json")])
+        status = plan_command.main([*arguments, "--output", str(healthy_copy / "plan.json")])
     assert status == 0, err.getvalue()
     table = out.getvalue()
     assert "mesh.grad_comm side by side" in table and "all-to-all s8" not in table
@@ -508,7 +509,7 @@ def test_a_context_split_that_communication_bounds(healthy_copy):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         arguments = ["--devices", "8", *TINY, "mesh.data=1", "mesh.context=8", "--link", "1gbe"]
-        status = plan.main([*arguments, "--output", str(healthy_copy / "plan.json")])
+        status = plan_command.main([*arguments, "--output", str(healthy_copy / "plan.json")])
     assert status == 0, err.getvalue()
     finding = found(healthy_copy)["context-bound"]
     assert finding["evidence"].startswith("mesh.context=8 leaves 4 tokens per device")

@@ -1,11 +1,11 @@
-"""`plan --fit`'s search (tools/fit_search.py): which changes it tries, in which order, and how
+"""`plan --fit`'s search (tools/plan/fit_search.py): which changes it tries, in which order, and how
 it picks one. Here each variant's plan is a table of bytes and times; the search over the GPU
 compiler's real plans is tests/test_gpu_target.py's (gpu_aot tier)."""
 
 from conftest import TINY
 
 from paisoar_jax.config import load_config
-from paisoar_jax.tools import fit_search
+from paisoar_jax.tools.plan import fit_search
 
 MESH = {"data": 8, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1}
 

@@ -25,8 +25,8 @@ import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
 from paisoar_jax import memory
-from paisoar_jax.tools import plan
-from paisoar_jax.tools.plan_table import format_table
+from paisoar_jax.tools.plan import command as plan_command
+from paisoar_jax.tools.plan.table import format_table
 
 FP32 = 4
 # TINY's model: vocab 256 (the default), width 64, 32 tokens, 2 layers, learned positions.
@@ -42,7 +42,7 @@ def run_plan(*arguments):
     """(exit status, stdout, stderr) of `plan --devices 8 ...`, in this process."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = plan.main(["--devices", "8", *arguments])
+        status = plan_command.main(["--devices", "8", *arguments])
     return status, out.getvalue(), err.getvalue()
 
 

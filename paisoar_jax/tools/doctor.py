@@ -42,10 +42,11 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import context_split, findings, moe_findings
+from paisoar_jax.tools import findings, moe_findings
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.findings import Finding, Run
 from paisoar_jax.tools.memory_findings import memory_headroom
+from paisoar_jax.tools.plan import context_split
 
 PROGRAM = "paisoar_jax.doctor"
 CHECKS: tuple[Callable[[Run], Finding | None], ...] = (

@@ -16,8 +16,8 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.memory import format_bytes  # the units plan prints
+from paisoar_jax.output import format_count
 from paisoar_jax.parallel.pipeline import from_config as pipeline_of
-from paisoar_jax.tools.plan_table import format_count
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores

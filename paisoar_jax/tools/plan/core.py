@@ -1,49 +1,16 @@
-"""`python -m paisoar_jax.plan [--config FILE.yaml] [section.key=value ...]`: memory and traffic.
+"""The plan's numbers: one train step compiled from abstract arrays, and what it holds and moves.
 
-Compiles one train step for the config's mesh from abstract arrays (no weights are ever
-built; `--devices N` simulates N devices on CPU) and reports, per device:
-
-- bytes of params, optimizer state and gradients (from the shardings), and XLA's own
-  account of the compiled step (compiled.memory_analysis()): temporaries, inputs, outputs
-  not donated, generated code and their total;
-- the collectives one step runs, by kind and element type (f32; u16 and s8 for the bf16
-  and int8 gradient exchange of mesh.grad_comm), with their bytes, read from the compiled
-  HLO (paisoar_jax/tools/hlo.py says how they are counted);
-- a projected step time on a given link: compute from the model's FLOPs at an assumed share
-  of the peak, communication from NCCL's ring-algorithm costs, with no overlap and with
-  perfect overlap, and the scaling efficiency compute / (compute + exposed communication).
-
-`--compare-grad-comm` compiles the step for mesh.grad_comm fp32, bf16 and int8 and puts
-their step times and scaling efficiencies on each of LINKS (1gbe .. nvlink) side by side.
-
-The model is bandwidth only: no per-collective latency, and every collective runs over the
-one link given (no ici/dcn split), so many small collectives look cheaper than they are. The
-collectives are those of the platform that compiles the step: on CPU, XLA keeps an
-all-reduce followed by a slice where XLA GPU emits a reduce-scatter, so the gradient
-reduction of FSDP and ZeRO is counted (and timed) as an all-reduce there, at twice the
-ring cost. XLA CPU also runs bf16 collectives in f32 (it converts around them), so the
-FSDP all-gathers of a bf16 run, which move bf16 weights on a GPU (step.params_for_compute),
-count twice their GPU bytes here. Temporaries come from the CPU compiler too (other fusions,
-no cuDNN attention).
-
-`--target h200|h100` compiles for that GPU instead, without one (tools/gpu_target.py): the
-memory and collectives are then the GPU compiler's, and the plan adds its kernels
-(tools/gpu_kernels.py) and whether the step fits the device. The table is plan_table.py's.
-
-`--context-for LENGTH` compiles the step at LENGTH tokens for each mesh.context size and
-proposes the smallest that fits (tools/context_split.py; the table's context section shows
-any split's tokens per device, K/V bytes per step and whether the ring can hide them).
-
-`--output RUN_DIR/plan.json` also writes the plan (the `--json` object) beside a run, where
-`python -m paisoar_jax.doctor RUN_DIR` reads it to tell whether communication bounds the step.
+`plan(config, devices)` compiles the step for the config's mesh (no weights are ever built)
+and returns, per device, the bytes of params, optimizer state and gradients, XLA's account
+of the compiled step, the collectives it runs (tools/hlo.py) and a projected step time on a
+link; with `target`, what the GPU compiler made of it (tools/gpu_target.py). The model of
+time and its limits are in the package's docstring (tools/plan/__init__.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import pathlib
 import re
 import sys
 import time
@@ -55,8 +22,8 @@ from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
 from paisoar_jax.memory import memory
 from paisoar_jax.oom import memory_fixes
-from paisoar_jax.tools import cli, context_split, fit_search, gpu_target, hlo, plan_reports
-from paisoar_jax.tools.plan_table import format_table
+from paisoar_jax.tools import gpu_target, hlo
+from paisoar_jax.tools.plan import context_split, fit_search, reports
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
 # NVLink 4: 900 GB/s both ways; NDR InfiniBand: 400 Gb/s; Ethernet: its line rate.
@@ -64,11 +31,6 @@ LINKS = {"1gbe": 0.125, "10gbe": 1.25, "100gbe": 12.5, "infiniband": 50.0, "nvli
 GRAD_COMMS = ("fp32", "bf16", "int8")
 DEFAULT_PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16, for plans made off the GPU
 DEFAULT_EFFICIENCY = 0.5
-DESCRIPTION = (
-    "Plan a run without running it: per-device memory, the collectives of one step and a "
-    "projected step time, from the step compiled on abstract arrays. Peak FLOP/s: "
-    "train.peak_tflops, else the device's (metrics.PEAK_TFLOPS), else 989 (H200 dense bf16)."
-)
 
 
 def parse_link(text: str) -> tuple[str, float]:
@@ -85,7 +47,7 @@ def parse_link(text: str) -> tuple[str, float]:
     return f"{bandwidth:g} GB/s", bandwidth
 
 
-def _fraction(text: str) -> float:
+def parse_fraction(text: str) -> float:
     """--efficiency as a number in (0, 1]."""
     try:
         value = float(text)
@@ -287,8 +249,8 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             for op in found_collectives
         ],
         "unknown_trip_counts": unknown_loops,
-        "pipeline": plan_reports.pipeline_report(schedule, by_kind),
-        "experts": plan_reports.experts_report(model, layout, mesh, by_kind),
+        "pipeline": reports.pipeline_report(schedule, by_kind),
+        "experts": reports.experts_report(model, layout, mesh, by_kind),
         "context": context_split.context_report(
             config, dict(mesh.shape), devices[0].platform, gb_per_s, peak * efficiency
         ),
@@ -339,150 +301,3 @@ def _by_dtype(found: list, gb_per_s: float) -> list[dict[str, Any]]:
         for key in ("count", "bytes", "seconds"):
             row[key] = row.get(key, 0) + totals.get(key, 0)
     return sorted(rows.values(), key=lambda row: (hlo.KINDS.index(row["kind"]), row["dtype"]))
-
-
-def write_plan(path: pathlib.Path, result: dict) -> None:
-    """Writes the plan as JSON to `path` (whole or not at all), creating its directory."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(temporary, path)
-    except OSError as error:
-        raise UserError(f"--output {path}: cannot write it ({error.strerror or error})") from None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit status."""
-    parser = cli.config_parser("paisoar_jax.plan", DESCRIPTION)
-    parser.add_argument(
-        "--devices",
-        default="0",
-        metavar="N",
-        help="simulate N devices on CPU (default: the devices jax sees)",
-    )
-    parser.add_argument(
-        "--link",
-        default="nvlink",
-        help="nvlink (450 GB/s per direction: H100/H200 NVLink 4, 900 GB/s both ways), "
-        "infiniband (50 GB/s: one 400 Gb/s NDR port), 100gbe, 10gbe, 1gbe (12.5, 1.25 and "
-        "0.125 GB/s: Ethernet at line rate) or a bandwidth in GB/s (default: nvlink)",
-    )
-    parser.add_argument(
-        "--efficiency",
-        default=str(DEFAULT_EFFICIENCY),
-        help="assumed share of the peak FLOP/s the compute reaches (default: 0.5)",
-    )
-    parser.add_argument(
-        "--compare-grad-comm",
-        action="store_true",
-        help="also compile the step with mesh.grad_comm=fp32, bf16 and int8 and show their "
-        "step times and scaling efficiency on 1gbe, 10gbe, 100gbe, infiniband and nvlink",
-    )
-    parser.add_argument(
-        "--target",
-        choices=sorted(gpu_target.DEVICES),
-        default=None,
-        help="compile for this NVIDIA GPU without one (needs the gpu-aot extra): memory from "
-        "the GPU compiler, its kernels and collectives; --devices N GPUs on one host, or "
-        "--hosts H x --devices-per-host N (default 1 x 8)",
-    )
-    parser.add_argument(
-        "--flag-effects",
-        action="store_true",
-        help="with --target: also compile without the XLA flags the library sets on GPUs "
-        "(mesh.bucket_mb=0) and show what they change in the schedule",
-    )
-    parser.add_argument(
-        "--fit",
-        action="store_true",
-        help="with --target: when the step does not fit (the device, or train.memory_limit_gb), "
-        "compile it with each memory fix and propose the smallest change that fits",
-    )
-    parser.add_argument(
-        "--context-for",
-        default="",
-        metavar="LENGTH",
-        help="compile the step at LENGTH tokens for each mesh.context size (its devices taken "
-        "from mesh.data) and propose the smallest that fits (with --target: the GPU; else "
-        "train.memory_limit_gb)",
-    )
-    parser.add_argument("--hosts", type=int, default=1, metavar="H", help="with --target")
-    parser.add_argument(
-        "--devices-per-host", type=int, default=8, metavar="N", help="with --target"
-    )
-    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    parser.add_argument(
-        "--output",
-        type=pathlib.Path,
-        default=None,
-        metavar="PATH",
-        help="also write the JSON object to PATH; RUN_DIR/plan.json lets "
-        "`python -m paisoar_jax.doctor RUN_DIR` judge the run's communication",
-    )
-    args = parser.parse_intermixed_args(argv)
-    if not args.devices.isdigit():
-        message = f"--devices {args.devices!r} is not a whole number of devices"
-        output.error(message, program=parser.prog)
-        return 2
-    if args.context_for and not (args.context_for.isdigit() and int(args.context_for) > 0):
-        message = f"--context-for {args.context_for!r} is not a number of tokens >= 1"
-        output.error(message, program=parser.prog)
-        return 2
-    for option, given in (("--flag-effects", args.flag_effects), ("--fit", args.fit)):
-        if given and args.target is None:
-            output.error(f"{option} compiles for a GPU: give --target", program=parser.prog)
-            return 2
-    if args.target is not None:  # a GPU target compiles in a CPU process (its plugin's rule)
-        request_cpu_devices(1)
-    elif int(args.devices):  # before jax starts: XLA reads XLA_FLAGS as its backend starts
-        request_cpu_devices(int(args.devices))
-
-    def run(config: Config) -> None:
-        import jax
-
-        from paisoar_jax.tools import plan_variants  # it compiles through this module
-
-        efficiency = _fraction(args.efficiency)
-        link = parse_link(args.link)
-        if args.context_for:  # before any compile
-            context_split.check_decoder(config)
-        count = int(args.devices)
-        if args.target is not None:
-            per_host = count or args.devices_per_host
-            devices = gpu_target.target_devices(args.target, args.hosts, per_host)
-            result = plan(config, devices, link, efficiency, target=args.target)
-            if args.flag_effects:
-                effects = plan_variants.flag_effects(config, devices, result, efficiency)
-                result["target"]["flag_effects"] = effects
-            if args.fit:
-                result["fit"] = fit_search.search(
-                    config,
-                    result,
-                    lambda variant: plan(variant, devices, link, efficiency, target=args.target),
-                )
-        else:
-            devices = cpu_devices(count) if count else jax.devices()
-            result = plan(config, devices, link, efficiency, simulated=bool(count))
-        if args.context_for:
-            result["context_sizes"] = context_split.context_sizes(
-                config,
-                int(args.context_for),
-                len(devices),
-                lambda variant: plan(
-                    variant, devices, link, efficiency, bool(count), None, args.target
-                ),
-            )
-        if args.compare_grad_comm:
-            result["grad_comm_comparison"] = plan_variants.compare_grad_comm(
-                config, devices, efficiency, simulated=bool(count)
-            )
-        if args.output is not None:
-            write_plan(args.output, result)
-        output.result(json.dumps(result, indent=None) if args.json else format_table(result))
-
-    return cli.run(run, parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,14 @@
-"""The plan as the table `python -m paisoar_jax.plan` prints (tools/plan.py makes the plan)."""
+"""The plan as the table `python -m paisoar_jax.plan` prints (core.py makes the plan)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from paisoar_jax.memory import format_bytes
+from paisoar_jax.output import format_count
 from paisoar_jax.parallel.sharding import OPTIONAL_AXES
-from paisoar_jax.tools import fit_search, gpu_target
+from paisoar_jax.tools import gpu_target
+from paisoar_jax.tools.plan import fit_search
 
 
 def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
@@ -79,14 +81,6 @@ def _context_lines(report: dict[str, Any] | None, sizes: dict[str, Any] | None) 
         else:
             lines.append("  no limit to fit: give --target or train.memory_limit_gb")
     return lines
-
-
-def format_count(number: float) -> str:
-    """A count as 842K, 124M or 1.31B."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.3g}{unit}"
-    return f"{number:.0f}"
 
 
 def _duration(seconds: float) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.tools import gpu_target, hlo
-from paisoar_jax.tools import plan as planning
+from paisoar_jax.tools.plan import core as planning
 
 
 def compare_grad_comm(
