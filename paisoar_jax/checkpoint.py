@@ -367,16 +367,8 @@ class Checkpointer:
         state_target = {name: getattr(target, name) for name in names} if older else target
         items = {"state": ocp.args.StandardRestore(state_target)}
         holder = IteratorState()
-        signature = {"process_count": jax.process_count(), **(input_signature or {})}
-        saved_signature = meta.get("input_signature", {})
-        changed = {
-            key: (saved_signature.get(key), value)
-            for key, value in signature.items()
-            if saved_signature.get(key) != value
-        }
-        if "data_position" in meta:
-            changed = {}  # the per-process item is not read: the meta holds the position
-        elif not changed:
+        changed = _input_changes(meta, input_signature)
+        if "data_position" not in meta and not changed:
             items["data"] = grain.checkpoint.CheckpointRestore(holder)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
@@ -387,14 +379,7 @@ class Checkpointer:
             }
             state = target.replace(**state, **empty)
         _verify(state, meta.get("checksums"), step_dir)
-        if wants_ema and not has_ema:
-            warn(
-                "the checkpoint holds no moving average of the weights (it was written with "
-                "train.ema_decay=0): the average starts from its weights"
-            )
-            state = state.replace(ema={"params": jax.tree.map(jnp.copy, state.params)})
-        elif not wants_ema:
-            state = state.replace(ema={})
+        state = _with_ema(state, wants_ema, has_ema)
         if comm_target is None:
             warn(
                 "the gradient exchange's error-feedback residual of the checkpoint does not fit "
@@ -547,3 +532,32 @@ def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> Non
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(output.absolute() / "params", weights)
     checkpointer.wait_until_finished()
+
+
+def _input_changes(meta: dict, input_signature: dict[str, Any] | None) -> dict[str, tuple]:
+    """{key: (saved, now)} of what a per-process input's position depends on, changed since.
+
+    Empty when the meta holds the global sampler's position: the per-process item is then
+    not read.
+    """
+    if "data_position" in meta:
+        return {}
+    signature = {"process_count": jax.process_count(), **(input_signature or {})}
+    saved = meta.get("input_signature", {})
+    return {
+        key: (saved.get(key), value) for key, value in signature.items() if saved.get(key) != value
+    }
+
+
+def _with_ema(state, wants_ema: bool, has_ema: bool):
+    """The restored state with the moving average this run keeps.
+
+    The saved one; one that starts from the weights when none was saved; or none.
+    """
+    if wants_ema and not has_ema:
+        warn(
+            "the checkpoint holds no moving average of the weights (it was written with "
+            "train.ema_decay=0): the average starts from its weights"
+        )
+        return state.replace(ema={"params": jax.tree.map(jnp.copy, state.params)})
+    return state if wants_ema else state.replace(ema={})

@@ -17,17 +17,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output
+from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output, run_records
 from paisoar_jax.checkpoint import checkpoint_directory
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
-from paisoar_jax.errors import DivergenceError, HangError, UserError
+from paisoar_jax.errors import HangError, UserError
 from paisoar_jax.evaluation import evaluate
-from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
-from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
+from paisoar_jax.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.resume import (
@@ -52,7 +51,7 @@ STOP_CHECK_EVERY = 10  # steps between multi-process agreements on a stop signal
 STEPS_IN_FLIGHT = 8
 
 
-def _stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> str | None:
+def stop_agreed(stop: StopRequest, step: int, is_log_step: bool) -> str | None:
     """What stops every process now, if anything: a signal's name, or HANG_STOP.
 
     Processes must save at the same step, and end alike: when one's hang watchdog asked
@@ -154,7 +153,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
             parts, checkpointer, stop, watchdog, state, start_step, batches
         )
     if is_main:
-        _print_summary(summary, task)
+        run_records.print_summary(summary, task)
     return Finished(summary, state, compiled)
 
 
@@ -199,33 +198,6 @@ class RunParts:
         return self.config.train.eval_every if self.eval_source is not None else 0
 
 
-@dataclasses.dataclass
-class History:
-    """What the loop has seen so far: the logged losses, the loss scales, the last eval."""
-
-    losses: list[float] = dataclasses.field(default_factory=list)
-    # (step, loss scale, skipped steps) of the log steps (unscaled: those with a finite loss)
-    scales: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
-    eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
-    eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
-
-
-@dataclasses.dataclass
-class Instruments:
-    """What measures and reports the run: timers, metrics.jsonl, the progress bar, profiler."""
-
-    timer: IntervalTimer
-    writer: MetricsWriter
-    progress: Any  # tqdm
-    profiler: StepProfiler
-
-    def close(self, step: int) -> None:
-        """Ends the bar, the trace and the metrics files."""
-        self.progress.close()
-        self.profiler.close(step)
-        self.writer.close()
-
-
 def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: int, batches):
     """Compiles the step, then runs it from start_step + 1: log, eval, save, stop.
 
@@ -235,8 +207,8 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     train_config, steps = parts.config.train, parts.config.train.steps
     first_batch = next(batches)
     train_step, eval_step = _compile(parts, state, first_batch, watchdog.paused)
-    _say_compiled(parts, train_step.compile_s, start_step)
-    instruments, history = _instruments(parts, start_step), History()
+    run_records.say_compiled(parts, train_step.compile_s, start_step)
+    instruments, history = run_records.instruments(parts, start_step), run_records.History()
     stopped_by, step, first_save = None, start_step, True
     train_start = time.perf_counter()
     instruments.timer.restart(step=start_step)
@@ -259,13 +231,13 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
         if is_log_step:
             watchdog.phase = "log"
             _check_input(batches, start_step, checkpointer)  # before the loss is judged
-            record = _log_record(parts, step, metrics, train_step, instruments, history)
+            record = run_records.log_record(parts, step, metrics, train_step, instruments, history)
             record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
             if is_eval_step:  # after the timings: eval time is not step time
                 with watchdog.paused():  # its first call compiles
                     record |= _evaluate(parts, eval_step, state, step, history)
-            _write_record(record, parts.task, instruments)
-        stopped_by = _stop_agreed(stop, step, is_log_step)
+            run_records.write_record(record, parts.task, instruments)
+        stopped_by = stop_agreed(stop, step, is_log_step)
         stop_now = stopped_by is not None
         if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
             if not is_log_step:  # no save holds what a batch of nan made
@@ -285,8 +257,8 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     if stopped_by == HANG_STOP:  # the hang cleared in time for a save: still a failure
         where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
         raise HangError(f"stopped by the hang watchdog after step {step}; {where}")
-    _say_stopped(stopped_by, step, checkpointer)
-    summary = _summary(parts, history, instruments.timer, step, start_step, train_s)
+    run_records.say_stopped(stopped_by, step, checkpointer)
+    summary = run_records.summary(parts, history, instruments.timer, step, start_step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
     sample = None
     if not stopped_by:
@@ -316,45 +288,6 @@ def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep
     return train_step, jit_eval_step(layout, parts.task, mesh, options)
 
 
-def _say_compiled(parts: RunParts, compile_s: float, start_step: int) -> None:
-    """The line after compiling: model size, mesh, devices, compile time."""
-    if jax.process_index() != 0:
-        return
-    resumed = f", resumed from step {start_step}" if start_step else ""
-    output.note(
-        f"{parts.layout.describe_size()}, "
-        f"mesh {sharding.mesh_sizes(parts.mesh)}, "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"compiled in {compile_s:.1f}s{resumed}"
-    )
-
-
-def _instruments(parts: RunParts, start_step: int) -> Instruments:
-    """Timers in the task's unit, the metrics writer, the progress bar and the profiler."""
-    config, task = parts.config, parts.task
-    train_config, run_dir = config.train, config.run_dir
-    timer = IntervalTimer(
-        units_per_step=train_config.global_batch * task.units_per_example(),
-        flops_per_unit=task.flops_per_unit(parts.layout.flops_param_count),
-        peak_tflops=device_peak_tflops(train_config.peak_tflops),
-        unit=task.unit,
-    )
-    progress = output.progress_bar(
-        total=train_config.steps,
-        initial=start_step,
-        desc="train",
-        disable=not (config.run.progress and output.shows_progress() and jax.process_index() == 0),
-    )
-    return Instruments(
-        timer=timer,
-        writer=MetricsWriter(
-            run_dir, resume_step=start_step, config=config, optimizer=parts.given_optimizer
-        ),
-        progress=progress,
-        profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
-    )
-
-
 def _next_batch(batches, ready, timer: IntervalTimer):
     """The next batch (`ready` when given); the time waited counts as data wait."""
     wait_start = time.perf_counter()
@@ -379,46 +312,6 @@ def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instru
     return state, metrics
 
 
-def _log_record(parts, step: int, metrics, train_step, instruments, history) -> dict[str, Any]:
-    """The metrics.jsonl record of a log step (the one host sync between logs), health-checked."""
-    values = jax.device_get(metrics)
-    timer = instruments.timer
-    record = {
-        "step": step,
-        "loss": float(values["loss"]),
-        **{name: float(values[name]) for name in parts.task.metric_names},
-        "lr": float(values["lr"]) if "lr" in values else None,
-        "grad_norm": float(values["grad_norm"]),
-        "loss_scale": float(values["loss_scale"]),
-        "skipped_steps": int(values["skipped_steps"]),
-        **timer.timings(step),
-        "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
-        **device_memory(),
-        "recompiles": train_step.recompiles,
-    }
-    if not history.losses:  # the first record also says what ran
-        platform = jax.devices()[0].platform
-        layout = parts.layout
-        record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
-        record["platform"] = platform
-        # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
-        record["lr_source"] = "config" if parts.schedule is not None else "optimizer"
-        if record["lr"] is None and jax.process_index() == 0:
-            output.note(
-                "lr is not logged: your optimizer's learning rate cannot be read; build it "
-                "with optax.inject_hyperparams to log it"
-            )
-    # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
-    lower_lr = "lower optim.lr" if parts.schedule is not None else "lower your optimizer's lr"
-    try:
-        check_health(record, parts.config.precision, history.scales, lower_lr)
-    except DivergenceError:
-        instruments.writer.write(record)  # the record that shows the divergence is kept
-        raise
-    history.losses.append(record["loss"])
-    return record
-
-
 def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
     """The eval metrics of this step, prefixed eval_, shown above the progress bar."""
     start = time.perf_counter()
@@ -431,15 +324,6 @@ def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
         line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
         output.note(line, prefixed=False)
     return shown
-
-
-def _write_record(record: dict[str, Any], task: Task, instruments: Instruments) -> None:
-    """Writes the record, shows its loss and rate on the bar, and starts the next interval."""
-    instruments.writer.write(record)
-    rate = f"{record[instruments.timer.throughput_key]:,.0f}"
-    postfix = {"loss": f"{record['loss']:.3f}", task.rate_name: rate}
-    instruments.progress.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace
-    instruments.timer.restart(record["step"])
 
 
 def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> None:
@@ -486,56 +370,3 @@ def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, timer)
     save_s = time.perf_counter() - save_start
     timer.start_time += save_s
     timer.save_s += save_s
-
-
-def _say_stopped(stopped_by: str | None, step: int, checkpointer) -> None:
-    """After a stop signal: which step was saved, and where."""
-    if stopped_by and jax.process_index() == 0:
-        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
-        output.note(f"stopped by {stopped_by} after step {step}; {where}")
-
-
-def _summary(parts, history, timer, step: int, start_step: int, train_s: float) -> dict:
-    """The run's summary: losses, last eval, throughput in the task's unit, where it wrote."""
-    return {
-        "steps": step,
-        "first_loss": history.losses[0] if history.losses else None,
-        "final_loss": history.losses[-1] if history.losses else None,
-        "eval_loss": history.eval_results.get("loss"),
-        **{f"eval_{k}": v for k, v in history.eval_results.items() if k != "loss"},
-        timer.throughput_key: timer.units_per_step
-        * (step - start_step)
-        / max(train_s - history.eval_s, 1e-9),
-        "train_s": train_s,
-        "eval_s": history.eval_s,
-        "run_dir": str(parts.config.run_dir),
-        "resumed_from": start_step,
-        "param_count": parts.layout.param_count,
-        "flops_param_count": parts.layout.flops_param_count,
-    }
-
-
-def _print_summary(summary: dict[str, Any], task: Task) -> None:
-    """The sample, if any, then the one-line summary that closes every run."""
-    if "sample" in summary:
-        output.note(f"sample:\n{summary['sample']}\n", prefixed=False)
-    eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
-    eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
-    for key, value in summary.items():
-        if key.startswith("eval_") and key not in ("eval_loss", "eval_s"):
-            eval_text += f", {key} {value:.4f}"
-    eval_time = f" (eval {summary['eval_s']:.1f}s)" if summary["eval_s"] else ""
-    loss_text = (
-        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
-        if first_loss is not None
-        else "no loss logged"
-    )
-    steps, resumed_from = summary["steps"], summary["resumed_from"]
-    # This process's steps, apart from those a resumed checkpoint had done already.
-    ran = f" ({steps - resumed_from} this run, resumed from {resumed_from})" if resumed_from else ""
-    output.note(
-        f"done: {steps} steps{ran} in {summary['train_s']:.1f}s{eval_time}, "
-        f"{loss_text}{eval_text}, "
-        f"{summary[f'{task.unit}_per_s']:,.0f} {task.unit}/s, "
-        f"compile {summary['compile_s']:.1f}s, run dir {summary['run_dir']}"
-    )

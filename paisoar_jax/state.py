@@ -110,7 +110,6 @@ def state_layout(
     abstract_params = _frozen_in_compute_dtype(
         nnx.to_pure_dict(abstract_variables), trainable, policy
     )
-    abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
     logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
     param_shardings, state_param_shardings = rules.parameter_shardings(
         abstract_params, logical_specs, mesh, config.sharding, config.mesh.zero
@@ -118,21 +117,11 @@ def state_layout(
     # What the optimizer and the gradients see: the trainable params (all, without LoRA).
     trained_params = trainable_part(abstract_params, trainable)
     state_param_shardings = trainable_part(state_param_shardings, trainable)
-    model_state_shardings = sharding.tree_shardings(
-        nnx.to_pure_dict(nnx.get_partition_spec(abstract_model_variables)),
-        abstract_model_state,
-        mesh,
-        sharding.parameter_rules(config.mesh.zero),
+    abstract_model_state, model_state_shardings = _model_state_layout(
+        abstract_model_variables, mesh, config.mesh.zero
     )
-    abstract_opt_state = jax.eval_shape(optimizer.init, trained_params)
-    opt_shardings = optax.tree_map_params(
-        # Its init on a placeholder, traced: eager zeros inside the mesh would be placed on
-        # its devices, which a compile-only target (plan --target) cannot hold.
-        lambda placeholder: jax.eval_shape(lambda: optimizer.init(placeholder)),
-        lambda _, param_sharding: param_sharding,
-        abstract_opt_state,
-        state_param_shardings,
-        transform_non_params=lambda _: sharding.replicated(mesh),
+    abstract_opt_state, opt_shardings = _optimizer_layout(
+        optimizer, trained_params, state_param_shardings, mesh
     )
     exchange = grad_comm.plan(
         config,
@@ -151,7 +140,6 @@ def state_layout(
         comm=grad_comm.comm_state_shardings(exchange, mesh),
         ema={"params": param_shardings} if config.train.ema_decay else {},
     )
-    param_count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     shapes = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params=abstract_params,
@@ -161,25 +149,18 @@ def state_layout(
         comm=jax.eval_shape(lambda: grad_comm.initial_comm_state(exchange, mesh)),
         ema={"params": abstract_params} if config.train.ema_decay else {},
     )
-    abstract_state = jax.tree.map(
-        lambda shape, leaf_sharding: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=leaf_sharding
-        ),
-        shapes,
-        shardings,
+    abstract_state = jax.tree.map(_placed, shapes, shardings)
+    compute_dtypes = (
+        _gather_dtypes(abstract_params, param_shardings, policy)
+        if follows_policy
+        else compute_casts(graphdef, abstract_variables, abstract_model_variables, policy)
     )
-    if follows_policy:
-        compute_dtypes = _gather_dtypes(abstract_params, param_shardings, policy)
-    else:
-        compute_dtypes = compute_casts(
-            graphdef, abstract_variables, abstract_model_variables, policy
-        )
     return StateLayout(
         graphdef=graphdef,
         optimizer=optimizer,
         shardings=shardings,
         gradient_shardings=state_param_shardings,
-        param_count=param_count,
+        param_count=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params)),
         trainable_count=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(trained_params)),
         abstract_state=abstract_state,
         create_model=create_model,
@@ -189,6 +170,43 @@ def state_layout(
         trainable=trainable,
         ema_decay=config.train.ema_decay,
     )
+
+
+def _optimizer_layout(
+    optimizer: optax.GradientTransformation, trained_params, param_shardings, mesh: Mesh
+) -> tuple[Any, Any]:
+    """(the optimizer state's shapes, its shardings).
+
+    Each moment is laid out as its parameter; anything else (counts, scalars) replicated.
+    """
+    abstract_opt_state = jax.eval_shape(optimizer.init, trained_params)
+    opt_shardings = optax.tree_map_params(
+        # Its init on a placeholder, traced: eager zeros inside the mesh would be placed on
+        # its devices, which a compile-only target (plan --target) cannot hold.
+        lambda placeholder: jax.eval_shape(lambda: optimizer.init(placeholder)),
+        lambda _, param_sharding: param_sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: sharding.replicated(mesh),
+    )
+    return abstract_opt_state, opt_shardings
+
+
+def _model_state_layout(abstract_model_variables, mesh: Mesh, zero: int) -> tuple[Any, Any]:
+    """(the model's non-parameter state as a pure dict of shapes, its shardings)."""
+    abstract_model_state = nnx.to_pure_dict(abstract_model_variables)
+    shardings = sharding.tree_shardings(
+        nnx.to_pure_dict(nnx.get_partition_spec(abstract_model_variables)),
+        abstract_model_state,
+        mesh,
+        sharding.parameter_rules(zero),
+    )
+    return abstract_model_state, shardings
+
+
+def _placed(shape: jax.ShapeDtypeStruct, leaf_sharding) -> jax.ShapeDtypeStruct:
+    """An abstract array with its sharding."""
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=leaf_sharding)
 
 
 def trainable_part(tree: dict[str, Any], trainable: frozenset[tuple] | None) -> dict[str, Any]:

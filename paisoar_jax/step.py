@@ -165,11 +165,24 @@ def loss_and_grads(
 
     if grad_accum == 1:
         return grad_fn(model_state, batch, key)
+    micro_batches = _split_micro_batches(batch, grad_accum)
+    return _accumulated(
+        grad_fn, params, model_state, micro_batches, key, task.metric_names, gradient_shardings
+    )
+
+
+def _accumulated(grad_fn, params, model_state, micro_batches, key, metric_names, shardings):
+    """`grad_fn` over the micro-batches in a scan (see loss_and_grads).
+
+    Returns the means of the loss, the metrics and the gradients, and the model state after
+    the last micro-batch.
+    """
+    count = jax.tree.leaves(micro_batches)[0].shape[0]
 
     def in_layout(grads):
-        if gradient_shardings is None:
+        if shardings is None:
             return grads
-        return jax.lax.with_sharding_constraint(grads, gradient_shardings)
+        return jax.lax.with_sharding_constraint(grads, shardings)
 
     def accumulate(carry, micro):
         sums, grad_sum, model_state = carry
@@ -180,15 +193,14 @@ def loss_and_grads(
         sums = jax.tree.map(jnp.add, sums, {"loss": loss, **metrics})
         return (sums, jax.tree.map(jnp.add, grad_sum, in_layout(grads)), model_state), None
 
-    micro_batches = _split_micro_batches(batch, grad_accum)
-    zero_sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", *task.metric_names)}
+    zero_sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", *metric_names)}
     zeros = (zero_sums, in_layout(jax.tree.map(jnp.zeros_like, params)), model_state)
     (sums, grad_sum, model_state), _ = jax.lax.scan(
-        accumulate, zeros, (jnp.arange(grad_accum), micro_batches)
+        accumulate, zeros, (jnp.arange(count), micro_batches)
     )
-    means = jax.tree.map(lambda total: total / grad_accum, sums)
+    means = jax.tree.map(lambda total: total / count, sums)
     loss = means.pop("loss")
-    return loss, jax.tree.map(lambda g: g / grad_accum, grad_sum), means, model_state
+    return loss, jax.tree.map(lambda g: g / count, grad_sum), means, model_state
 
 
 def train_step(

@@ -155,3 +155,15 @@ def test_the_library_never_imports_torch_or_transformers():
                 continue
             roots = {item.split(".")[0] for item in imported}
             assert not roots & {"torch", "transformers"}, f"{name} imports {sorted(roots)}"
+
+
+def test_every_function_reads_in_one_screen():
+    """Under 80 lines each (issue 49: a newcomer reads one without scrolling twice)."""
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name in module_names()
+        for node in ast.walk(ast.parse(module_path(name).read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 >= 80
+    ]
+    assert not long, long

@@ -268,6 +268,33 @@ def _next_stage_backward(_, cotangent):
 _next_stage.defvjp(_next_stage_forward, _next_stage_backward)
 
 
+def _zeros(like, *leading):
+    """Zeros shaped as `like` with `leading` axes before, over the stage and batch axes."""
+    rows = jax.tree.map(lambda a: jnp.zeros((*leading, *a.shape), a.dtype), like)
+    return _pin(rows, STAGE_AXIS, sharding.BATCH_AXES)
+
+
+def _output_sums(step: Callable, one_row, weights, stacked, pipeline: Pipeline, shards: int):
+    """Zeros for the layers' outputs summed per cell and lap: [S, P, R, L / (S R)] each."""
+    stages, repeats = pipeline.stages, pipeline.repeats
+    per_group = jax.tree.leaves(stacked)[0].shape[0] // (stages * repeats)
+    cell_weights = jax.tree.map(lambda w: w[0, 0], weights)
+    outputs_shape = jax.eval_shape(
+        lambda: jax.lax.scan(step, one_row, _compute_weights(cell_weights, stacked, 0))[1]
+    )
+    return jax.tree.map(
+        lambda y: jnp.zeros((stages, shards, repeats, per_group), jnp.float32), outputs_shape
+    )
+
+
+def _park(parked_row, received, t, *, stages: int, micro: int):
+    """Stage 0 keeps what the last stage finished at t (lap k // M of micro-batch k % M)."""
+    finished = t - (stages - 1)
+    slot = jnp.maximum(finished, 0) % micro
+    kept = jax.tree.map(lambda p, r: p.at[slot].set(r), parked_row, received)
+    return jax.tree.map(lambda new, old: jnp.where(finished >= 0, new, old), kept, parked_row)
+
+
 def _pipelined(step: Callable, x, stacked, pipeline: Pipeline, with_outputs: bool = False):
     """(the stack as a pipeline, its layers' outputs or None); see the module docstring.
 
@@ -284,24 +311,11 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline, with_outputs: boo
     weights = _stage_weights(stacked, pipeline, shards)  # [S, P, R, L / (S R), ...]
     inputs = _split_batch(x, micro, shards)  # [M, P, b, ...], replicated over stage
 
-    def zeros(like, *leading):
-        rows = jax.tree.map(lambda a: jnp.zeros((*leading, *a.shape), a.dtype), like)
-        return _pin(rows, STAGE_AXIS, sharding.BATCH_AXES)
-
     one_row = jax.tree.map(lambda a: a[0, 0], inputs)
-    stream = zeros(one_row, stages, shards)  # [S, P, b, ...]: each stage's row
-    parked = zeros(jax.tree.map(lambda a: a[:, 0], inputs), stages, shards)  # [S, P, M, b, ...]
+    stream = _zeros(one_row, stages, shards)  # [S, P, b, ...]: each stage's row
+    parked = _zeros(jax.tree.map(lambda a: a[:, 0], inputs), stages, shards)  # [S, P, M, b, ...]
     # The layers' outputs (router statistics), summed per cell and lap: [S, P, R, L / (S R)].
-    sums = None
-    if with_outputs:
-        per_group = jax.tree.leaves(stacked)[0].shape[0] // (stages * repeats)
-        cell_weights = jax.tree.map(lambda w: w[0, 0], weights)
-        outputs_shape = jax.eval_shape(
-            lambda: jax.lax.scan(step, one_row, _compute_weights(cell_weights, stacked, 0))[1]
-        )
-        sums = jax.tree.map(
-            lambda y: jnp.zeros((stages, shards, repeats, per_group), jnp.float32), outputs_shape
-        )
+    sums = _output_sums(step, one_row, weights, stacked, pipeline, shards) if with_outputs else None
 
     def run_stage(stage, row, parked_row, stage_weights, shard_inputs, t):
         """One stage's work at iteration t: its layers of lap (t - stage) // M on its row."""
@@ -322,18 +336,12 @@ def _pipelined(step: Callable, x, stacked, pipeline: Pipeline, with_outputs: boo
         slot = jax.nn.one_hot(own_lap, repeats) * working
         return row, jax.tree.map(lambda y: slot[:, None] * y.astype(jnp.float32), outputs)
 
-    def park(parked_row, received, t):
-        """Stage 0 keeps what the last stage finished at t (lap k // M of micro-batch k % M)."""
-        finished = t - (stages - 1)
-        slot = jnp.maximum(finished, 0) % micro
-        kept = jax.tree.map(lambda p, r: p.at[slot].set(r), parked_row, received)
-        return jax.tree.map(lambda new, old: jnp.where(finished >= 0, new, old), kept, parked_row)
-
     # Over the batch shards (inner) and the stages (outer): each device runs its own cell.
     per_shard = jax.vmap(
         run_stage, in_axes=(None, 0, 0, 0, 1, None), spmd_axis_name=sharding.BATCH_AXES
     )
     per_cell = jax.vmap(per_shard, in_axes=(0, 0, 0, 0, None, None), spmd_axis_name=STAGE_AXIS)
+    park = functools.partial(_park, stages=stages, micro=micro)
     park_cells = jax.vmap(
         jax.vmap(park, in_axes=(0, 0, None), spmd_axis_name=sharding.BATCH_AXES),
         in_axes=(0, 0, None),

@@ -372,24 +372,7 @@ def convert_text(args: argparse.Namespace) -> str:
             shard["tokens"] = min(stop * record_tokens, token_count) - first * record_tokens
             first = stop
         np.save(staging / DOCUMENT_INDEX, np.asarray(starts, np.int64))
-        manifest = {
-            "format": records.TOKENS_FORMAT,
-            "version": records.FORMAT_VERSION,
-            "tokenizer": tokenizer.name,
-            "tokenizer_sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "dtype": dtype.name,
-            "record_tokens": record_tokens,
-            "token_count": token_count,
-            "documents": len(starts),
-            "document_index": {
-                "path": DOCUMENT_INDEX,
-                "documents": len(starts),
-                "sha256": records.file_sha256(staging / DOCUMENT_INDEX),
-            },
-            "shards": shards,
-        }
+        manifest = _tokens_manifest(staging, tokenizer, dtype, record_tokens, starts, shards)
         if masked:
             manifest |= {"loss_mask": True, "learned_tokens": learned_count}
         write_manifest(staging, manifest)
@@ -398,6 +381,29 @@ def convert_text(args: argparse.Namespace) -> str:
         f"wrote {len(starts)} documents, {token_count} tokens{learned} "
         f"in {len(shards)} shards to {args.output}"
     )
+
+
+def _tokens_manifest(staging, tokenizer, dtype, record_tokens: int, starts, shards) -> dict:
+    """A tokens dataset's manifest: format, tokenizer, sizes, document index, shards."""
+    token_count = sum(shard["tokens"] for shard in shards)
+    return {
+        "format": records.TOKENS_FORMAT,
+        "version": records.FORMAT_VERSION,
+        "tokenizer": tokenizer.name,
+        "tokenizer_sha256": tokenizer.sha256,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype.name,
+        "record_tokens": record_tokens,
+        "token_count": token_count,
+        "documents": len(starts),
+        "document_index": {
+            "path": DOCUMENT_INDEX,
+            "documents": len(starts),
+            "sha256": records.file_sha256(staging / DOCUMENT_INDEX),
+        },
+        "shards": shards,
+    }
 
 
 def convert_images(args: argparse.Namespace) -> str:
@@ -459,6 +465,40 @@ def _import_hf(args: argparse.Namespace) -> str:
     return hf.hf_import(args.input, args.output, args.adapter)
 
 
+def _add_hf_commands(commands) -> None:
+    """The `hf-import` and `hf-export` subcommands: Hugging Face checkpoints in and out."""
+    hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
+    hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
+    hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
+    hf_in.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        type=pathlib.Path,
+        help="a PEFT LoRA adapter of that model, imported to train on (lora.* in config.yaml)",
+    )
+    hf_in.set_defaults(handler=_import_hf)
+    hf_out = commands.add_parser("hf-export", help="a run's params as a Hugging Face model")
+    hf_out.add_argument("source", metavar="RUN_DIR_OR_EXPORT", type=pathlib.Path)
+    hf_out.add_argument("--output", required=True, metavar="HF_DIR", type=pathlib.Path)
+    form = hf_out.add_mutually_exclusive_group()
+    form.add_argument(
+        "--peft",
+        dest="form",
+        action="store_const",
+        const="peft",
+        default="model",
+        help="a LoRA run's adapters alone, as a PEFT adapter over the base model",
+    )
+    form.add_argument(
+        "--merged",
+        dest="form",
+        action="store_const",
+        const="merged",
+        help="a LoRA run's model with its adapters folded into the weights",
+    )
+    hf_out.set_defaults(handler=lambda args: hf.hf_export(args.source, args.output, args.form))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `text`, `images`, `verify`, `hf-import` and `hf-export` subcommands."""
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Build ArrayRecord datasets.")
@@ -505,36 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--shards", type=int, default=1)
         command.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
         command.add_argument("--no-progress", dest="progress", action="store_false")
-    hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
-    hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
-    hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
-    hf_in.add_argument(
-        "--adapter",
-        metavar="PEFT_DIR",
-        type=pathlib.Path,
-        help="a PEFT LoRA adapter of that model, imported to train on (lora.* in config.yaml)",
-    )
-    hf_in.set_defaults(handler=_import_hf)
-    hf_out = commands.add_parser("hf-export", help="a run's params as a Hugging Face model")
-    hf_out.add_argument("source", metavar="RUN_DIR_OR_EXPORT", type=pathlib.Path)
-    hf_out.add_argument("--output", required=True, metavar="HF_DIR", type=pathlib.Path)
-    form = hf_out.add_mutually_exclusive_group()
-    form.add_argument(
-        "--peft",
-        dest="form",
-        action="store_const",
-        const="peft",
-        default="model",
-        help="a LoRA run's adapters alone, as a PEFT adapter over the base model",
-    )
-    form.add_argument(
-        "--merged",
-        dest="form",
-        action="store_const",
-        const="merged",
-        help="a LoRA run's model with its adapters folded into the weights",
-    )
-    hf_out.set_defaults(handler=lambda args: hf.hf_export(args.source, args.output, args.form))
+    _add_hf_commands(commands)
     verify = commands.add_parser("verify", help="check a dataset against its manifest")
     verify.add_argument("directory", metavar="DIR")
     verify.set_defaults(handler=verify_dataset)

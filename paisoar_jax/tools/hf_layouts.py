@@ -205,6 +205,46 @@ def hf_type(model: LanguageModelConfig) -> str:
     return "mixtral" if model.experts else "llama"
 
 
+def _gpt2_config(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
+    """Our model section for a GPT-2 config.json (refusing what changes its math)."""
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise UserError(f"{where}: activation_function {hf['activation_function']} is not GPT-2's")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise UserError(
+            f"{where}: scale_attn_by_inverse_layer_idx / scale_attn_weights change GPT-2's "
+            f"attention scale, which this model does not"
+        )
+    return LanguageModelConfig(
+        name="gpt",
+        vocab_size=hf["vocab_size"],
+        seq_len=min(hf["n_positions"], MAX_TRAINING_WINDOW),
+        max_positions=hf["n_positions"],
+        layers=hf["n_layer"],
+        width=hf["n_embd"],
+        heads=hf["n_head"],
+        mlp_width=hf.get("n_inner") or 0,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        position="learned",
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _rope_scaling(rope: dict, where: pathlib.Path) -> dict:
+    """The model keys of HF's rope_parameters (or rope_scaling): {} or Llama-3's four."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise UserError(f"{where}: rope type {rope_type!r} is not default or llama3")
+    if rope_type != "llama3":
+        return {}
+    return dict(
+        rope_scaling="llama3",
+        rope_factor=float(rope["factor"]),
+        rope_low_freq_factor=float(rope["low_freq_factor"]),
+        rope_high_freq_factor=float(rope["high_freq_factor"]),
+        rope_original_length=int(rope["original_max_position_embeddings"]),
+    )
+
+
 def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     """Our model section for the config.json of an architecture in ARCHITECTURES.
 
@@ -219,28 +259,7 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
             f"({', '.join(known[:-1])} or {known[-1]})"
         )
     if model_type == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UserError(
-                f"{where}: activation_function {hf['activation_function']} is not GPT-2's"
-            )
-        if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-            raise UserError(
-                f"{where}: scale_attn_by_inverse_layer_idx / scale_attn_weights change GPT-2's "
-                f"attention scale, which this model does not"
-            )
-        return LanguageModelConfig(
-            name="gpt",
-            vocab_size=hf["vocab_size"],
-            seq_len=min(hf["n_positions"], MAX_TRAINING_WINDOW),
-            max_positions=hf["n_positions"],
-            layers=hf["n_layer"],
-            width=hf["n_embd"],
-            heads=hf["n_head"],
-            mlp_width=hf.get("n_inner") or 0,
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            position="learned",
-            tie_embeddings=hf.get("tie_word_embeddings", True),
-        )
+        return _gpt2_config(hf, where)
     width, heads = hf["hidden_size"], hf["num_attention_heads"]
     windowed = hf.get("use_sliding_window", hf.get("sliding_window") is not None)
     refused = {
@@ -257,18 +276,7 @@ def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
             raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
     head_width = hf.get("head_dim") or width // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{where}: rope type {rope_type!r} is not default or llama3")
-    scaling = {}
-    if rope_type == "llama3":
-        scaling = dict(
-            rope_scaling="llama3",
-            rope_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_length=int(rope["original_max_position_embeddings"]),
-        )
+    scaling = _rope_scaling(rope, where)
     return LanguageModelConfig(
         name="llama",
         vocab_size=hf["vocab_size"],

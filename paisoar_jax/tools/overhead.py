@@ -93,7 +93,7 @@ def pieces_ms(config: Config) -> dict[str, float]:
 
     from paisoar_jax.compilation import signature
     from paisoar_jax.data.prefetch import global_batch
-    from paisoar_jax.loop import _stop_agreed
+    from paisoar_jax.loop import stop_agreed
     from paisoar_jax.metrics import MetricsWriter
     from paisoar_jax.parallel import sharding
     from paisoar_jax.preemption import StopRequest
@@ -134,7 +134,7 @@ def pieces_ms(config: Config) -> dict[str, float]:
             "prefetch_handoff": _per_call_ms(lambda: (handoff.put(batch), handoff.get())),
             "batch_check": _per_call_ms(lambda: signature(batch)),
             "progress_bar": _per_call_ms(lambda: bar.update(1)),
-            "signal_check": _per_call_ms(lambda: _stop_agreed(stop, 7, False)),
+            "signal_check": _per_call_ms(lambda: stop_agreed(stop, 7, False)),
             "metrics": _per_call_ms(record, 200) / config.train.log_every,
         }
     finally:

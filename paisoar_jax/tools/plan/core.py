@@ -199,26 +199,11 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
     memory_bytes = memory(layout, compiled)
     found = {}
     if target is not None:
-        limit = fit_search.limit_bytes(config, gpu_target.DEVICES[target].memory_bytes)
-        report = gpu_target.report(target, compiled, memory_bytes, limit)
-        if not report["fits"]:  # what to try, in order (--fit compiles each)
-            report["fixes"] = [
-                {"override": override, "why": why}
-                for override, why in memory_fixes(config, dict(mesh.shape))
-            ]
-        communication_s = timing["time_s"]["communication"]
-        estimate = gpu_target.step_estimate(
-            compiled,
-            target,
-            task,
-            layout.flops_param_count,
-            train.global_batch,
-            len(devices),
-            communication_s,
-            efficiency,
+        communication = timing["time_s"]["communication"]
+        report = _target_report(
+            config, target, compiled, memory_bytes, layout, task, mesh, communication, efficiency
         )
-        flags = gpu_flags.describe(config.mesh.bucket_mb)
-        found = {"target": report | {"estimate": estimate, "xla_flags": flags}}
+        found = {"target": report}
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -241,14 +226,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
                 layout.abstract_state.params, layout.shardings.params
             )
         ],
-        "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
-        "collectives_by_dtype": _by_dtype(found_collectives, gb_per_s),
-        "collective_ops": [
-            {key: getattr(op, key) for key in ("kind", "dtype", "bytes", "group_size", "count")}
-            | {"name": op.name}
-            for op in found_collectives
-        ],
-        "unknown_trip_counts": unknown_loops,
+        **_collectives(found_collectives, by_kind, gb_per_s, unknown_loops),
         "pipeline": reports.pipeline_report(schedule, by_kind),
         "experts": reports.experts_report(model, layout, mesh, by_kind),
         "context": context_split.context_report(
@@ -265,6 +243,35 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
         **timing,
         **found,
     }, found_collectives
+
+
+def _target_report(
+    config, target, compiled, memory_bytes, layout, task, mesh, communication_s, efficiency
+) -> dict[str, Any]:
+    """What the GPU compiler made of the step for `target`.
+
+    Whether it fits (and the fixes to try when not), its kernels, the estimated step and
+    the XLA flags the library set.
+    """
+    limit = fit_search.limit_bytes(config, gpu_target.DEVICES[target].memory_bytes)
+    report = gpu_target.report(target, compiled, memory_bytes, limit)
+    if not report["fits"]:  # what to try, in order (--fit compiles each)
+        report["fixes"] = [
+            {"override": override, "why": why}
+            for override, why in memory_fixes(config, dict(mesh.shape))
+        ]
+    estimate = gpu_target.step_estimate(
+        compiled,
+        target,
+        task,
+        layout.flops_param_count,
+        config.train.global_batch,
+        mesh.size,
+        communication_s,
+        efficiency,
+    )
+    flags = gpu_flags.describe(config.mesh.bucket_mb)
+    return report | {"estimate": estimate, "xla_flags": flags}
 
 
 def step_times(by_kind: dict[str, dict], busy_s: float, bubble: float) -> dict[str, Any]:
@@ -289,6 +296,20 @@ def step_times(by_kind: dict[str, dict], busy_s: float, bubble: float) -> dict[s
             "no_overlap": busy_s / no_overlap_s if no_overlap_s else 1.0,
             "perfect_overlap": busy_s / overlap_s if overlap_s else 1.0,
         },
+    }
+
+
+def _collectives(found: list, by_kind: dict, gb_per_s: float, unknown_loops) -> dict[str, Any]:
+    """The plan's collectives: totals by kind and by element type, and each op."""
+    return {
+        "collectives": {kind: totals for kind, totals in by_kind.items() if totals["count"]},
+        "collectives_by_dtype": _by_dtype(found, gb_per_s),
+        "collective_ops": [
+            {key: getattr(op, key) for key in ("kind", "dtype", "bytes", "group_size", "count")}
+            | {"name": op.name}
+            for op in found
+        ],
+        "unknown_trip_counts": unknown_loops,
     }
 
 
