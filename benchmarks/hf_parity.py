@@ -19,9 +19,9 @@ import torch
 import transformers
 from flax import nnx
 
-from paisoar_jax.checkpoint import load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.tools import hf
+from paisoar_jax.weights import load_weights
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
 

@@ -276,7 +276,7 @@ def load(
     the moving average of the weights instead (a run with train.ema_decay > 0).
     """
     from paisoar_jax import trained
-    from paisoar_jax.tools.export import weights_source
+    from paisoar_jax.weights import weights_source
 
     def work() -> Any:
         # As hf-export and generate find it; the run's config says which adapters it has.

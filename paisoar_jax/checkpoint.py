@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import types
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any
@@ -164,7 +163,7 @@ def _verify(state: Any, saved: list[int] | None, step_dir: pathlib.Path) -> None
             raise ValueError(f"{step_dir}: {name} does not match its checksum (corrupted data)")
 
 
-def _tree_metadata(item: pathlib.Path) -> Any:
+def tree_metadata(item: pathlib.Path) -> Any:
     """The tree of array metadata of a saved item (a step's state, an export's params).
 
     Read by the handler: a Checkpointer would also look for step metadata, which a step's
@@ -455,83 +454,6 @@ class Checkpointer:
         """Waits for the save in flight, then releases the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def _params_item(path: pathlib.Path) -> pathlib.Path:
-    """The Orbax item that holds params: an export's `params/` or a checkpoint's `state/`."""
-    for name in ("params", "state"):
-        if (path / name / "_METADATA").is_file() or (path / name).is_dir():
-            return path / name
-    raise UserError(
-        f"checkpoint.init_from={path}: not a params export or a checkpoint step directory "
-        f"(expected {path}/params or {path}/state)"
-    )
-
-
-def abstract_weights(path: pathlib.Path, sharding: jax.sharding.Sharding) -> Any:
-    """The params and model state an export or step holds, as shapes placed on `sharding`.
-
-    Read from the checkpoint's metadata: a target for `load_weights` with no model built.
-    """
-    item = _params_item(path.absolute())
-    saved = _tree_metadata(item)
-    place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-    return types.SimpleNamespace(
-        params=jax.tree.map(place, saved["params"]),
-        model_state=jax.tree.map(place, saved.get("model_state") or {}),
-    )
-
-
-def load_weights(
-    path: pathlib.Path, abstract_state: Any, ema: bool = False
-) -> tuple[dict, dict | None]:
-    """(params, model state) from an export or any checkpoint step, in the current shardings.
-
-    The model state (BatchNorm's running statistics, fp8 scales) is None when the model has
-    none, or when the export or step was written without it (with a warning: it then starts
-    afresh). `ema`: the params are the step's moving average of the weights (train.ema_decay).
-    """
-    item = _params_item(path.absolute())
-    checkpointer = ocp.PyTreeCheckpointer()
-    saved_tree = _tree_metadata(item)
-    target = {"params": abstract_state.params}
-    if ema:
-        if not jax.tree.leaves(saved_tree.get("ema", {})):
-            raise UserError(
-                f"{path} holds no moving average of the weights: its run had train.ema_decay=0"
-            )
-        saved_average = {"params": saved_tree["ema"]["params"]}
-        check_compatible(saved_average, storable_target({"params": abstract_state.params}), item)
-        target = {"ema": {"params": abstract_state.params}}
-    if jax.tree.leaves(abstract_state.model_state):
-        # A step of a model with no model state (a bf16 GPT for an fp8 run) holds it empty.
-        if jax.tree.leaves(saved_tree.get("model_state", {})):
-            target["model_state"] = abstract_state.model_state
-        else:
-            warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")
-    typed_target, target = target, storable_target(target)  # keys as stored: raw uint32
-    check_compatible({name: saved_tree[name] for name in target}, target, item)
-    restored = checkpointer.restore(
-        item,
-        args=ocp.args.PyTreeRestore(
-            target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True,
-        ),
-    )
-    restored = live({name: restored[name] for name in target}, typed_target)
-    params = restored["ema"]["params"] if ema else restored["params"]
-    return params, restored.get("model_state")
-
-
-def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> None:
-    """Writes params and model state (`output/params`): the input of inference, `init_from`."""
-    weights = {"params": params}
-    if jax.tree.leaves(model_state):
-        weights["model_state"] = storable(model_state)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(output.absolute() / "params", weights)
-    checkpointer.wait_until_finished()
 
 
 def _input_changes(meta: dict, input_signature: dict[str, Any] | None) -> dict[str, tuple]:

@@ -19,10 +19,8 @@ from paisoar_jax import __version__, lora, output
 from paisoar_jax.checkpoint import (
     Checkpointer,
     Restored,
-    abstract_weights,
     checkpoint_directory,
     describe_failure,
-    load_weights,
 )
 from paisoar_jax.config import Config, to_dict
 from paisoar_jax.data.mixture import MixtureBatches
@@ -30,6 +28,7 @@ from paisoar_jax.data.pipeline import GlobalBatches, resume_position
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite
 from paisoar_jax.state import StateLayout, init_state
+from paisoar_jax.weights import abstract_weights, load_weights
 from paisoar_jax.workload import Task
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from paisoar_jax import checkpoint, lora
+from paisoar_jax import lora, weights
 from paisoar_jax.config import Config
 
 
@@ -69,7 +69,7 @@ def load(
         params=jax.tree.map(place, nnx.to_pure_dict(abstract_params)),
         model_state=jax.tree.map(place, nnx.to_pure_dict(abstract_rest)),
     )
-    params, model_state = checkpoint.load_weights(where, target, ema)
+    params, model_state = weights.load_weights(where, target, ema)
     if model_state is None:  # saved without it (load_weights warned): a fresh one
         model_state = nnx.to_pure_dict(nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
     return model_with(model, params, model_state)

@@ -9,12 +9,13 @@ import pytest
 from conftest import TINY, build_run, plan_run, token_batches
 from flax import struct
 
-from paisoar_jax.checkpoint import Checkpointer, check_writable, load_weights
+from paisoar_jax.checkpoint import Checkpointer, check_writable
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.loop import train
 from paisoar_jax.parallel import sharding
 from paisoar_jax.tools.export import export
+from paisoar_jax.weights import load_weights
 
 DATA_STATE = {"position": 7}
 

@@ -253,8 +253,7 @@ def test_lora_fine_tunes_from_exported_weights(tmp_path, devices):
     result = paisoar_jax.fit(None, [*tuned, "train.steps=2", f"run.dir={tmp_path / 'tuned'}"])
     assert result["steps"] == 2
     config = load_config(None, [*tuned, "mesh.data=1"])
-    from paisoar_jax.checkpoint import load_weights
-    from paisoar_jax.tools.export import checkpoint_step
+    from paisoar_jax.weights import checkpoint_step, load_weights
     from paisoar_jax.zoo import zoo_workload
 
     run = setup(config, zoo_workload(config), devices[:1])

@@ -17,12 +17,11 @@ import transformers
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax.checkpoint import load_weights
 from paisoar_jax.config import LoraConfig, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import hf
 from paisoar_jax.tools import peft as peft_format
-from paisoar_jax.tools.export import checkpoint_step
+from paisoar_jax.weights import checkpoint_step, load_weights
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
 

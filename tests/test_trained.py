@@ -81,7 +81,7 @@ def test_load_of_a_directory_without_weights_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         paisoar_jax.load(tmp_path, model=RandomNet)
     assert exit_info.value.code == 2
-    # The same finding as hf-export's and generate's (tools/export.weights_source).
+    # The same finding as hf-export's and generate's (weights.weights_source).
     assert f"{tmp_path} is not a run directory (no config.yaml)" in capsys.readouterr().err
 
 

@@ -32,78 +32,19 @@ def export(
 
     import jax
 
-    from paisoar_jax.checkpoint import export_weights
     from paisoar_jax.config import dump_yaml
+    from paisoar_jax.weights import checkpoint_step, export_weights, read_params
 
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory")
     config, path, step = checkpoint_step(run_dir, step)
-    params, model_state = _load(path, ema)
+    params, model_state = read_params(path, ema)
     export_weights(params, model_state or {}, output)
     (output / "config.yaml").write_text(dump_yaml(config))
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     what = "the moving average of the weights" if ema else describe_params(count)
     note(f"{what} of step {step} -> {output}/params", program=PROGRAM)
     return step
-
-
-def checkpoint_step(run_dir: pathlib.Path, step: int | None = None):
-    """(the run's config, the directory of `step` or the newest complete step, the step)."""
-    from paisoar_jax.checkpoint import checkpoint_directory
-    from paisoar_jax.config import load_config
-
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(str(config_path))
-    checkpoints = checkpoint_directory(config.checkpoint, run_dir)
-    # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
-    steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.name.isdigit())
-    if not steps or (step is not None and step not in steps):
-        wanted = f"step {step}" if step is not None else "a checkpoint"
-        raise UserError(f"{checkpoints} has no {wanted} (steps: {steps or 'none'})")
-    step = steps[-1] if step is None else step
-    return config, checkpoints / str(step), step
-
-
-def weights_source(source: pathlib.Path):
-    """(config, the directory of the weights, what it is) for `source`.
-
-    `source` is a params export, a checkpoint step directory (`runs/x/checkpoints/400`) or
-    a run directory (its newest step).
-    """
-    from paisoar_jax.config import load_config
-
-    run_config = source.parent.parent / "config.yaml"
-    if (source / "state").is_dir() and run_config.is_file():
-        return load_config(str(run_config)), source, f"checkpoint {source}"
-    if (source / "params").is_dir() and (source / "config.yaml").is_file():
-        return load_config(str(source / "config.yaml")), source, f"export {source}"
-    if not source.is_dir():
-        raise UserError(f"{source}: no such run, checkpoint step or export directory")
-    config, path, step = checkpoint_step(source)
-    return config, path, f"step {step} of {source}"
-
-
-def read_weights(source: pathlib.Path):
-    """(config, params, what was read) of an export, a checkpoint step or a run's newest."""
-    config, path, where = weights_source(source)
-    return config, _load(path)[0], where
-
-
-def _load(path: pathlib.Path, ema: bool = False):
-    """(params, model state) of an export or checkpoint step, on one device.
-
-    `ema`: the params are the step's moving average of the weights.
-    """
-    import jax
-
-    from paisoar_jax.checkpoint import abstract_weights, load_weights
-
-    # The weights' shapes come from the checkpoint itself, so no model is rebuilt (a model
-    # of one's own cannot be: only its factory knows it); one device holds them.
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return load_weights(path, abstract_weights(path, device), ema)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -118,7 +118,7 @@ def hf_import(
     import jax
     from jax.experimental import multihost_utils
 
-    from paisoar_jax.checkpoint import export_weights
+    from paisoar_jax.weights import export_weights
 
     config_path = source / "config.json"
     if not config_path.is_file():
@@ -197,7 +197,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     """
     from safetensors.numpy import save_file
 
-    from paisoar_jax.tools.export import read_weights
+    from paisoar_jax.weights import read_weights
 
     config, params, where = read_weights(source)
     model = config.model
