@@ -16,8 +16,8 @@
 #   vision    ResNet-50 and ViT-B/16 beside the PyTorch ResNet-50 peer (issue 8)
 #   all       the three in order (too long for one device call at full size)
 #   first     one call's worth when little device time is left: the shipped gpt2_124m beside
-#             both peers (plain JAX, PyTorch compile), the layouts issue 48 weighs (unrolled,
-#             chunked loss), gpt_1b and ResNet-50 each beside their peers; 200 s per item
+#             both peers (plain JAX, PyTorch compile), then with the logits whole and scanned
+#             (issue 48), gpt_1b and ResNet-50 (its shipped data.workers=8) beside their peers
 # Each result line is written as it comes, so a call cut short keeps what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,13 +66,13 @@ ours() {  # ours NAME CONFIG OVERRIDES...
 }
 
 if [ "$PART" = first ]; then
-ours gpt2_shipped gpt2_124m  # as a user runs it: bf16, attention auto, the shipped layout
+ours gpt2_shipped gpt2_124m  # as a user runs it: unrolled, the loss in slices (auto)
 if [ "$SIZE" != tiny ]; then
   record peer_gpt2_jax python3 .peers/gpt_jax.py cudnn
   record peer_gpt2_bf16_compile python3 .peers/gpt_torch.py bf16_compile
 fi
-ours gpt2_unrolled_chunked gpt2_124m model.scan_layers=false model.loss_chunks=8
-ours gpt2_unrolled gpt2_124m model.scan_layers=false
+ours gpt2_logits_whole gpt2_124m model.loss_chunks=0
+ours gpt2_scanned gpt2_124m model.scan_layers=true
 if [ "$SIZE" != tiny ]; then
   ours gpt1b_shipped gpt_1b train.steps=30
   record peer_gpt1b_jax env L=24 D=2048 H=16 T=2048 B=8 python3 .peers/gpt_jax.py cudnn
