@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -88,8 +89,10 @@ def peer_figures(source: Path, shape: dict[str, int], target: str) -> dict[str, 
     }
 
 
-def our_figures(config_name: str, devices: int, overrides: list[str], target: str) -> dict:
-    """Our config's step compiled for `devices` `target` GPUs, per device."""
+def our_figures(
+    config_name: str, devices: int, overrides: list[str], target: str
+) -> tuple[dict, Any]:
+    """(our config's step compiled for `devices` `target` GPUs, per device; the config)."""
     config = load_config(config_name, overrides)
     found = plan(config, gpu_target.target_devices(target, 1, devices), target=target)
     estimate = found["target"]["estimate"]
@@ -98,15 +101,14 @@ def our_figures(config_name: str, devices: int, overrides: list[str], target: st
         "non_gemm_bytes": estimate["memory_bound_s"] * gpu_target.DEVICES[target].memory_bandwidth,
         "step_s": estimate["step_s"],
         "tokens": config.train.global_batch * config.model.seq_len // devices,
-        "config": config,
-    }
+    }, config
 
 
 def row(name: str, target: str, source: Path) -> dict:
     """One row: ours and the peer's figures per token, and ours over the peer's."""
     config_name, devices, overrides = ROWS[name]
-    ours = our_figures(config_name, devices, overrides, target)
-    model = ours.pop("config").model
+    ours, config = our_figures(config_name, devices, overrides, target)
+    model = config.model
     shape = {
         "L": model.layers,
         "D": model.width,

@@ -162,6 +162,7 @@ def test_a_file_source_is_read_a_few_batches_ahead_not_grains_500():
     # Grain's default read-ahead counts elements, which are our whole batches: a worker
     # of the resnet50 config held 500 x 256 images (19 GB) and was killed on the H200.
     source = CountedImages(image_size=8, channels=3, num_classes=10, seed=0)
+    CountedImages.reads = 0  # this run's reads alone
     batches = image_batches(source, global_batch=16, seed=0, image_size=8, train=True)
     next(batches)
     time.sleep(0.5)  # the reader threads run ahead as far as they are let

@@ -161,20 +161,22 @@ def run(config: Config, args: argparse.Namespace) -> None:
     else:
         devices = cpu_devices(count) if count else jax.devices()
 
-    simulated = bool(count) and args.target is None
+    simulated = bool(count)  # --devices N: CPU devices standing in for real ones
 
-    def plan_of(variant: Config) -> dict:
+    def plan_of(variant: Config, simulated: bool = False) -> dict:
         return plan(variant, devices, link, efficiency, simulated, None, args.target)
 
-    result = plan_of(config)
+    # A target's own plan is not labelled simulated (its peak is the target's); the context
+    # sizes and the gradient exchanges are labelled by --devices alone.
+    result = plan_of(config, simulated and args.target is None)
     if args.flag_effects:
         effects = variants.flag_effects(config, devices, result, efficiency)
         result["target"]["flag_effects"] = effects
-    if args.fit:
+    if args.fit:  # --fit needs --target
         result["fit"] = fit_search.search(config, result, plan_of)
     if args.context_for:
         result["context_sizes"] = context_split.context_sizes(
-            config, int(args.context_for), len(devices), plan_of
+            config, int(args.context_for), len(devices), lambda v: plan_of(v, simulated)
         )
     if args.compare_grad_comm:
         result["grad_comm_comparison"] = variants.compare_grad_comm(
