@@ -330,7 +330,9 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Arr
     chunks = chunk_count(model.config.loss_chunks, model.config.vocab_size)
     if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
         h_BxTxD, statistics = model.stream_and_statistics(inputs_BxT, **documents)
-        losses_BxT = chunked_cross_entropy(h_BxTxD, output_head(model), targets_BxT, chunks)
+        losses_BxT = chunked_cross_entropy(
+            h_BxTxD, output_head(model), targets_BxT, chunks, model.config.fp32_logits
+        )
         return losses_BxT, learned_BxT, statistics
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.

@@ -45,6 +45,36 @@ def test_the_loss_and_its_gradients_are_the_unfused_ones(chunks):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *gradients)
 
 
+def test_bf16_logits_are_the_unfused_bf16_logits_loss():
+    """model.fp32_logits=false: each slice's logits are rounded to bf16, as the unfused
+    loss's are (the matmul's bf16 output, upcast for the softmax), so both give the same loss
+    and, to bf16 rounding, the same gradients; the fp32 slices differ from them."""
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.bfloat16)
+    head = jnp.asarray(rng.normal(size=(D, V)), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+
+    def unfused_bf16(h, head, targets):
+        logits = jnp.einsum("btd,dv->btv", h, head).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    sliced = lambda h, head, targets: chunked_cross_entropy(h, head, targets, 3, False)
+    expected = unfused_bf16(h, head, targets)
+    np.testing.assert_allclose(sliced(h, head, targets), expected, rtol=1e-6)
+    fp32_difference = np.abs(chunked_cross_entropy(h, head, targets, 3) - expected).max()
+    assert fp32_difference > 1e-3  # the rounding is there to see
+    gradients = [
+        jax.grad(lambda h, w, loss=loss: jnp.sum(loss(h, w, targets)), (0, 1))(h, head)
+        for loss in (unfused_bf16, sliced)
+    ]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2
+        ),
+        *gradients,
+    )
+
+
 def test_no_buffer_holds_the_whole_logits():
     """The compiled loss and gradient hold no f32 array of B x T x V elements."""
     h = jnp.ones((B, T, D), jnp.bfloat16)

@@ -226,8 +226,9 @@ PEER_TEMPORARIES = 10_810_937_888  # ../shared/peers/gpt_jax.py at B16 T1024 on 
 @pytest.mark.gpu_aot
 def test_gpt2_on_one_h200_never_makes_the_fp32_logits_and_holds_less_than_the_peer():
     """gpt2_124m as shipped (B16 T1024): the loss takes the vocabulary in slices, so no f32
-    buffer of B x T x V elements is made, and the step holds fewer temporaries than the
-    plain-JAX step that ran at the same speed on a real H200."""
+    buffer of B x T x V elements is made, and the step holds under 0.7x the temporaries of
+    the plain-JAX step that ran at the same speed on a real H200 (0.64x: slices of bf16
+    logits, and a GELU that keeps only its inputs for the backward)."""
     from paisoar_jax.config import load_config
     from paisoar_jax.tools import plan
 
@@ -242,7 +243,7 @@ def test_gpt2_on_one_h200_never_makes_the_fp32_logits_and_holds_less_than_the_pe
     }
     assert logits not in f32_sizes
     assert f"bf16[{batch},{model.seq_len},{model.vocab_size}]" not in text
-    assert compiled.memory_analysis().temp_size_in_bytes < PEER_TEMPORARIES
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.7 * PEER_TEMPORARIES
 
 
 @pytest.mark.gpu_aot

@@ -1,12 +1,13 @@
 """Remat policies: the same gradients, and measurably less compiled memory."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import plan_run
 
 from paisoar_jax.parallel import sharding
-from paisoar_jax.remat import POLICIES
+from paisoar_jax.remat import POLICIES, recomputed_activation
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_train_step, loss_and_grads
 from paisoar_jax.zoo import task_for
@@ -62,3 +63,33 @@ def test_every_policy_gives_the_gradients_of_none(devices, reference_gradients, 
     got = gradients(devices, policy)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference_gradients), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+ACTIVATIONS = {
+    "gelu": lambda x, bias: jax.nn.gelu(x + bias),
+    "erf_gelu": lambda x, bias: jax.nn.gelu(x + bias, approximate=False),
+    "swiglu": lambda gate, up: jax.nn.silu(gate) * up,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_an_mlp_activation_keeps_only_its_inputs_for_its_backward(name):
+    """Plainly differentiated, GELU keeps its tanh and x + bias (SwiGLU its sigmoid), each
+    as wide as the MLP; recomputed_activation keeps its two inputs alone, and its gradients
+    are the plain ones."""
+    function = ACTIVATIONS[name]
+    generator = np.random.default_rng(0)
+    first = jnp.asarray(generator.normal(size=(4, 16)), jnp.bfloat16)
+    second = jnp.asarray(generator.normal(size=(16,) if "gelu" in name else (4, 16)), jnp.bfloat16)
+    plain_out, plain_backward = jax.vjp(function, first, second)
+    out, backward = jax.vjp(lambda *x: recomputed_activation(function, *x), first, second)
+    kept = [(leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(backward)]
+    assert kept == [(first.shape, first.dtype), (second.shape, second.dtype)]
+    plain_wide = [leaf for leaf in jax.tree.leaves(plain_backward) if leaf.shape == first.shape]
+    assert len(plain_wide) > 2  # what is saved: more than the inputs
+    np.testing.assert_array_equal(out, plain_out)
+    cotangent = jnp.ones_like(out)
+    for got, expected in zip(backward(cotangent), plain_backward(cotangent), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=1e-2, atol=1e-2
+        )

@@ -33,6 +33,7 @@ from paisoar_jax.models.gpt import (
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.parallel.sharding import constrain
 from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.remat import recomputed_activation
 
 MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
 ATTENTION_MATMULS = MATMULS[:4]  # with experts as the MLP: theirs run in bf16
@@ -162,7 +163,10 @@ class Block(DecoderBlock):
     def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
         gate_BxTxF = self._project("btd,df->btf", h_BxTxD, "gate_kernel", "gate")
         up_BxTxF = self._project("btd,df->btf", h_BxTxD, "up_kernel", "up")
-        hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "act_mlp"))
+        hidden_BxTxF = recomputed_activation(
+            lambda gate, up: jax.nn.silu(gate) * up, gate_BxTxF, up_BxTxF
+        )
+        hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
         return self._project("btf,fd->btd", hidden_BxTxF, "down_kernel", "down")
 

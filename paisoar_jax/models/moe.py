@@ -55,6 +55,7 @@ from flax import nnx
 from paisoar_jax.models.layers import param
 from paisoar_jax.parallel.sharding import constrain
 from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.remat import recomputed_activation
 
 # The expert buffers' layout: experts over `expert`, the rows over the other batch axes.
 BUFFERS = ("act_experts", "batch_within_expert", None, "act_embed")
@@ -207,7 +208,11 @@ def z_loss(logits_BxTxX: jax.Array) -> jax.Array:
 def swiglu(x_NxD: jax.Array, gate_DxF, up_DxF, down_FxD, subscripts: tuple[str, str]):
     """down(silu(x gate) * (x up)); `subscripts`: the in and out einsums (batched experts)."""
     into, out = subscripts
-    hidden = jax.nn.silu(jnp.einsum(into, x_NxD, gate_DxF)) * jnp.einsum(into, x_NxD, up_DxF)
+    hidden = recomputed_activation(
+        lambda gate, up: jax.nn.silu(gate) * up,
+        jnp.einsum(into, x_NxD, gate_DxF),
+        jnp.einsum(into, x_NxD, up_DxF),
+    )
     return jnp.einsum(out, hidden, down_FxD)
 
 

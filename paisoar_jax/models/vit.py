@@ -37,7 +37,7 @@ from paisoar_jax.parallel.pipeline import scan_layers
 from paisoar_jax.parallel.sharding import constrain
 from paisoar_jax.platform import compile_platform
 from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.remat import wrap_block_call
+from paisoar_jax.remat import recomputed_activation, wrap_block_call
 
 LAYER_NORM_EPSILON = 1e-6  # the ViT paper's (PyTorch's default is 1e-5)
 TOKEN_AXES = ("batch", "length", "act_embed")
@@ -109,9 +109,12 @@ class EncoderBlock(nnx.Module):
 
         h_BxTxD = cast(self.mlp_norm(x_BxTxD))
         hidden_BxTxF = matmul("btd,df->btf", h_BxTxD, self.mlp_in_kernel[...], "mlp_in")
-        hidden_BxTxF = hidden_BxTxF + cast(self.mlp_in_bias[...])
         # Exact (erf) GELU, as in the ViT paper and timm.
-        hidden_BxTxF = jax.nn.gelu(hidden_BxTxF, approximate=False)
+        hidden_BxTxF = recomputed_activation(
+            lambda x, bias: jax.nn.gelu(x + bias, approximate=False),
+            hidden_BxTxF,
+            cast(self.mlp_in_bias[...]),
+        )
         hidden_BxTxF = checkpoint_name(
             constrain(hidden_BxTxF, ("batch", "length", "act_mlp")), "mlp_hidden"
         )
