@@ -92,6 +92,9 @@ def test_sections_are_frozen():
         (["train.global_batch=10", "train.grad_accum=4"], "not divisible by train.grad_accum=4"),
         (["mesh.zero=4"], "mesh.zero must be 0, 1, 2 or 3"),
         (["mesh.data=0"], "mesh.data must be a positive size or -1"),
+        (["mesh.tensor=-2"], "mesh.tensor must be a positive size or -1"),
+        (["mesh.dcn_data=-1"], "mesh.dcn_data must be a positive size, got -1: the dcn axes"),
+        (["mesh.dcn_context=0"], "mesh.dcn_context must be a positive size"),
         (["train.steps=0"], "train.steps must be >= 1"),
         (["optim.lr_scaling=linear"], "needs optim.base_batch >= 1"),
         (["data.eval_fraction=0"], "data.eval_fraction=0 leaves no eval data"),
@@ -191,3 +194,30 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
     line = next(line for line in text.splitlines() if line.startswith("  train.eval_batches=0 "))
     assert "0: every eval reads the whole eval set" in line
     assert "  optim.schedule=cosine" in text and "  mesh.zero=0 " in text
+
+
+def test_the_mesh_section_sizes_each_axis_of_the_table_and_nothing_else():
+    """config/mesh.py's AXES is the one list of mesh axes: MeshConfig has a size for each
+    (and a dcn_ size for each that spans hosts), and the mesh is built with those axes."""
+    from paisoar_jax.config import MeshConfig
+    from paisoar_jax.config.mesh import AXES, AXIS_NAMES, DCN_NAMES
+    from paisoar_jax.parallel import sharding
+
+    settings = {"zero", "grad_comm", "grad_comm_block", "grad_comm_error_feedback"}
+    settings |= {"grad_comm_scope", "bucket_mb"}
+    fields = {field.name for field in dataclasses.fields(MeshConfig)}
+    assert fields - settings == set(AXIS_NAMES) | set(DCN_NAMES)
+    assert sharding.MESH_AXES == AXIS_NAMES
+    assert sharding.BATCH_AXES == ("data", "fsdp", "expert")
+    assert [axis.name for axis in AXES if axis.fills] == ["data", "fsdp", "tensor"]
+    mesh = MeshConfig(data=2, fsdp=2, dcn_data=3, context=2)
+    assert mesh.shape() == {
+        "data": 6,
+        "stage": 1,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 2,
+        "tensor": 1,
+    }
+    assert mesh.hosts() == 3 and MeshConfig().shape() is None
+    assert mesh.describe() == "data=2,fsdp=2,context=2,tensor=1,dcn_data=3"

@@ -18,6 +18,7 @@ from typing import Literal
 from paisoar_jax.config.checks import check_at_least, check_finite_non_negative, check_regex
 from paisoar_jax.config.data import DataConfig
 from paisoar_jax.config.lora import LoraConfig
+from paisoar_jax.config.mesh import MeshConfig
 from paisoar_jax.config.models import (
     CustomModelConfig,
     LanguageModelConfig,
@@ -26,83 +27,8 @@ from paisoar_jax.config.models import (
 from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
 
-__all__ = ["DataConfig", "LoraConfig", "RunConfig"]  # sections of their own modules, part of Config
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh with axes (data, stage, fsdp, expert, context, tensor); -1 fills the rest."""
-
-    data: int = -1  # pure data parallelism within a host (ici)
-    stage: int = 1  # pipeline stages: the layer stack split into this many groups
-    fsdp: int = 1  # params sharded over this axis, gathered per layer (FSDP)
-    tensor: int = 1  # Megatron tensor parallelism: heads and MLP hidden split
-    # Expert parallelism: a mixture's experts split over this axis, the batch too (tokens
-    # reach their experts' devices and come back by all-to-all; models/moe.py)
-    expert: int = 1
-    dcn_expert: int = 1  # expert parallelism across hosts/slices (dcn)
-    # Context parallelism: every sequence's tokens split over this axis (long windows; the
-    # attention across the split: model.context_attention, parallel/context.py)
-    context: int = 1
-    dcn_context: int = 1  # context parallelism across hosts/slices (dcn)
-    dcn_data: int = 1  # data parallelism across hosts/slices (dcn)
-    dcn_stage: int = 1  # pipeline stages across hosts/slices (dcn)
-    dcn_fsdp: int = 1  # FSDP across hosts/slices (dcn)
-    zero: int = 0  # 0 replicate over data; 1 (=2) shard optimizer state; 3 params too
-    # The gradients' dtype on the wire across the data axes (grad_comm.py): fp32 (XLA's own
-    # all-reduce), bf16 or int8 (blockwise scaled), summed in fp32 on arrival either way.
-    grad_comm: Literal["fp32", "bf16", "int8"] = "fp32"
-    grad_comm_block: int = 256  # int8: values per scale (a power of two)
-    # Keep each device's rounding residual in the train state and add it to the next step's
-    # gradient before it is compressed (a gradient-sized fp32 buffer per device).
-    grad_comm_error_feedback: bool = False
-    # all: compress over every data shard; dcn: only between hosts (mesh.dcn_data), the
-    # exchange inside a host stays fp32
-    grad_comm_scope: Literal["all", "dcn"] = "all"
-    # GPU: XLA combines collectives of a kind up to this many MiB (its combine thresholds,
-    # PAISoar's gradient buckets; gpu_flags.py); 0 keeps XLA's own 30 MiB
-    bucket_mb: int = 128
-
-    def __post_init__(self):
-        if self.zero not in (0, 1, 2, 3):
-            raise UserError(f"mesh.zero must be 0, 1, 2 or 3, got {self.zero}")
-        block = self.grad_comm_block
-        if block < 1 or block & (block - 1):
-            raise UserError(f"mesh.grad_comm_block must be a power of two, got {block}")
-        if self.grad_comm == "fp32":
-            for key, unset in (("grad_comm_error_feedback", False), ("grad_comm_scope", "all")):
-                if getattr(self, key) != unset:
-                    raise UserError(f"mesh.{key} is for a compressed exchange: set mesh.grad_comm")
-        for key in ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp"):
-            size = getattr(self, key)
-            if size == 0 or size < -1:
-                raise UserError(f"mesh.{key} must be a positive size or -1, got {size}")
-        if self.bucket_mb < 0:
-            raise UserError(f"mesh.bucket_mb must be >= 0 (0: XLA's own), got {self.bucket_mb}")
-        for key in ("stage", "dcn_stage", "expert", "dcn_expert", "context", "dcn_context"):
-            if getattr(self, key) < 1:
-                raise UserError(f"mesh.{key} must be a positive size, got {getattr(self, key)}")
-
-    @property
-    def experts(self) -> int:
-        """Expert-parallel shards over all hosts: expert x dcn_expert."""
-        return self.expert * self.dcn_expert
-
-    @property
-    def contexts(self) -> int:
-        """Context-parallel shards of each sequence over all hosts: context x dcn_context."""
-        return self.context * self.dcn_context
-
-    @property
-    def stages(self) -> int:
-        """Pipeline stages over all hosts: stage x dcn_stage."""
-        return self.stage * self.dcn_stage
-
-    def describe_stages(self) -> str:
-        """The stage settings as a user typed them: `mesh.stage=4` or with dcn_stage."""
-        if self.dcn_stage == 1:
-            return f"mesh.stage={self.stage}"
-        return f"mesh.stage={self.stage} x mesh.dcn_stage={self.dcn_stage}"
+# Sections of their own modules, parts of Config.
+__all__ = ["DataConfig", "LoraConfig", "MeshConfig", "RunConfig"]
 
 
 # One mesh-axis entry of a sharding rule: a mesh axis (data, fsdp, tensor), a logical name

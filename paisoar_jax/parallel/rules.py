@@ -116,15 +116,7 @@ def _warn_left_whole(whole: list, shards: int, abstract_params: Any) -> None:
 
 def _with_mesh_axes(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     """The logical table, plus the mesh axes by their own names (`fsdp` widened as `embed`)."""
-    return {
-        **table,
-        "data": ("data",),
-        "stage": ("stage",),
-        "expert": ("expert",),
-        "context": ("context",),
-        "tensor": ("tensor",),
-        "fsdp": table["embed"],
-    }
+    return {**table, **{axis: (axis,) for axis in sharding.MESH_AXES}, "fsdp": table["embed"]}
 
 
 def _rule_spec(entries, table, shape, mesh: Mesh, name: str, pattern: str) -> PartitionSpec:

@@ -34,13 +34,15 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from paisoar_jax.config import MeshConfig
+from paisoar_jax.config.mesh import AXES, AXIS_NAMES, DCN_NAMES
 from paisoar_jax.errors import UserError
 
-MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+# The axes, in mesh order, and which of them say what: config/mesh.py's table.
+MESH_AXES = AXIS_NAMES
 # The axes a reader is told of only when they split.
-OPTIONAL_AXES = ("stage", "expert", "context")
+OPTIONAL_AXES = tuple(axis.name for axis in AXES if axis.optional)
 # The batch is split over expert too: outside the experts that axis is one more data axis.
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = tuple(axis.name for axis in AXES if axis.batch)
 
 # Logical activation axes -> mesh axes. Used by `constrain` inside the model so XLA keeps
 # the batch split over (data, fsdp) instead of inventing a layout from the weights.
@@ -85,41 +87,22 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
 
 def _mesh_sizes(mesh_config: MeshConfig, device_count: int) -> tuple[list[int], list[int]]:
     """Resolves -1 in the ici sizes and checks that ici x dcn covers every device."""
-    ici = [mesh_config.data, mesh_config.stage, mesh_config.fsdp, mesh_config.expert]
-    ici += [mesh_config.context, mesh_config.tensor]
-    dcn = [mesh_config.dcn_data, mesh_config.dcn_stage, mesh_config.dcn_fsdp]
-    dcn += [mesh_config.dcn_expert, mesh_config.dcn_context, 1]
+    ici, dcn = mesh_config.ici_sizes(), mesh_config.dcn_sizes()
     if ici.count(-1) > 1:
-        raise UserError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-    if -1 in dcn:
-        raise UserError("mesh.dcn_data, dcn_stage and dcn_fsdp must be explicit sizes, not -1")
+        fills = ", ".join(f"mesh.{axis.name}" for axis in AXES if axis.fills)
+        raise UserError(f"at most one of {fills} may be -1")
     fixed = math.prod(size for size in ici if size != -1) * math.prod(dcn)
     if -1 in ici:
         if device_count % fixed:
             raise UserError(
-                f"mesh sizes {_describe(mesh_config)} do not divide the {device_count} devices"
+                f"mesh sizes {mesh_config.describe()} do not divide the {device_count} devices"
             )
         ici[ici.index(-1)] = device_count // fixed
     elif fixed != device_count:
         raise UserError(
-            f"mesh {_describe(mesh_config)} needs {fixed} devices, but {device_count} are present"
+            f"mesh {mesh_config.describe()} needs {fixed} devices, but {device_count} are present"
         )
     return ici, dcn
-
-
-def _describe(mesh_config: MeshConfig) -> str:
-    """The mesh sizes as `data=2,fsdp=2,tensor=2` (stage, expert, context, dcn only when set)."""
-    parts = [
-        f"{axis}={getattr(mesh_config, axis)}"
-        for axis in MESH_AXES
-        if axis not in OPTIONAL_AXES or getattr(mesh_config, axis) != 1
-    ]
-    parts += [
-        f"{key}={getattr(mesh_config, key)}"
-        for key in ("dcn_data", "dcn_stage", "dcn_fsdp", "dcn_expert", "dcn_context")
-        if getattr(mesh_config, key) != 1
-    ]
-    return ",".join(parts)
 
 
 def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -128,9 +111,8 @@ def build_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = N
     ici, dcn = _mesh_sizes(mesh_config, len(devices))
     if math.prod(dcn) > 1 and math.prod(dcn) != jax.process_count():
         raise UserError(
-            f"mesh.dcn_data x dcn_stage x dcn_fsdp x dcn_expert x dcn_context = {math.prod(dcn)} "
-            f"must equal the number of processes ({jax.process_count()}): the dcn axes span "
-            "processes"
+            f"mesh.{' x '.join(DCN_NAMES)} = {math.prod(dcn)} must equal the number of "
+            f"processes ({jax.process_count()}): the dcn axes span processes"
         )
     if math.prod(dcn) > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(

@@ -463,12 +463,7 @@ def mesh_shape(run: Run) -> dict[str, int] | None:
     """The run's mesh (axis -> size): from plan.json, else from a config without -1 sizes."""
     if run.plan and run.plan.get("mesh"):
         return run.plan["mesh"]
-    mesh = run.config.mesh
-    if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
-        return None  # the rest of the devices: how many, only the run knew
-    data, fsdp = mesh.data * mesh.dcn_data, mesh.fsdp * mesh.dcn_fsdp
-    shape = {"data": data, "stage": mesh.stages, "fsdp": fsdp, "expert": mesh.experts}
-    return shape | {"context": mesh.contexts, "tensor": mesh.tensor}
+    return run.config.mesh.shape()
 
 
 def recompiles(run: Run) -> Finding | None:

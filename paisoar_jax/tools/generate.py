@@ -36,6 +36,7 @@ from flax import nnx
 
 from paisoar_jax import output
 from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
+from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.parallel import sharding
@@ -69,10 +70,10 @@ def placement(config, count: int) -> list[str]:
     if fsdp < 1 or tensor < 1 or count % (fsdp * tensor):
         fsdp, tensor = 1, 1
     overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
-    overrides += ["mesh.dcn_data=1", "mesh.dcn_fsdp=1", "model.attention=auto"]
-    overrides += ["mesh.expert=1", "mesh.dcn_expert=1"]  # each device all the experts
+    overrides += [f"mesh.{key}=1" for key in DCN_NAMES]  # one process
+    overrides += ["model.attention=auto", "mesh.expert=1"]  # each device all the experts
     # Decoding does not pipeline: a pipelined run's stages are placed as FSDP is.
-    overrides += ["mesh.stage=1", "mesh.dcn_stage=1", "train.pipeline_microbatches=0"]
+    overrides += ["mesh.stage=1", "train.pipeline_microbatches=0"]
     overrides += ["train.pipeline_repeats=1"]
     return [*overrides, f"train.global_batch={count}", "train.grad_accum=1"]
 

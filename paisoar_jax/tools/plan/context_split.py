@@ -85,8 +85,7 @@ def context_sizes(
     """
     check_decoder(config)
     mesh = config.mesh
-    dcn = mesh.dcn_data * mesh.dcn_stage * mesh.dcn_fsdp * mesh.dcn_expert * mesh.dcn_context
-    others = mesh.stage * mesh.fsdp * mesh.expert * mesh.tensor * dcn
+    others = mesh.stage * mesh.fsdp * mesh.expert * mesh.tensor * mesh.hosts()
     spare = mesh.data * mesh.context if mesh.data > 0 else devices // others
     rows = []
     for shards in (size for size in range(1, spare + 1) if spare % size == 0):
