@@ -124,7 +124,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(dump_yaml(config))
-            changed = restored and run.schedule is not None and schedule_change(restored, config)
+            changed = restored and run.lr_schedule is not None and schedule_change(restored, config)
             if changed:  # (the config's schedule only: a user's optimizer keeps its own)
                 output.note(changed)
         if start_step >= config.train.steps:
@@ -144,7 +144,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
             run.mesh,
             task,
             run.layout,
-            run.schedule,
+            run.lr_schedule,
             eval_source,
             limit_bytes,
             run.given_optimizer,
@@ -187,7 +187,7 @@ class RunParts:
     mesh: Any
     task: Task
     layout: StateLayout
-    schedule: Any  # None: a user's optimizer whose learning rate is its own
+    lr_schedule: Any  # None: a user's optimizer whose learning rate is its own
     eval_source: Any  # None: no eval data
     limit_bytes: int | None  # what one device may hold, for the out-of-memory report
     given_optimizer: dict[str, Any] | None = None  # fit's optimizer, as trackers record it
@@ -278,7 +278,7 @@ def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep
     with oom.readable_out_of_memory(config, layout, limit_bytes):
         options = gpu_flags.compiler_options(config.mesh.bucket_mb, mesh.devices)
         accumulate = config.train.grad_accum
-        jitted = jit_train_step(layout, parts.task, parts.schedule, accumulate, mesh, options)
+        jitted = jit_train_step(layout, parts.task, parts.lr_schedule, accumulate, mesh, options)
         one_at_a_time = one_step_at_a_time(layout, mesh)
         train_step = CompiledStep(
             jitted, state, first_batch, one_at_a_time=one_at_a_time, untimed=untimed

@@ -114,8 +114,8 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
             fixes.append(("mesh.zero=3", f"shard the params too, over {over}"))
     global_batch, accumulate = config.train.global_batch, config.train.grad_accum
     # A pipeline cuts each pass again into its micro-batches, each split over the devices.
-    schedule = pipeline.from_config(config)
-    cuts = schedule.microbatches if schedule else 1
+    pipeline_schedule = pipeline.from_config(config)
+    cuts = pipeline_schedule.microbatches if pipeline_schedule else 1
     more = next(
         (
             count

@@ -27,7 +27,7 @@ def scaled_lr(optim_config: OptimConfig, global_batch: int) -> float:
     return optim_config.lr * (ratio if optim_config.lr_scaling == "linear" else math.sqrt(ratio))
 
 
-def build_schedule(
+def build_lr_schedule(
     optim_config: OptimConfig, total_steps: int, global_batch: int
 ) -> optax.Schedule:
     """Linear warmup to the (scaled) peak lr, then cosine, linear or constant."""
@@ -66,11 +66,11 @@ def build_optimizer(
     precision: PrecisionConfig | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer chain (loss-scaled where the precision asks) and its lr schedule."""
-    schedule = build_schedule(optim_config, total_steps, global_batch)
+    lr_schedule = build_lr_schedule(optim_config, total_steps, global_batch)
     if optim_config.name in ("adamw", "lamb"):  # lamb: Adam with a per-layer trust ratio
         adam_like = optax.adamw if optim_config.name == "adamw" else optax.lamb
         optimizer = adam_like(
-            schedule,
+            lr_schedule,
             b1=optim_config.b1,
             b2=optim_config.b2,
             eps=optim_config.eps,
@@ -79,7 +79,7 @@ def build_optimizer(
         )
     elif optim_config.name == "lars":  # momentum SGD with a per-layer trust ratio
         optimizer = optax.lars(
-            schedule,
+            lr_schedule,
             weight_decay=optim_config.weight_decay,
             weight_decay_mask=decay_mask,
             trust_coefficient=optim_config.trust_coefficient,
@@ -91,11 +91,11 @@ def build_optimizer(
     else:
         optimizer = optax.chain(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
-            optax.sgd(schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
+            optax.sgd(lr_schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
     return wrap_optimizer(
         optimizer, optim_config.clipping(own_optimizer=False), precision
-    ), schedule
+    ), lr_schedule
 
 
 def wrap_optimizer(

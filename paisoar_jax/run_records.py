@@ -112,14 +112,14 @@ def log_record(
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
         # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
-        record["lr_source"] = "config" if parts.schedule is not None else "optimizer"
+        record["lr_source"] = "config" if parts.lr_schedule is not None else "optimizer"
         if record["lr"] is None and jax.process_index() == 0:
             output.note(
                 "lr is not logged: your optimizer's learning rate cannot be read; build it "
                 "with optax.inject_hyperparams to log it"
             )
     # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
-    lower_lr = "lower optim.lr" if parts.schedule is not None else "lower your optimizer's lr"
+    lower_lr = "lower optim.lr" if parts.lr_schedule is not None else "lower your optimizer's lr"
     try:
         check_health(record, parts.config.precision, history.scales, lower_lr)
     except DivergenceError:

@@ -69,14 +69,20 @@ def params_for_compute(params, layout: StateLayout):
 
 
 def loss_fn(
-    params, model_state, graphdef: nnx.GraphDef, batch, task, key: jax.Array, schedule=None
+    params,
+    model_state,
+    graphdef: nnx.GraphDef,
+    batch,
+    task,
+    key: jax.Array,
+    pipeline_schedule=None,
 ):
     """(loss, (metrics, new model_state)) of the model on one batch, the loss in fp32.
 
-    With a pipeline `schedule` the model's stack runs through it (pipeline.py).
+    With a `pipeline_schedule` (pipeline.Pipeline) the model's stack runs through it.
     """
     model = nnx.merge(graphdef, params, model_state)
-    with pipeline.active(schedule, type(model).__name__), lora.dropout_key(key):
+    with pipeline.active(pipeline_schedule, type(model).__name__), lora.dropout_key(key):
         loss, metrics = task.loss(model, batch, key)
     return loss, (metrics, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2]))
 
@@ -136,9 +142,9 @@ def loss_and_grads(
     def scaled_loss(params, model_state, micro_batch, micro_key):
         params = params if frozen is None else lora.join(params, frozen)
         compute_params = params if layout is None else params_for_compute(params, layout)
-        schedule = None if layout is None else layout.pipeline
+        pipeline_schedule = None if layout is None else layout.pipeline
         loss, aux = loss_fn(
-            compute_params, model_state, graphdef, micro_batch, task, micro_key, schedule
+            compute_params, model_state, graphdef, micro_batch, task, micro_key, pipeline_schedule
         )
         if total_weight is not None:  # this micro-batch's share of the targets, x grad_accum
             loss = loss * (grad_accum * weigh(micro_batch) / jnp.maximum(total_weight, 1))
@@ -209,7 +215,7 @@ def train_step(
     *,
     layout: StateLayout,
     task,
-    schedule: optax.Schedule,
+    lr_schedule: optax.Schedule | None,
     grad_accum: int,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
@@ -254,7 +260,7 @@ def train_step(
         "loss": loss,
         **task_metrics,
         "grad_norm": optax.tree.norm(grads) / scale,
-        **_learning_rate(schedule, state.step, opt_state),
+        **_learning_rate(lr_schedule, state.step, opt_state),
         **loss_scale.scale_metrics(opt_state),
     }
     if jax.tree.leaves((model_state, comm)):
@@ -331,14 +337,14 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
     return losses, grads, metrics, state.model_state
 
 
-def _learning_rate(schedule: optax.Schedule | None, step, opt_state) -> dict[str, jax.Array]:
+def _learning_rate(lr_schedule: optax.Schedule | None, step, opt_state) -> dict[str, jax.Array]:
     """{"lr": ...} that this step used: the schedule's, or a user optimizer's injected one.
 
     `step` is the count before the update; `opt_state` the optimizer state after it, whose
     injected hyperparameters are the ones the update just used.
     """
-    if schedule is not None:
-        return {"lr": schedule(step)}
+    if lr_schedule is not None:
+        return {"lr": lr_schedule(step)}
     # optax.inject_hyperparams keeps the value in its hyperparams (and, for a schedule, the
     # schedule's own state under the same name: not a value). Several values (a
     # multi_transform of injected optimizers): none of them is "the" lr.
@@ -368,7 +374,7 @@ def eval_step(
 def jit_train_step(
     layout: StateLayout,
     task,
-    schedule: optax.Schedule,
+    lr_schedule: optax.Schedule | None,
     grad_accum: int,
     mesh: Mesh,
     compiler_options: dict[str, Any] | None = None,
@@ -378,7 +384,7 @@ def jit_train_step(
     `compiler_options`: XLA options of this compile (gpu_flags.compiler_options on a GPU).
     """
     step = functools.partial(
-        train_step, layout=layout, task=task, schedule=schedule, grad_accum=grad_accum
+        train_step, layout=layout, task=task, lr_schedule=lr_schedule, grad_accum=grad_accum
     )
     return jax.jit(
         step,

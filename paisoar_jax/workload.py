@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from paisoar_jax import lora, precision, remat
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.optim import build_optimizer, build_schedule, describe_given, wrap_optimizer
+from paisoar_jax.optim import build_lr_schedule, build_optimizer, describe_given, wrap_optimizer
 from paisoar_jax.parallel import pipeline, sharding
 from paisoar_jax.state import StateLayout, state_layout
 
@@ -86,12 +86,12 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """What a run is built on: the mesh, the state layout, the schedule and the task."""
+    """What a run is built on: the mesh, the state layout, the learning-rate schedule, the task."""
 
     config: Config
     mesh: Mesh
     layout: StateLayout
-    schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
+    lr_schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
     task: Task
     given_optimizer: dict[str, Any] | None = None  # fit's optimizer as trackers record it
 
@@ -132,7 +132,7 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
 
 
 def optimizer_for(config: Config, given: Optimizer | None):
-    """(optimizer chain, schedule, description): the config's chain, or the user's.
+    """(optimizer chain, learning-rate schedule, description): the config's chain, or the user's.
 
     A user's runs as given: clipped only when optim.clip_norm is set (and loss-scaled under
     fp16). Its description is what the trackers record of it (optim.describe_given); None
@@ -140,15 +140,15 @@ def optimizer_for(config: Config, given: Optimizer | None):
     """
     train = config.train
     if given is None:
-        chain, schedule = build_optimizer(
+        chain, lr_schedule = build_optimizer(
             config.optim, train.steps, train.global_batch, config.precision
         )
-        return chain, schedule, None
-    schedule = build_schedule(config.optim, train.steps, train.global_batch)
+        return chain, lr_schedule, None
+    lr_schedule = build_lr_schedule(config.optim, train.steps, train.global_batch)
     if isinstance(given, optax.GradientTransformation):
-        inner, schedule, factory = given, None, None  # its own learning rate: read if injected
+        inner, lr_schedule, factory = given, None, None  # its own learning rate: read if injected
     elif callable(given):
-        inner, factory = given(schedule), given
+        inner, factory = given(lr_schedule), given
         if not isinstance(inner, optax.GradientTransformation):
             raise UserError(f"optimizer factory returned {type(inner).__name__}, not an optax one")
     else:
@@ -158,18 +158,18 @@ def optimizer_for(config: Config, given: Optimizer | None):
         )
     clip_norm = config.optim.clipping(own_optimizer=True)
     chain = wrap_optimizer(inner, clip_norm, config.precision)
-    return chain, schedule, describe_given(inner, factory, clip_norm)
+    return chain, lr_schedule, describe_given(inner, factory, clip_norm)
 
 
 def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Mesh, optimizer and state layout for `config` and `workload`; no arrays are built."""
     mesh = sharding.build_mesh(config.mesh, devices)
-    schedule = pipeline.from_config(config)
-    pipelined = schedule.microbatches if schedule else 1
+    pipeline_schedule = pipeline.from_config(config)
+    pipelined = pipeline_schedule.microbatches if pipeline_schedule else 1
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh, pipelined)
-    optimizer, schedule, given = optimizer_for(config, workload.optimizer)
+    optimizer, lr_schedule, given = optimizer_for(config, workload.optimizer)
     create_model = model_builder(config, workload)
     with jax.set_mesh(mesh):
         layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
         workload.task.prepare(layout, config.train.global_batch)
-    return Setup(config, mesh, layout, schedule, workload.task, given)
+    return Setup(config, mesh, layout, lr_schedule, workload.task, given)

@@ -213,7 +213,7 @@ def plan_run(overrides, devices, base=TINY):
 
     config = load_config(None, list(base) + list(overrides))
     run = setup(config, zoo_workload(config), devices)
-    return config, run.mesh, run.layout, run.schedule
+    return config, run.mesh, run.layout, run.lr_schedule
 
 
 def build_run(overrides, devices, base=TINY):

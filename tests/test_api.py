@@ -93,7 +93,7 @@ def three_steps(overrides, devices):
         placed = [jax.device_put(batch, where) for batch in batches(3)]
         gradients = gradient_function(layout, run.task)(state.params, state.model_state, placed[0])
         initial = jax.device_get(state.params)
-        train_step = jit_train_step(layout, run.task, run.schedule, 1, run.mesh)
+        train_step = jit_train_step(layout, run.task, run.lr_schedule, 1, run.mesh)
         losses = []
         for batch in placed:
             state, metrics = train_step(state, batch)
@@ -188,7 +188,7 @@ def test_fp16_overflow_skips_the_step_bit_for_bit(devices):
     bad = {"x": bad["x"] * 1e6, "y": bad["y"]}  # beyond fp16's range once cast
     with jax.set_mesh(run.mesh):
         state = init_state(config, run.layout)
-        step = jit_train_step(run.layout, run.task, run.schedule, 1, run.mesh)
+        step = jit_train_step(run.layout, run.task, run.lr_schedule, 1, run.mesh)
         state, _ = step(state, good)
         before = jax.device_get(state)
         state, metrics = step(state, bad)
@@ -217,7 +217,7 @@ def test_batch_floats_reach_the_loss_in_their_dtype_and_weights_in_the_compute_d
     config, run = prepared(overrides, devices[:1], loss=spying_loss)
     with jax.set_mesh(run.mesh):
         state = init_state(config, run.layout)
-        step = jit_train_step(run.layout, run.task, run.schedule, 1, run.mesh)
+        step = jit_train_step(run.layout, run.task, run.lr_schedule, 1, run.mesh)
         _, metrics = step(state, batches(1)[0])
     x_dtype = jax.numpy.bfloat16 if cast_inputs else np.float32
     assert seen == {"x": x_dtype, "kernel": jax.numpy.bfloat16, "scale": np.float32}

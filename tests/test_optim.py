@@ -6,13 +6,13 @@ import optax
 import pytest
 
 from paisoar_jax.config import OptimConfig, load_config
-from paisoar_jax.optim import build_optimizer, build_schedule, decay_mask, scaled_lr
+from paisoar_jax.optim import build_lr_schedule, build_optimizer, decay_mask, scaled_lr
 from paisoar_jax.workload import optimizer_for
 
 
 def test_warmup_then_cosine_to_final_fraction():
     config = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", final_lr_fraction=0.1)
-    schedule = build_schedule(config, total_steps=110, global_batch=8)
+    schedule = build_lr_schedule(config, total_steps=110, global_batch=8)
     assert float(schedule(0)) == pytest.approx(0.1)  # peak / warmup: the first step learns
     assert float(schedule(10)) == pytest.approx(1.0)
     assert float(schedule(60)) == pytest.approx(0.55, rel=1e-3)  # half way down the cosine
@@ -20,11 +20,11 @@ def test_warmup_then_cosine_to_final_fraction():
 
 
 def test_linear_and_constant_schedules():
-    linear = build_schedule(
+    linear = build_lr_schedule(
         OptimConfig(lr=2.0, warmup_steps=0, schedule="linear", final_lr_fraction=0.0), 100, 8
     )
     assert float(linear(50)) == pytest.approx(1.0)
-    constant = build_schedule(OptimConfig(lr=2.0, warmup_steps=0, schedule="constant"), 100, 8)
+    constant = build_lr_schedule(OptimConfig(lr=2.0, warmup_steps=0, schedule="constant"), 100, 8)
     assert float(constant(99)) == pytest.approx(2.0)
 
 

@@ -251,7 +251,7 @@ def own_step_jaxpr(kind, overrides):
         config, model=OWN_MODELS[kind], loss=own_loss, optimizer=optax.adam(1e-3), data=data
     )
     run = setup(config, workload, jax.devices())
-    step = jit_train_step(run.layout, run.task, run.schedule, config.train.grad_accum, run.mesh)
+    step = jit_train_step(run.layout, run.task, run.lr_schedule, config.train.grad_accum, run.mesh)
     with jax.set_mesh(run.mesh):
         return step.trace(run.layout.abstract_state, run.task.batch_shape(16)).jaxpr
 

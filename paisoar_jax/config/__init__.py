@@ -1,8 +1,9 @@
 """Run configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
 
 sections.py holds the dataclasses and their checks (models.py those of the `model` section,
-mesh.py the mesh axes' table and the `mesh` section, checks.py the checks they share); loading.py reads YAML files and `section.key=value`
-overrides into them and writes the resolved config back. Everything a caller needs is
+mesh.py the mesh axes' table and the `mesh` section, checks.py the checks they share);
+loading.py reads YAML files and `section.key=value` overrides into them and writes the
+resolved config back. Everything a caller needs is
 importable from here (`from paisoar_jax.config import Config, load_config`).
 The package imports nothing of paisoar_jax but `errors`, so every other module may use it.
 """

@@ -75,7 +75,7 @@ def weight_stages(data_config: DataConfig) -> list[tuple[int, tuple[Fraction, ..
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class MixtureSchedule:
     """How many examples of each source are read before any batch, from `origin` on.
 
     `stages`: (first batch, weights), the first beginning at `origin`, where the sources had
@@ -205,7 +205,7 @@ class MixedRows(grain.transforms.Map):
     A module-level class: grain workers receive it pickled.
     """
 
-    def __init__(self, sources, schedule: Schedule, seed: int, slot: int, slots: int):
+    def __init__(self, sources, schedule: MixtureSchedule, seed: int, slot: int, slots: int):
         self.sources, self.schedule, self.seed = sources, schedule, seed
         self.slot, self.slots = slot, slots
 
@@ -241,7 +241,7 @@ def _read(source: Any, indices: np.ndarray) -> Any:
 class MixtureReads:
     """The global sampler's reads for a mixture (what `GlobalBatches` asks of its `reads`)."""
 
-    def __init__(self, mixture: Mixture, schedule: Schedule, seed: int):
+    def __init__(self, mixture: Mixture, schedule: MixtureSchedule, seed: int):
         self.mixture, self.schedule, self.seed = mixture, schedule, seed
 
     def batches(self, start: int, rows: int, process_index: int, process_count: int):
@@ -263,7 +263,7 @@ class MixtureBatches(GlobalBatches):
         self, mixture: Mixture, data_config: DataConfig, *, global_batch: int, seed: int, **options
     ):
         self.data_config = data_config
-        schedule = Schedule.of(data_config, global_batch)
+        schedule = MixtureSchedule.of(data_config, global_batch)
         super().__init__(
             MixtureReads(mixture, schedule, seed),
             source=mixture,
@@ -347,7 +347,7 @@ class MixtureBatches(GlobalBatches):
         ):
             origin = saved["origin"]
             names = self.mixture.names
-            schedule = Schedule.of(
+            schedule = MixtureSchedule.of(
                 self.data_config,
                 self.global_batch,
                 origin["batch"],
@@ -356,7 +356,7 @@ class MixtureBatches(GlobalBatches):
             if list(schedule.positions(step)) == positions:  # the same mixture: go on exactly
                 self.reads.schedule = schedule
                 return None
-        self.reads.schedule = Schedule.of(
+        self.reads.schedule = MixtureSchedule.of(
             self.data_config, self.global_batch, step, tuple(positions)
         )
         places = ", ".join(

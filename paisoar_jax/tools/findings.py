@@ -251,15 +251,19 @@ def _grad_comm_fixes(run: Run) -> list[str]:
 
 def pipeline_bubble(run: Run) -> Finding | None:
     """A pipelined run (mesh.stage > 1) whose stages idle over 20% of the step."""
-    schedule = pipeline_of(run.config)
-    if schedule is None or schedule.bubble <= BUBBLE_LIMIT:
+    pipeline_schedule = pipeline_of(run.config)
+    if pipeline_schedule is None or pipeline_schedule.bubble <= BUBBLE_LIMIT:
         return None
-    stages, micro, laps = schedule.stages, schedule.microbatches, schedule.repeats
+    stages, micro, laps = (
+        pipeline_schedule.stages,
+        pipeline_schedule.microbatches,
+        pipeline_schedule.repeats,
+    )
     evidence = (
-        f"the {schedule.schedule} schedule of {stages} stages, {micro} micro-batches and "
-        f"{laps} lap(s) leaves every stage idle {percent(schedule.bubble)} of the step: "
+        f"the {pipeline_schedule.schedule} schedule of {stages} stages, {micro} micro-batches and "
+        f"{laps} lap(s) leaves every stage idle {percent(pipeline_schedule.bubble)} of the step: "
         f"(stages - 1) / (micro-batches x laps + stages - 1) = {stages - 1} / "
-        f"{schedule.iterations} (over {BUBBLE_LIMIT:.0%})"
+        f"{pipeline_schedule.iterations} (over {BUBBLE_LIMIT:.0%})"
     )
     train, stage = run.config.train, f"`mesh.stage={run.config.mesh.stage}`"
     if run.config.mesh.dcn_stage > 1:

@@ -73,7 +73,7 @@ def bare_loop_ms(config: Config) -> float:
         state = init_state(config, run.layout)
         options = gpu_flags.compiler_options(config.mesh.bucket_mb, run.mesh.devices)
         accumulate = config.train.grad_accum
-        step = jit_train_step(run.layout, run.task, run.schedule, accumulate, run.mesh, options)
+        step = jit_train_step(run.layout, run.task, run.lr_schedule, accumulate, run.mesh, options)
         batch = lambda: jax.device_put(rng.integers(0, vocab, shape.shape, np.int32), where)
         state, metrics = step(state, batch())  # compiles
         jax.block_until_ready(metrics)

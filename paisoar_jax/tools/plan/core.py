@@ -119,7 +119,7 @@ def compile_step(
             task.batch_shape(train.global_batch),
         )
         options = gpu_flags.compiler_options(config.mesh.bucket_mb, devices)
-        step = jit_train_step(layout, task, run.schedule, train.grad_accum, mesh, options)
+        step = jit_train_step(layout, task, run.lr_schedule, train.grad_accum, mesh, options)
         lowered = step.lower(layout.abstract_state, batch)
         try:
             compiled = lowered.compile()
@@ -192,8 +192,8 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
     flops = flops_per_unit * units_per_step / len(devices)
     peak, peak_source = peak_tflops(config, simulated, target)
     # A pipeline's stages idle for its bubble: the step takes 1 / (1 - bubble) its compute.
-    schedule = layout.pipeline
-    bubble = schedule.bubble if schedule else 0.0
+    pipeline_schedule = layout.pipeline
+    bubble = pipeline_schedule.bubble if pipeline_schedule else 0.0
     busy_s = flops / (peak * 1e12 * efficiency)
     timing = step_times(by_kind, busy_s, bubble)
     memory_bytes = memory(layout, compiled)
@@ -227,7 +227,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             )
         ],
         **_collectives(found_collectives, by_kind, gb_per_s, unknown_loops),
-        "pipeline": reports.pipeline_report(schedule, by_kind),
+        "pipeline": reports.pipeline_report(pipeline_schedule, by_kind),
         "experts": reports.experts_report(model, layout, mesh, by_kind),
         "context": context_split.context_report(
             config, dict(mesh.shape), devices[0].platform, gb_per_s, peak * efficiency
