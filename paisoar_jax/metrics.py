@@ -1,6 +1,6 @@
 """Run metrics: metrics.jsonl, the trackers beside it and the MFU arithmetic.
 
-Only process 0 writes; trackers.py holds TensorBoard, Weights & Biases and MLflow. Each
+Only process 0 writes; trackers/ holds TensorBoard, Weights & Biases and MLflow. Each
 metrics.jsonl line is one JSON object with at least step, loss, lr, grad_norm, loss_scale,
 skipped_steps, step_time_s, tokens_per_s, mfu (null where the device's peak is unknown) and
 data_wait_frac.

@@ -1,4 +1,4 @@
-"""Trackers (paisoar_jax/trackers.py): W&B offline and an MLflow file store hold what
+"""Trackers (paisoar_jax/trackers/): W&B offline and an MLflow file store hold what
 metrics.jsonl holds; a resumed run continues the same tracker runs; bad input is one line."""
 
 import json
@@ -167,3 +167,15 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, capsys
     assert [record["step"] for record in run_records(tmp_path)] == [1, 2]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "Failing" in line]
     assert len(warnings) == 1 and "stopped taking metrics at step 1" in warnings[0]
+
+
+def test_every_tracker_the_config_accepts_has_a_class_and_no_other():
+    """config/run.py's TRACKERS (what run.trackers may name) and the registry agree, and each
+    class is one a metrics writer can drive (log, close, replays)."""
+    from paisoar_jax.config.run import TRACKERS as NAMES
+    from paisoar_jax.trackers import TRACKERS
+
+    assert tuple(TRACKERS) == NAMES
+    for tracker in TRACKERS.values():
+        assert callable(tracker.log) and callable(tracker.close)
+        assert isinstance(tracker.replays, bool)
