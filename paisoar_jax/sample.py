@@ -1,15 +1,22 @@
-"""A short text sample from the trained byte-level model, to see what it learned."""
+"""A short text sample from the trained byte-level model, to see what it learned.
+
+Decoded with the key/value cache loop of models/decoding.py, the one `paisoar_jax.generate`
+runs, on the training run's own mesh and weights. A sample longer than the model's
+positions goes on in windows: once the cache is full, the last half of the text so far is
+the next prompt (the default model holds 128 positions; its sample is 160 bytes).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
+from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.models.decoding import generate_rows, pick_token
 from paisoar_jax.parallel import sharding
-from paisoar_jax.precision import float32_island
 from paisoar_jax.state import StateLayout
 
 
@@ -20,29 +27,35 @@ def generate(
     mesh: Mesh,
     prompt: bytes,
     length: int,
-    seq_len: int,
+    model_config: LanguageModelConfig,
+    dtype,
     temperature: float = 0.8,
     seed: int = 0,
 ) -> bytes:
-    """Samples `length` bytes after `prompt`, attending to at most the last seq_len bytes."""
-    # One row per batch shard, so the batch splits over (data, fsdp) like in training.
-    rows = sharding.batch_shards(mesh)
-
-    @jax.jit
-    def next_token(params, model_state, window_RxT, index, key):
-        # model_state: the fp8 scales of an fp8 model; empty for other language models.
-        logits_RxTxV = nnx.merge(layout.graphdef, params, model_state)(window_RxT)
-        logits_V = float32_island(logits_RxTxV[0, index]) / temperature
-        return jax.random.categorical(key, logits_V)
-
-    tokens = list(prompt)
-    key = jax.random.key(seed)
-    for _ in range(length):
-        window = tokens[-seq_len:]
-        window_RxT = np.zeros((rows, seq_len), np.int32)
-        window_RxT[:, : len(window)] = window
-        key, subkey = jax.random.split(key)
-        batch = jax.device_put(window_RxT, sharding.batch_sharding(mesh))
-        index = jnp.int32(len(window) - 1)
-        tokens.append(int(next_token(params, model_state, batch, index, subkey)))
-    return bytes(tokens)
+    """`prompt` and `length` bytes sampled after it at `temperature`, in the compute `dtype`."""
+    positions = model_config.positions
+    rows = sharding.batch_shards(mesh)  # one row per batch shard: the batch splits as in training
+    pick = functools.partial(pick_token, greedy=False, temperature=temperature, top_k=0, top_p=1.0)
+    decode = functools.partial(
+        generate_rows, graphdef=layout.graphdef, model_config=model_config, dtype=dtype
+    )
+    compiled = {}  # max_new -> the loop, jitted (the windows after the first are alike)
+    text = list(prompt)
+    made = 0
+    with jax.set_mesh(mesh):
+        while made < length:
+            window = text[-positions:] if made == 0 else text[-(positions // 2) :]
+            # The last new token is never fed back: the window and the new ones but one fit.
+            new = min(length - made, positions - len(window) + 1)
+            tokens_RxP = np.tile(np.asarray(window, np.int32), (rows, 1))
+            starts_R = np.zeros(rows, np.int32)
+            placed = jax.device_put((tokens_RxP, starts_R), sharding.batch_sharding(mesh))
+            key = jax.random.fold_in(jax.random.key(seed), made)
+            if new not in compiled:
+                compiled[new] = jax.jit(
+                    functools.partial(decode, pick=pick, stop_at=(), max_new=new)
+                )
+            new_RxN, _ = jax.device_get(compiled[new](params, model_state, *placed, key))
+            text += new_RxN[0].tolist()
+            made += new
+    return bytes(text)

@@ -173,7 +173,8 @@ class LanguageModelling:
             mesh,
             SAMPLE_PROMPT,
             train.sample_bytes,
-            self.config.model.seq_len,
+            self.config.model,
+            get_policy(self.config.precision.policy).compute_dtype,
             seed=train.seed,
         )
         return text.decode("utf-8", errors="replace")

@@ -206,7 +206,7 @@ def run_modules(commands, cwd, timeout=300):
 
 
 def plan_run(overrides, devices, base=TINY):
-    """(config, mesh, layout, schedule) for TINY + overrides on `devices`: no arrays yet."""
+    """(config, mesh, layout, lr_schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax.config import load_config
     from paisoar_jax.workload import setup
     from paisoar_jax.zoo import zoo_workload

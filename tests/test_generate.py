@@ -266,7 +266,7 @@ def test_sampling_filters_give_transformers_probabilities(temperature, top_k, to
     """top-k, top-p and temperature leave the probabilities transformers' warpers leave."""
     from transformers.generation import logits_process as warpers
 
-    from paisoar_jax.tools.generate import filtered_logits
+    from paisoar_jax.models.decoding import filtered_logits
 
     logits = np.random.default_rng(1).normal(size=(3, 96)).astype(np.float32) * 3
     ours = np.asarray(

@@ -30,15 +30,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from paisoar_jax import output
 from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
 from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.errors import UserError
-from paisoar_jax.models.decoding import empty_cache
+from paisoar_jax.models.decoding import generate_rows, pick_token
 from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools.cli import exit_status
@@ -202,11 +200,11 @@ class Generator:
         if settings not in self._compiled:
             greedy, temperature, top_k, top_p = sampling
             pick = functools.partial(
-                _pick, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+                pick_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
             )
             self._compiled[settings] = jax.jit(
                 functools.partial(
-                    _generate_rows,
+                    generate_rows,
                     graphdef=self.layout.graphdef,
                     model_config=self.config.model,
                     dtype=get_policy(self.config.precision.policy).compute_dtype,
@@ -267,81 +265,6 @@ def _until_stop(tokens: list[int], stop_at: Sequence[int]) -> list[int]:
         if token in stop_at:
             return tokens[: position + 1]
     return tokens
-
-
-def _generate_rows(
-    params,
-    model_state,
-    tokens_RxP,
-    starts_R,
-    key,
-    *,
-    graphdef,
-    model_config,
-    dtype,
-    pick,
-    stop_at,
-    max_new,
-):
-    """(new tokens R x max_new, how many were made), in one compiled program.
-
-    The prefill, then a loop of next tokens that ends after max_new or once every row has
-    made one of `stop_at`.
-    """
-    rows, length = tokens_RxP.shape
-    keys = jax.random.split(key, max_new)
-    stops = jnp.asarray(stop_at or (-1,), jnp.int32)
-    model = nnx.merge(graphdef, params, model_state)
-    cache = empty_cache(model_config, rows, length + max_new, dtype)
-    logits_RxPxV, cache = model.decode(tokens_RxP, cache, 0, starts_R)
-    token_R = pick(logits_RxPxV[:, -1], keys[0])
-    new_RxN = jnp.zeros((rows, max_new), jnp.int32).at[:, 0].set(token_R)
-
-    def going_on(carry) -> jax.Array:
-        made, _, _, _, ended_R = carry
-        return (made < max_new) & ~jnp.all(ended_R)
-
-    def next_token(carry):
-        made, token_R, cache, new_RxN, ended_R = carry
-        model = nnx.merge(graphdef, params, model_state)
-        logits_Rx1xV, cache = model.decode(token_R[:, None], cache, length + made - 1, starts_R)
-        token_R = pick(logits_Rx1xV[:, -1], keys[made])
-        new_RxN = jax.lax.dynamic_update_slice_in_dim(new_RxN, token_R[:, None], made, axis=1)
-        return made + 1, token_R, cache, new_RxN, ended_R | jnp.isin(token_R, stops)
-
-    carry = (jnp.int32(1), token_R, cache, new_RxN, jnp.isin(token_R, stops))
-    made, _, _, new_RxN, _ = jax.lax.while_loop(going_on, next_token, carry)
-    return new_RxN, made
-
-
-def filtered_logits(logits_RxV, temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """The logits a sample is drawn from, as transformers' warpers make them, in their order.
-
-    Divided by `temperature`; then all but the `top_k` likeliest at -inf (0: all kept); then
-    all outside the smallest set whose probability reaches `top_p` (1: all kept; the
-    likeliest token always stays).
-    """
-    logits_RxV = logits_RxV.astype(jnp.float32) / temperature
-    if top_k:
-        threshold_Rx1 = jax.lax.top_k(logits_RxV, top_k)[0][:, -1:]
-        logits_RxV = jnp.where(logits_RxV < threshold_Rx1, -jnp.inf, logits_RxV)
-    if top_p < 1.0:
-        sorted_RxV = jnp.sort(logits_RxV, axis=-1)[:, ::-1]  # likeliest first
-        probabilities_RxV = jax.nn.softmax(sorted_RxV, axis=-1)
-        before_RxV = jnp.cumsum(probabilities_RxV, axis=-1) - probabilities_RxV
-        # The least likely logit still inside the set: the set's cut-off.
-        inside_RxV = before_RxV < top_p
-        threshold_Rx1 = jnp.min(jnp.where(inside_RxV, sorted_RxV, jnp.inf), -1, keepdims=True)
-        logits_RxV = jnp.where(logits_RxV < threshold_Rx1, -jnp.inf, logits_RxV)
-    return logits_RxV
-
-
-def _pick(logits_RxV, key, *, greedy: bool, temperature: float, top_k: int, top_p: float):
-    """The next token of each row: the likeliest, or a sample of the filtered logits."""
-    if greedy or temperature == 0:
-        return jnp.argmax(logits_RxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    logits_RxV = filtered_logits(logits_RxV, temperature, top_k, top_p)
-    return jax.random.categorical(key, logits_RxV, axis=-1).astype(jnp.int32)
 
 
 class Text:
