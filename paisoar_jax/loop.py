@@ -37,10 +37,9 @@ from paisoar_jax.resume import (
     starting_point,
 )
 from paisoar_jax.run_lock import RunLock
-from paisoar_jax.state import StateLayout
 from paisoar_jax.step import jit_eval_step, jit_train_step
 from paisoar_jax.watchdog import Watchdog, timeout_for
-from paisoar_jax.workload import Task, Workload, setup
+from paisoar_jax.workload import Setup, Task, Workload, setup
 from paisoar_jax.zoo import zoo_workload
 
 HANG_STOP = "the hang watchdog"  # the stop request's name when the watchdog asks for it
@@ -139,16 +138,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
-        parts = RunParts(
-            config,
-            run.mesh,
-            task,
-            run.layout,
-            run.lr_schedule,
-            eval_source,
-            limit_bytes,
-            run.given_optimizer,
-        )
+        parts = RunParts.of(run, eval_source, limit_bytes)
         summary, state, compiled = _run_loop(
             parts, checkpointer, stop, watchdog, state, start_step, batches
         )
@@ -180,17 +170,17 @@ def _open_input(config: Config, mesh, task: Task, train_source, restored) -> Dev
 
 
 @dataclasses.dataclass(frozen=True)
-class RunParts:
-    """What the loop works with, built once by `train` before the first step."""
+class RunParts(Setup):
+    """What the loop works with: the run's Setup, and what `train` adds before the first step."""
 
-    config: Config
-    mesh: Any
-    task: Task
-    layout: StateLayout
-    lr_schedule: Any  # None: a user's optimizer whose learning rate is its own
-    eval_source: Any  # None: no eval data
-    limit_bytes: int | None  # what one device may hold, for the out-of-memory report
-    given_optimizer: dict[str, Any] | None = None  # fit's optimizer, as trackers record it
+    eval_source: Any = None  # None: no eval data
+    limit_bytes: int | None = None  # what one device may hold, for the out-of-memory report
+
+    @classmethod
+    def of(cls, run: Setup, eval_source: Any, limit_bytes: int | None) -> RunParts:
+        """`run`'s fields, with the eval data and the memory limit."""
+        fields = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)}
+        return cls(**fields, eval_source=eval_source, limit_bytes=limit_bytes)
 
     @property
     def eval_every(self) -> int:
