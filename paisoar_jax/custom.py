@@ -38,6 +38,7 @@ class CustomTask:
     unit = "examples"
     rate_name = "ex_s"
     unit_of_data = "examples"
+    reports_perplexity = False  # a loss of one's own: its exp need mean nothing
 
     def __init__(
         self,
@@ -84,6 +85,10 @@ class CustomTask:
     def inputs(self, batch: Any) -> Any:
         """The batch as the loss sees it: as is, or floats in the compute dtype (cast_inputs)."""
         return jax.tree.map(self.policy.cast_to_compute, batch) if self.cast_inputs else batch
+
+    def loss_weight(self, batch) -> None:
+        """None: the loss is a mean over the batch's rows, a count that does not vary."""
+        return None
 
     def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
         """{"loss", *metrics} of the model in eval mode, one value per row of the batch.

@@ -58,7 +58,7 @@ def evaluate(
     _add(totals, pending)
     rows = totals.pop("rows")
     means = {name: float(total / rows) for name, total in totals.items()}
-    if getattr(task, "reports_perplexity", False):  # of the mean loss per token, not per row
+    if task.reports_perplexity:  # of the mean loss per token, not per row
         loss = means["loss"]
         means["perplexity"] = math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf
     return means
@@ -75,7 +75,7 @@ def _evaluate_mixture(eval_step, state, mixture, task, config, mesh, step) -> di
         weights = dict.fromkeys(weights, 1.0)
     loss = sum(weights[name] * parts[name]["loss"] for name in parts) / sum(weights.values())
     means = {"loss": loss}
-    if getattr(task, "reports_perplexity", False):
+    if task.reports_perplexity:
         means["perplexity"] = math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf
     for name, results in parts.items():
         means |= {f"{metric}/{name}": value for metric, value in results.items()}

@@ -135,9 +135,8 @@ def loss_and_grads(
     lora.py); `params` are then only the trainable ones, and the gradients are theirs.
     """
     key = jax.random.PRNGKey(0) if key is None else key
-    weigh = getattr(task, "loss_weight", lambda batch: None)
-    if weigh(batch) is not None and total_weight is None:
-        total_weight = weigh(batch)
+    if total_weight is None:
+        total_weight = task.loss_weight(batch)
 
     def scaled_loss(params, model_state, micro_batch, micro_key):
         params = params if frozen is None else lora.join(params, frozen)
@@ -147,7 +146,8 @@ def loss_and_grads(
             compute_params, model_state, graphdef, micro_batch, task, micro_key, pipeline_schedule
         )
         if total_weight is not None:  # this micro-batch's share of the targets, x grad_accum
-            loss = loss * (grad_accum * weigh(micro_batch) / jnp.maximum(total_weight, 1))
+            weight = task.loss_weight(micro_batch)
+            loss = loss * (grad_accum * weight / jnp.maximum(total_weight, 1))
         return loss * scale, (loss, aux)
 
     # fp8 scaling state (fp8.Fp8Meta) is differentiated too: its "gradient" is its next value.
@@ -310,8 +310,7 @@ def _per_shard(state: TrainState, batch, task, grad_accum: int, scale, key, layo
     """
     shards = layout.exchange.shards
     # A masked loss: each shard's mean weighed by its share of the batch's learned targets.
-    weigh = getattr(task, "loss_weight", lambda batch: None)
-    total = weigh(batch)
+    total = task.loss_weight(batch)
     total_weight = None if total is None else total / shards
 
     trained, frozen = _trained_and_frozen(state.params, layout)

@@ -187,6 +187,7 @@ class ImageClassification:
     rate_name = "img_s"
     unit_of_data = "images"
     metric_names = ("accuracy",)
+    reports_perplexity = False
 
     def __init__(self, config: Config, model_class: type):
         self.config = config
@@ -266,6 +267,10 @@ class ImageClassification:
         logits_BxN = model(images, train=True)
         loss = optax.softmax_cross_entropy(logits_BxN, targets_BxN).mean()
         return loss, {"accuracy": _accuracy(logits_BxN, batch["label"])}
+
+    def loss_weight(self, batch) -> None:
+        """None: the loss is a mean over the batch's rows, a count that does not vary."""
+        return None
 
     def eval_rows(self, model, batch: dict) -> dict[str, jax.Array]:
         """{"loss", "accuracy"} per image (B,), on running BatchNorm statistics, hard labels."""

@@ -38,6 +38,7 @@ class Task(Protocol):
     rate_name: str  # the progress bar's name for the rate: tok_s, img_s, ex_s
     unit_of_data: str  # what a source holds, for messages: windows, images, examples
     metric_names: tuple[str, ...]  # the fp32 scalars `loss` returns beside the loss
+    reports_perplexity: bool  # eval adds exp(eval_loss): a mean loss per token
 
     def open_sources(self) -> tuple[Any, Any]:
         """The (train, eval) sources."""
@@ -58,6 +59,13 @@ class Task(Protocol):
 
     def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
         """(fp32 scalar loss, {name: fp32 scalar}) of the model on one batch."""
+
+    def loss_weight(self, batch: Any) -> jax.Array | None:
+        """The targets a batch's loss is a mean over, when that count varies; else None.
+
+        The step weighs each micro-batch's (and data shard's) mean by it, so the step's loss
+        is the mean over the whole batch's targets (a masked language model's tokens).
+        """
 
     def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
         """{"loss", ...} on one held-out batch: fp32 arrays of one value per row, (B,)."""
