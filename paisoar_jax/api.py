@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paisoar_jax import distributed, output
+from paisoar_jax import output
 from paisoar_jax.config import (
     Config,
     CustomModelConfig,
@@ -34,6 +34,7 @@ from paisoar_jax.config import (
     to_dict,
 )
 from paisoar_jax.errors import UserError
+from paisoar_jax.startup import start
 from paisoar_jax.tools import cli
 
 ConfigLike = Config | str | pathlib.Path | None
@@ -100,7 +101,7 @@ def initialize(config: ConfigLike = None) -> None:
     `python -m paisoar_jax.launch -- python my_script.py` sets); with none of them, a
     single process. `fit` calls it; call it yourself before touching devices otherwise.
     """
-    distributed.initialize(resolve_config(config).distributed, program="paisoar_jax")
+    start(resolve_config(config), "paisoar_jax")
 
 
 def build_workload(
@@ -236,7 +237,7 @@ def fit(
         from paisoar_jax.tools import hf_sources
 
         resolved = resolve_config(config, overrides)
-        distributed.initialize(resolved.distributed, program="paisoar_jax.fit")
+        start(resolved, "paisoar_jax.fit")  # as the command line starts (startup.py)
         resolved, run_workload = build_workload(
             resolved,
             model=model,

@@ -189,3 +189,18 @@ def test_every_task_has_every_member_the_task_protocol_declares():
         assert missing == (["metric_names"] if task is CustomTask else []), task.__name__
     for path in PACKAGE.rglob("*.py"):
         assert 'getattr(task, "' not in path.read_text(), path
+
+
+def test_every_door_starts_a_run_through_startup_start():
+    """The command line (cli.run) and the library (fit, initialize) begin a run with the one
+    start-up function, so the order of its steps cannot differ between them."""
+    import inspect
+
+    from paisoar_jax import api
+    from paisoar_jax.tools import cli
+
+    for door in (cli.run, api.fit, api.initialize):
+        assert "start(" in inspect.getsource(door), door.__qualname__
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "startup.py":
+            assert "mark_as_parsed" not in path.read_text(), path

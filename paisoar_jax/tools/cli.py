@@ -17,6 +17,7 @@ from paisoar_jax.errors import (
     HangError,
     UserError,
 )
+from paisoar_jax.startup import start
 
 
 def config_parser(program: str, description: str) -> argparse.ArgumentParser:
@@ -45,20 +46,10 @@ def run(
 ) -> int:
     """Parses the config and runs `main`; bad input becomes one line and exit status 2."""
     args = parser.parse_intermixed_args(argv)
-    # grain's worker processes read absl flags, which count as unparsed once jax is imported.
-    import absl.flags
-
-    absl.flags.FLAGS.mark_as_parsed()
 
     def work() -> object:
         config = load_config(args.config, args.overrides)
-        # Imported once the config has loaded: `--help` and a bad key answer in a second,
-        # before the model libraries (several seconds of imports) start up.
-        from paisoar_jax.zoo import check_model
-
-        check_model(config)  # what needs the model's tables, before every rank joins
-        # Before main touches a device: a multi-process run must join its peers first.
-        distributed.initialize(config.distributed, program=parser.prog)
+        start(config, parser.prog)  # as fit starts (startup.py)
         return main(config)
 
     return exit_status(parser.prog, work)
