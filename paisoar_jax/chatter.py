@@ -4,7 +4,7 @@ On CPU, jax's collectives (gloo) print `[Gloo] Rank N is connected to M peer ran
 number of connected peer ranks is : M` per device group and process, from C++ threads,
 straight to file descriptor 1 and in pieces that interleave: eight lines or more per rank
 for a small job, in every SLURM or mpirun log. `python -m paisoar_jax.launch` drops them
-itself (tools/rank_output.py); started by srun or mpirun (whose ranks may write to a
+itself (tools/launch/rank_output.py); started by srun or mpirun (whose ranks may write to a
 pseudo-terminal that ends in a file), a rank runs its stdout through a pipe instead, and a
 thread forwards all but the chatter, line by line (the progress bar, on stderr, is left
 alone). Each gloo line end flushes whole lines, so the user's lines arrive intact; only a

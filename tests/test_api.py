@@ -360,7 +360,7 @@ def test_plan_fit_prints_every_parameter(devices, capsys):
 
 
 def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):
-    from paisoar_jax.tools import doctor
+    from paisoar_jax.tools.doctor import command as doctor
 
     overrides = [*BASE, "train.steps=6", "train.log_every=2", f"run.dir={tmp_path}/bench"]
     result = paisoar_jax.bench_fit(None, overrides, model=Net, loss=net_loss, data=examples())

@@ -23,7 +23,8 @@ from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env
 from paisoar_jax import loop, tasks
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
-from paisoar_jax.tools import doctor, findings
+from paisoar_jax.tools.doctor import command as doctor
+from paisoar_jax.tools.doctor import findings
 from paisoar_jax.tools.plan import command as plan_command
 
 QUIET = ["train.eval_every=0", "checkpoint.enabled=false"]

@@ -23,8 +23,9 @@ from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tools import hlo, launch
-from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
+from paisoar_jax.tools import hlo
+from paisoar_jax.tools.launch import command as launch
+from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 
 RUN = RESUMABLE
 TWO_PROCESSES = ["--nproc", "2", "--devices-per-proc", "4", "--grace", "5"]

@@ -18,7 +18,7 @@ from paisoar_jax.config import PrecisionConfig, load_config
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loop import train
 from paisoar_jax.monitor import _skipped_in_a_row, check_health
-from paisoar_jax.tools import doctor
+from paisoar_jax.tools.doctor import command as doctor
 
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(policy="fp16")
 STATIC = PrecisionConfig(policy="fp16", loss_scale="static:1024")

@@ -28,7 +28,7 @@ from paisoar_jax.oom import memory_fixes
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.parallel import rules as rules_table
 from paisoar_jax.step import loss_and_grads
-from paisoar_jax.tools import findings
+from paisoar_jax.tools.doctor import findings
 from paisoar_jax.tools.generate import placement
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import check_model, task_for

@@ -15,8 +15,9 @@ import time
 import pytest
 from conftest import PYTHON, RESUMABLE, subprocess_env
 
-from paisoar_jax.tools import launch, restarts
-from paisoar_jax.tools.rank_output import Output
+from paisoar_jax.tools.launch import command as launch
+from paisoar_jax.tools.launch import restarts
+from paisoar_jax.tools.launch.rank_output import Output
 
 STEPS = 40
 RUN = [*RESUMABLE, "checkpoint.keep=3", "mesh.dcn_data=2", f"train.steps={STEPS}"]

@@ -26,7 +26,7 @@ from typing import Any
 from paisoar_jax.config import Config, LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel.sharding import BATCH_AXES
-from paisoar_jax.tools.findings import Finding, Run
+from paisoar_jax.tools.doctor.findings import Finding, Run
 from paisoar_jax.tools.plan.fit_search import apply, limit_bytes
 
 

@@ -25,8 +25,8 @@ metrics cannot be read.
     context-bound          plan.json: a slice's keys and values move slower than it is attended
 
 Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in paisoar_jax/tools/findings.py, memory_findings.py,
-moe_findings.py and context_split.py.
+The checks and their thresholds are in findings.py, memory_findings.py and moe_findings.py
+beside this module, and tools/plan/context_split.py.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import findings, moe_findings
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.findings import Finding, Run
-from paisoar_jax.tools.memory_findings import memory_headroom
+from paisoar_jax.tools.doctor import findings, moe_findings
+from paisoar_jax.tools.doctor.findings import Finding, Run
+from paisoar_jax.tools.doctor.memory_findings import memory_headroom
 from paisoar_jax.tools.plan import context_split
 
 PROGRAM = "paisoar_jax.doctor"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from paisoar_jax.tools.findings import Finding, Run, percent
+from paisoar_jax.tools.doctor.findings import Finding, Run, percent
 
 LOAD_LIMIT = 2.0  # the busiest expert over twice the mean expert's tokens
 DROP_LIMIT = 0.03  # over 3% of a layer's choices dropped

@@ -24,7 +24,7 @@ other ranks' stack traces go to the logs only. A failure names the rank whose er
 first (recorded in its beats), with that error's line.
 
 `--max-restarts N` runs the whole job again from its newest checkpoint after a crash, a
-killed or stalled rank or a hang (tools/restarts.py); never after a user error (status 2).
+killed or stalled rank or a hang (restarts.py); never after a user error (status 2).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field, replace
 
 from paisoar_jax import distributed, heartbeat
 from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
-from paisoar_jax.tools.rank_output import Output, RankLog, copy_lines
-from paisoar_jax.tools.restarts import Ending, SignalLog, run_with_restarts
-from paisoar_jax.tools.restarts import say as _say
+from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
+from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restarts
+from paisoar_jax.tools.launch.restarts import say as _say
 
 PROGRAM = "paisoar_jax.launch"
 TAIL_LINES = 20
