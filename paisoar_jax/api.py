@@ -234,7 +234,7 @@ def fit(
 
     def work() -> FitResult:
         from paisoar_jax import loop, trained
-        from paisoar_jax.tools import hf_sources
+        from paisoar_jax.tools.hf import sources as hf_sources
 
         resolved = resolve_config(config, overrides)
         start(resolved, "paisoar_jax.fit")  # as the command line starts (startup.py)

@@ -12,12 +12,15 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
-TOOLS = {"hlo", "doctor", "findings", "bench", "overhead", "convert", "export"}
-TOOLS |= {"launch", "rank_output", "cli", "hf", "generate", "conversations"}
-TOOLS |= {"gpu_target", "gpu_kernels", "memory_findings", "hf_layouts", "moe_findings"}
-TOOL_PACKAGES = {"plan": {"core", "command", "table", "reports", "variants", "fit_search"}}
-TOOL_PACKAGES["plan"] |= {"context_split"}
-TOOLS |= {"restarts", "peft", "hf_datasets", "hf_sources"}
+# tools/: modules of their own, and packages of several (each holding the modules named).
+TOOLS = {"hlo", "bench", "overhead", "convert", "export", "cli", "generate", "conversations"}
+TOOLS |= {"gpu_target", "gpu_kernels"}
+TOOL_PACKAGES = {
+    "plan": {"core", "command", "table", "reports", "variants", "fit_search", "context_split"},
+    "doctor": {"command", "findings", "memory_findings", "moe_findings"},
+    "launch": {"command", "rank_output", "restarts"},
+    "hf": {"checkpoints", "layouts", "peft", "datasets", "sources"},
+}
 COMMANDS = {
     "plan",
     "doctor",
@@ -123,6 +126,10 @@ def test_config_is_a_leaf():
 
 def test_the_tools_live_in_tools_and_each_command_is_only_its_door():
     assert {path.stem for path in (PACKAGE / "tools").glob("*.py")} == TOOLS | {"__init__"}
+    packages = {
+        path.name for path in (PACKAGE / "tools").iterdir() if (path / "__init__.py").is_file()
+    }
+    assert packages == set(TOOL_PACKAGES)
     for package, modules in TOOL_PACKAGES.items():
         found = {path.stem for path in (PACKAGE / "tools" / package).glob("*.py")}
         assert found == modules | {"__init__"}, package

@@ -1,4 +1,4 @@
-"""`convert text --from-hf` (paisoar_jax/tools/hf_datasets.py): a `datasets` dataset, saved
+"""`convert text --from-hf` (paisoar_jax/tools/hf/datasets.py): a `datasets` dataset, saved
 or as local data files, converts to the same tokens as the same records in a .jsonl."""
 
 import json

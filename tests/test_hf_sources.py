@@ -1,4 +1,4 @@
-"""`data.source=hf:PATH` (paisoar_jax/tools/hf_sources.py): a `datasets` directory is
+"""`data.source=hf:PATH` (paisoar_jax/tools/hf/sources.py): a `datasets` directory is
 tokenized once on first use, then trains and resumes as a converted dataset does."""
 
 import shutil
@@ -12,7 +12,8 @@ from paisoar_jax.config import load_config
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import hf_cache_directory, open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import convert, hf_sources
+from paisoar_jax.tools import convert
+from paisoar_jax.tools.hf import sources as hf_sources
 
 ROWS = [{"text": f"def add_{i}(x):\n    return x + {i}\n" * (i % 3 + 1)} for i in range(300)]
 

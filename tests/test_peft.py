@@ -1,4 +1,4 @@
-"""LoRA adapters to and from PEFT (paisoar_jax/tools/peft.py), checked against peft itself.
+"""LoRA adapters to and from PEFT (paisoar_jax/tools/hf/peft.py), checked against peft itself.
 
 A tiny random Llama and GPT-2 are built with transformers, imported, LoRA fine-tuned a few
 steps, and exported: `peft.PeftModel.from_pretrained` over transformers' base model must
@@ -20,7 +20,7 @@ import paisoar_jax
 from paisoar_jax.config import LoraConfig, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import hf
-from paisoar_jax.tools import peft as peft_format
+from paisoar_jax.tools.hf import peft as peft_format
 from paisoar_jax.weights import checkpoint_step, load_weights
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload

@@ -9,7 +9,7 @@ random tokens at full speed, for benchmarks. `arrayrecord:<dir or glob>` reads a
 written by `python -m paisoar_jax.convert text`, packed into windows with no padding; its
 last `data.eval_fraction` of windows is held out for eval. `hf:<path>` is a Hugging Face
 `datasets` directory or local data files, tokenized once into a cache (`hf_cache_directory`;
-the train entrypoint and `fit` convert it on first use, tools/hf_sources.py) and then read as
+the train entrypoint and `fit` convert it on first use, tools/hf/sources.py) and then read as
 an arrayrecord dataset.
 """
 

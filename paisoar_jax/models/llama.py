@@ -1,7 +1,7 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, SwiGLU, rotary positions, grouped-query attention.
 
 The same math as Hugging Face's LlamaForCausalLM, so its checkpoints load as they are
-(paisoar_jax/tools/hf.py): rotary positions rotate the two halves of each head (HF's
+(paisoar_jax/tools/hf/): rotary positions rotate the two halves of each head (HF's
 `rotate_half`), with HF's `rope_theta` and the Llama-3 scaling of long contexts; no biases;
 embeddings tied or not. Attention, scan over stacked blocks, remat and fp8 matmuls are
 GPT's (models/gpt.py). Every parameter carries logical axis names: tensor parallelism

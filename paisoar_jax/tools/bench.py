@@ -43,7 +43,7 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
 
     from paisoar_jax.data.prefetch import DevicePrefetcher
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.tools import hf_sources
+    from paisoar_jax.tools.hf import sources as hf_sources
     from paisoar_jax.zoo import task_for
 
     mesh = sharding.build_mesh(config.mesh)

@@ -2,11 +2,11 @@
 
 `text` tokenizes files (one file = one document, each followed by the end-of-document id;
 a .jsonl or .parquet file holds one document per record or row, its `--field`; `--from-hf`
-reads the rows of a Hugging Face `datasets` dataset instead, tools/hf_datasets.py) into one
+reads the rows of a Hugging Face `datasets` dataset instead, tools/hf/datasets.py) into one
 stream cut into fixed-size records; `images` packs a class-per-folder image tree
 into labelled records; `verify` checks a dataset's shards against its manifest. The formats
 and their readers are in `paisoar_jax.data.records`. `hf-import` and `hf-export` carry
-GPT-2 and Llama weights between Hugging Face's format and ours (paisoar_jax/tools/hf.py).
+GPT-2 and Llama weights between Hugging Face's format and ours (paisoar_jax/tools/hf/).
 
 Inputs are files, directories (every non-hidden file below them) or recursive globs. The
 `byte` tokenizer stores each file's raw UTF-8 bytes (vocab 256) and uses 0 as the
@@ -40,9 +40,10 @@ import numpy as np
 from paisoar_jax import output
 from paisoar_jax.data import records
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import conversations, hf, hf_datasets
+from paisoar_jax.tools import conversations, hf
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.hf import EOS_NAMES
+from paisoar_jax.tools.hf import datasets as hf_datasets
 
 PROGRAM = "paisoar_jax.convert"
 DEFAULT_RECORD_TOKENS = 16384

@@ -3,7 +3,7 @@
 `adapter_tensors` gives a LoRA run's adapters as PEFT saves them: our adapter of a kernel
 (`blocks.q_kernel_lora.a`, A: in x r, and `.b`, B: r x out, stacked over the layers) becomes
 the `lora_A.weight` (r x in) and `lora_B.weight` (out x r) of the Hugging Face module that
-kernel maps to (hf_layouts.py: `model.layers.{i}.self_attn.q_proj`), each key under PEFT's
+kernel maps to (layouts.py: `model.layers.{i}.self_attn.q_proj`), each key under PEFT's
 prefix `base_model.model.`: an adapter saved without it loads in PEFT with no error, only a
 warning, and every lora_B left at zero. `adapter_config` writes the rank, alpha, dropout and
 target modules the run trained with, so nothing is typed again at export.
@@ -25,7 +25,7 @@ import numpy as np
 
 from paisoar_jax.config import LanguageModelConfig, LoraConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools.hf_layouts import hf_type, tensors_of
+from paisoar_jax.tools.hf.layouts import hf_type, tensors_of
 
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own wrapping modules
 ADAPTER_SUFFIXES = ("_lora.a", "_lora.b")

@@ -29,8 +29,8 @@ import numpy as np
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params
-from paisoar_jax.tools import peft
-from paisoar_jax.tools.hf_layouts import (
+from paisoar_jax.tools.hf import peft
+from paisoar_jax.tools.hf.layouts import (
     ARCHITECTURES,
     Tensor,
     hf_config,

@@ -1,0 +1,33 @@
+"""Hugging Face checkpoints, adapters and datasets in and out (`python -m paisoar_jax.convert`).
+
+Modules: checkpoints.py imports and exports whole models (`hf_import`, `hf_export`: the
+library side, re-exported here), layouts.py maps each family's tensors onto ours, peft.py
+reads and writes LoRA adapters in PEFT's format, datasets.py reads `--from-hf`'s `datasets`
+input, sources.py tokenizes a `data.source=hf:DIR` once before a run reads its cache.
+"""
+
+from paisoar_jax.tools.hf.checkpoints import (
+    EOS_NAMES,
+    SOURCE_FILE,
+    TOKEN_IDS_FILE,
+    abstract_params,
+    hf_export,
+    hf_import,
+    imported_config,
+    kept_file,
+    model_config_from_hf,
+    placed_params,
+)
+
+__all__ = [
+    "EOS_NAMES",
+    "SOURCE_FILE",
+    "TOKEN_IDS_FILE",
+    "abstract_params",
+    "hf_export",
+    "hf_import",
+    "imported_config",
+    "kept_file",
+    "model_config_from_hf",
+    "placed_params",
+]
