@@ -24,13 +24,10 @@ into place only when complete, so a failed or interrupted run leaves no half dat
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import glob
 import json
 import os
 import pathlib
-import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,126 +36,24 @@ import numpy as np
 
 from paisoar_jax import output
 from paisoar_jax.data import records
+from paisoar_jax.data.tokenizing import load_tokenizer, tokenize
+from paisoar_jax.data.writing import (
+    DOCUMENT_INDEX,
+    IMAGE_WRITER_OPTIONS,
+    TOKEN_WRITER_OPTIONS,
+    staged_output,
+    tokens_manifest,
+    write_manifest,
+    write_shards,
+)
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import conversations, hf
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.hf import EOS_NAMES
 from paisoar_jax.tools.hf import datasets as hf_datasets
 
 PROGRAM = "paisoar_jax.convert"
 DEFAULT_RECORD_TOKENS = 16384
-# One record per chunk, so reading one record decompresses only that record.
-TOKEN_WRITER_OPTIONS = "group_size:1,zstd:3"
-# JPEG and PNG bytes are compressed already; compressing again costs time and saves nothing.
-IMAGE_WRITER_OPTIONS = "group_size:1,uncompressed"
 SHOWN_SKIPPED = 3
-DOCUMENT_INDEX = "documents.npy"  # where each document starts in the stream (int64)
-
-
-@dataclasses.dataclass
-class Tokenizer:
-    """Byte-level (model None) or a HuggingFace `tokenizers` model, with its ids."""
-
-    name: str
-    sha256: str | None
-    vocab_size: int
-    eos_id: int
-    model: object | None = None
-    path: pathlib.Path | None = None  # the tokenizers JSON file (None: byte)
-
-
-def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
-    """`byte`, a HuggingFace `tokenizers` JSON file, or an HF model directory (its own).
-
-    `eos` names the end-of-document token; by default the one the directory declares
-    (declared_end_id).
-    """
-    if spec == "byte":
-        if eos:
-            raise UserError("--eos names a token of a tokenizers model, not of --tokenizer byte")
-        # UTF-8 text never contains NUL, so byte 0 is free to mark the end of a document.
-        return Tokenizer("byte", None, 256, 0)
-    path = pathlib.Path(spec)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        path = path / "tokenizer.json"  # a Hugging Face model directory, or an import of one
-    if not path.is_file():
-        raise UserError(
-            f"--tokenizer {spec}: no such file (use byte, a tokenizers JSON file or a Hugging "
-            f"Face model directory)"
-        )
-    try:
-        import tokenizers
-    except ImportError:
-        raise UserError(
-            "--tokenizer FILE needs the tokenizers package: pip install tokenizers"
-        ) from None
-    try:
-        model = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as error:
-        raise UserError(f"{path} is not a tokenizers JSON file: {error}") from None
-    if eos:
-        eos_id = model.token_to_id(eos)
-        if eos_id is None:
-            raise UserError(f"--eos {eos}: {path} has no such token")
-    else:
-        eos_id = end_of_text_id(model, path.parent)
-    if eos_id is None:
-        raise UserError(
-            f"{path} has no end-of-sequence token: its directory declares none (an eos_token "
-            f"in tokenizer_config.json, an eos_token_id in generation_config.json or "
-            f"config.json) and it has none of {', '.join(EOS_NAMES)}; name it with --eos TOKEN"
-        )
-    sha256 = records.file_sha256(path)
-    return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model, path)
-
-
-def declared_end_id(model: Any, directory: pathlib.Path) -> int | None:
-    """The end-of-sequence id a model directory declares for its `tokenizers` model.
-
-    tokenizer_config.json's eos_token (a string or an AddedToken), else the eos_token_id
-    (an id or a list: its first) of generation_config.json, else of config.json, as
-    transformers reads them; None when none of them says.
-    """
-    for name in records.EOS_DECLARING_FILES:
-        path = directory / name
-        try:
-            settings = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            continue  # an unreadable file declares nothing; the next one may
-        token = settings.get("eos_token") if name == records.EOS_DECLARING_FILES[0] else None
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str) and model.token_to_id(token) is not None:
-            return model.token_to_id(token)
-        token_id = settings.get("eos_token_id")
-        token_id = token_id[0] if isinstance(token_id, list) and token_id else token_id
-        if isinstance(token_id, int) and 0 <= token_id < model.get_vocab_size():
-            return token_id
-    return None
-
-
-def end_of_text_id(model: Any, directory: pathlib.Path | None = None) -> int | None:
-    """The end-of-text id of a `tokenizers` model: its directory's declared one, else by name.
-
-    The first of EOS_NAMES it has is only the last resort, for a bare tokenizer.json.
-    """
-    declared = declared_end_id(model, directory) if directory is not None else None
-    if declared is not None:
-        return declared
-    ids = (model.token_to_id(name) for name in EOS_NAMES)
-    return next((token for token in ids if token is not None), None)
-
-
-def tokenize(tokenizer: Tokenizer, data: bytes, where: str) -> np.ndarray:
-    """The token ids of one document's UTF-8 bytes, without its end-of-document id."""
-    if tokenizer.model is None:
-        if b"\0" in data:
-            raise UserError(f"{where} contains NUL bytes (the byte tokenizer's end-of-document)")
-        return np.frombuffer(data, np.uint8)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"{where} is not UTF-8 text: {error}") from None
-    return np.asarray(tokenizer.model.encode(text, add_special_tokens=False).ids, np.int64)
 
 
 def documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
@@ -243,65 +138,6 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     return sorted(found)
 
 
-@contextlib.contextmanager
-def staged_output(output: pathlib.Path, overwrite: bool) -> Iterator[pathlib.Path]:
-    """A fresh sibling directory of `output` that replaces it only if the body succeeds."""
-    output = pathlib.Path(os.path.abspath(output))  # "." and "out/" need a real name and parent
-    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output {output} exists and is not empty (--overwrite replaces it)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if output.is_dir():
-        retired = staging.with_name(f".{output.name}.old-{os.getpid()}")
-        output.rename(retired)
-        staging.rename(output)
-        shutil.rmtree(retired)
-    else:
-        output.unlink(missing_ok=True)
-        staging.rename(output)
-
-
-def write_shards(
-    directory: pathlib.Path,
-    prefix: str,
-    contents: Iterator[bytes],
-    record_count: int,
-    shard_count: int,
-    options: str,
-) -> list[dict]:
-    """Writes record_count records in order, contiguously over at most shard_count shards."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    shard_count = max(1, min(shard_count, record_count))
-    base, extra = divmod(record_count, shard_count)
-    shards = []
-    for index in range(shard_count):
-        count = base + (index < extra)
-        path = directory / records.shard_name(prefix, index, shard_count)
-        writer = ArrayRecordWriter(str(path), options)
-        if not writer.ok():
-            raise UserError(f"cannot create {path}")
-        for _ in range(count):
-            writer.write(next(contents))
-        writer.close()
-        size, sha256 = path.stat().st_size, records.file_sha256(path)
-        shards.append({"path": path.name, "records": count, "bytes": size, "sha256": sha256})
-    return shards
-
-
-def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
-    """Writes manifest.json with sorted keys, so equal datasets have equal bytes."""
-    text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
-    (directory / records.MANIFEST_NAME).write_text(text)
-
-
 def progress(items: Sequence, description: str, enabled: bool) -> Iterator:
     """A tqdm bar on stderr, shown only on a terminal and when enabled."""
     from tqdm import tqdm
@@ -373,7 +209,7 @@ def convert_text(args: argparse.Namespace) -> str:
             shard["tokens"] = min(stop * record_tokens, token_count) - first * record_tokens
             first = stop
         np.save(staging / DOCUMENT_INDEX, np.asarray(starts, np.int64))
-        manifest = _tokens_manifest(staging, tokenizer, dtype, record_tokens, starts, shards)
+        manifest = tokens_manifest(staging, tokenizer, dtype, record_tokens, starts, shards)
         if masked:
             manifest |= {"loss_mask": True, "learned_tokens": learned_count}
         write_manifest(staging, manifest)
@@ -382,29 +218,6 @@ def convert_text(args: argparse.Namespace) -> str:
         f"wrote {len(starts)} documents, {token_count} tokens{learned} "
         f"in {len(shards)} shards to {args.output}"
     )
-
-
-def _tokens_manifest(staging, tokenizer, dtype, record_tokens: int, starts, shards) -> dict:
-    """A tokens dataset's manifest: format, tokenizer, sizes, document index, shards."""
-    token_count = sum(shard["tokens"] for shard in shards)
-    return {
-        "format": records.TOKENS_FORMAT,
-        "version": records.FORMAT_VERSION,
-        "tokenizer": tokenizer.name,
-        "tokenizer_sha256": tokenizer.sha256,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "dtype": dtype.name,
-        "record_tokens": record_tokens,
-        "token_count": token_count,
-        "documents": len(starts),
-        "document_index": {
-            "path": DOCUMENT_INDEX,
-            "documents": len(starts),
-            "sha256": records.file_sha256(staging / DOCUMENT_INDEX),
-        },
-        "shards": shards,
-    }
 
 
 def convert_images(args: argparse.Namespace) -> str:

@@ -27,6 +27,7 @@ import shutil
 import numpy as np
 
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
+from paisoar_jax.data.tokenizing import EOS_NAMES
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params
 from paisoar_jax.tools.hf import peft
@@ -55,9 +56,6 @@ KEPT_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-
-# The last resort for a tokenizer whose directory declares no end-of-sequence token.
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 
 
 class SafetensorsReader:
