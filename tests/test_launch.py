@@ -83,7 +83,8 @@ def cut_at_step_two(source, target):
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("two") / "run"
-    result = train_two(run_dir, "train.steps=5", "run.tensorboard=true")
+    # With the closing sample: decoded over both processes' devices, read by each.
+    result = train_two(run_dir, "train.steps=5", "run.tensorboard=true", "train.sample_bytes=8")
     return run_dir, result
 
 
@@ -130,6 +131,7 @@ def test_two_processes_train_like_one_process_with_eight_devices(two_process_run
     rank_one = [line for line in result.stdout.splitlines() if line.startswith("[rank 1]")]
     assert not [line for line in rank_one if "paisoar_jax" in line], rank_one
     assert "[rank 0] paisoar_jax: done: 5 steps" in result.stdout
+    assert "[rank 0] sample:" in result.stdout
     assert "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}" in result.stdout
 
 

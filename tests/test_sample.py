@@ -46,3 +46,12 @@ def test_the_closing_sample_is_the_full_forwards_greedy_text_window_by_window(de
             made, windows = made + new, windows + 1
     assert windows == 4 and len(text) == len(prompt) + length
     assert text == bytes(expected)
+
+
+def test_a_window_of_one_position_samples_a_byte_at_a_time(devices):
+    """model.seq_len=1: each window is the last byte alone, and the sample is still whole."""
+    config, mesh, layout, state, _ = build_run(["model.seq_len=1", "mesh.data=1"], devices[:1])
+    text = generate(
+        layout, state.params, state.model_state, mesh, b"def", 5, config.model, jnp.float32
+    )
+    assert len(text) == 8 and text.startswith(b"def")
