@@ -234,7 +234,6 @@ def fit(
 
     def work() -> FitResult:
         from paisoar_jax import loop, trained
-        from paisoar_jax.tools.hf import sources as hf_sources
 
         resolved = resolve_config(config, overrides)
         start(resolved, "paisoar_jax.fit")  # as the command line starts (startup.py)
@@ -247,8 +246,6 @@ def fit(
             eval_data=eval_data,
             flops_per_example=flops_per_example,
         )
-        if model is None:  # the zoo's data: hf:<path> tokenized once on first use
-            hf_sources.prepare(resolved)
         finished = loop.run(resolved, run_workload)
         if raise_on_interrupt and finished.summary.get("stopped_by") == "SIGINT":
             raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")

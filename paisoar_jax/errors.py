@@ -1,4 +1,4 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and how a setting is named in its line.
 
 Anything a user can get wrong (a config key, a mesh shape, a data path) raises `UserError`
 with one line naming the culprit. Entrypoints print that line and exit with status 2
@@ -24,3 +24,32 @@ class DivergenceError(Exception):
 
 class HangError(Exception):
     """The hang watchdog stopped the run (it saved first): exit status HANG_EXIT_CODE."""
+
+
+class SettingNames:
+    """How a tool names its settings in errors: convert's `--flag value` or a run's `key=value`.
+
+    One conversion serves both doors (`convert text` and a run's `data.source=hf:`), and each
+    error must name what the user typed there. `labels` maps a setting to its name (an
+    empty one: the door has no such setting); a setting without a label is a flag spelled
+    from its own name (record_tokens: --record-tokens).
+    """
+
+    def __init__(self, labels: dict[str, str] | None = None, joiner: str = " "):
+        self.labels = labels or {}
+        self.joiner = joiner  # between a name and its value
+
+    def __call__(self, setting: str, value: object = None) -> str:
+        """The setting's name, with `value` as the user would write it when given."""
+        label = self.labels.get(setting) or "--" + setting.replace("_", "-")
+        if value is None:
+            return label
+        # A label that already ends in its joiner (data.source=hf:) takes the value as is.
+        return f"{label}{value}" if label.endswith(("=", ":")) else f"{label}{self.joiner}{value}"
+
+    def offers(self, setting: str) -> bool:
+        """Whether the user can set `setting` through this door."""
+        return self.labels.get(setting) != ""
+
+
+FLAG_NAMES = SettingNames()  # the command-line tools' own flags

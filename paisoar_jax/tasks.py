@@ -24,8 +24,8 @@ import optax
 
 from paisoar_jax import output
 from paisoar_jax.config import Config
+from paisoar_jax.data import hf_sources, mixture
 from paisoar_jax.data import images as image_data
-from paisoar_jax.data import mixture
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
@@ -57,8 +57,12 @@ class LanguageModelling:
             self.metric_names = moe.metric_names(config.model)
 
     def open_sources(self) -> tuple[Any, Any]:
-        """(train, eval) windows: data.source's or data.mixture's, eval data.eval_source's."""
+        """(train, eval) windows: data.source's or data.mixture's, eval data.eval_source's.
+
+        hf:<path> sources are tokenized first, once, into their cache (data/hf_sources.py).
+        """
         data, model, seed = self.config.data, self.config.model, self.config.train.seed
+        hf_sources.prepare(self.config)
         opened = (
             mixture.open_mixture(data.train_side(), lambda one: open_source(one, model, seed))
             if data.mixture

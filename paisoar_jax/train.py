@@ -23,9 +23,7 @@ def _train(config: Config) -> object:
     # Imported once the config has loaded: `--help` and a bad key answer in a second, before
     # the model libraries (several seconds of imports) start up.
     from paisoar_jax.loop import train
-    from paisoar_jax.tools.hf import sources as hf_sources
 
-    hf_sources.prepare(config)  # hf:<path> data, tokenized once on first use
     return train(config)
 
 

@@ -13,13 +13,13 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 # tools/: modules of their own, and packages of several (each holding the modules named).
-TOOLS = {"hlo", "bench", "overhead", "convert", "export", "cli", "generate", "conversations"}
+TOOLS = {"hlo", "bench", "overhead", "convert", "export", "cli", "generate"}
 TOOLS |= {"gpu_target", "gpu_kernels"}
 TOOL_PACKAGES = {
     "plan": {"core", "command", "table", "reports", "variants", "fit_search", "context_split"},
     "doctor": {"command", "findings", "memory_findings", "moe_findings"},
     "launch": {"command", "rank_output", "restarts"},
-    "hf": {"checkpoints", "layouts", "peft", "datasets", "sources"},
+    "hf": {"checkpoints", "layouts", "peft"},
 }
 COMMANDS = {
     "plan",

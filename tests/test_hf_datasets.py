@@ -1,4 +1,4 @@
-"""`convert text --from-hf` (paisoar_jax/tools/hf/datasets.py): a `datasets` dataset, saved
+"""`convert text --from-hf` (paisoar_jax/data/hf_datasets.py): a `datasets` dataset, saved
 or as local data files, converts to the same tokens as the same records in a .jsonl."""
 
 import json
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from paisoar_jax.data.records import TokenRecords
-from paisoar_jax.errors import UserError
 from paisoar_jax.tools import convert
 
 RECORDS = [
@@ -65,7 +64,7 @@ def test_a_datasets_dataset_converts_as_its_jsonl_does(sources, tmp_path, format
     assert (expected[1] is not None) == bool(format_arguments)  # instructions: a loss mask
 
 
-def test_a_split_is_chosen_and_bad_input_is_one_line(sources, tmp_path):
+def test_a_split_is_chosen_and_bad_input_is_one_line(sources, tmp_path, capsys):
     test_split = converted(tmp_path, "test", "--from-hf", str(sources / "dict"), "--split", "test")
     assert len(test_split[2]) == 3
     (tmp_path / "empty").mkdir()
@@ -76,12 +75,8 @@ def test_a_split_is_chosen_and_bad_input_is_one_line(sources, tmp_path):
         (["--from-hf", str(tmp_path / "empty")], "not a directory written by save_to_disk"),
         (["--from-hf", str(sources / "saved"), "--field", "body"], "no field 'body'"),
     ):
-        with pytest.raises(UserError) as error:
-            convert.convert_text(
-                convert.build_parser().parse_args(
-                    ["text", *arguments, "--output", str(tmp_path / "x")]
-                )
-            )
-        failures.append((str(error.value), expected))
+        capsys.readouterr()
+        assert convert.main(["text", *arguments, "--output", str(tmp_path / "x")]) == 2
+        failures.append((capsys.readouterr().err.strip(), expected))
     for message, expected in failures:
         assert expected in message and "\n" not in message, message

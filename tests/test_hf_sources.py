@@ -1,4 +1,4 @@
-"""`data.source=hf:PATH` (paisoar_jax/tools/hf/sources.py): a `datasets` directory is
+"""`data.source=hf:PATH` (paisoar_jax/data/hf_sources.py): a `datasets` directory is
 tokenized once on first use, then trains and resumes as a converted dataset does."""
 
 import shutil
@@ -9,11 +9,12 @@ import pytest
 from conftest import resumable_run
 
 from paisoar_jax.config import load_config
+from paisoar_jax.data import hf_sources
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import hf_cache_directory, open_source
 from paisoar_jax.errors import UserError
+from paisoar_jax.tasks import LanguageModelling
 from paisoar_jax.tools import convert
-from paisoar_jax.tools.hf import sources as hf_sources
 
 ROWS = [{"text": f"def add_{i}(x):\n    return x + {i}\n" * (i % 3 + 1)} for i in range(300)]
 
@@ -34,7 +35,7 @@ def test_a_datasets_directory_trains_and_resumes_exactly(saved, tmp_path, capsys
     config = load_config(None, settings(saved, tmp_path / "cache"))
     with pytest.raises(UserError, match="is not tokenized yet: `python -m paisoar_jax.train`"):
         open_source(config.data, config.model, 0)
-    hf_sources.prepare(config)
+    LanguageModelling(config, object).open_sources()  # the task tokenizes it when it opens it
     directory = hf_cache_directory(config.data, str(saved))
     assert "tokenized once for this and later runs" in capsys.readouterr().out
     # the same tokens as `convert text --from-hf` writes
@@ -79,7 +80,12 @@ def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path)
     shutil.copytree(saved, damaged)
     for arrow in damaged.glob("*.arrow"):
         arrow.write_bytes(b"")
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:20])}).save_to_disk(splits)
+    eval_split = [f"data.eval_source=hf:{splits}", "data.eval_hf_split=valid"]
     cases = [
+        ([f"data.source=hf:{saved}", *eval_split], "name one with data.eval_hf_split"),
+        ([f"data.source=hf:{saved}", "data.hf_format=chat"], "data.hf_format=chat needs a"),
         ([f"data.source=hf:{tmp_path / 'broken.jsonl'}"], "broken.jsonl: datasets cannot read it"),
         ([f"data.source=hf:{damaged}"], "damaged: datasets cannot read it"),
         ([f"data.source=hf:{saved}", "data.hf_field=body"], "set data.hf_field"),
@@ -111,7 +117,6 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     from conftest import TINY, run_records
 
     from paisoar_jax.loop import train
-    from paisoar_jax.tasks import LanguageModelling
 
     splits = {"train": ROWS[:240], "validation": [{"text": "x = 'held out'\n" * 40}] * 20}
     splits = datasets.DatasetDict(

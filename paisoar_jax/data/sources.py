@@ -9,8 +9,8 @@ random tokens at full speed, for benchmarks. `arrayrecord:<dir or glob>` reads a
 written by `python -m paisoar_jax.convert text`, packed into windows with no padding; its
 last `data.eval_fraction` of windows is held out for eval. `hf:<path>` is a Hugging Face
 `datasets` directory or local data files, tokenized once into a cache (`hf_cache_directory`;
-the train entrypoint and `fit` convert it on first use, tools/hf/sources.py) and then read as
-an arrayrecord dataset.
+the language-model task converts it when it opens its sources, data/hf_sources.py) and
+then read as an arrayrecord dataset.
 """
 
 from __future__ import annotations

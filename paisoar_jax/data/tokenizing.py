@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from paisoar_jax.data import records
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
 
 # The last resort for a tokenizer whose directory declares no end-of-sequence token.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
@@ -36,15 +36,20 @@ class Tokenizer:
     path: pathlib.Path | None = None  # the tokenizers JSON file (None: byte)
 
 
-def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
+def load_tokenizer(
+    spec: str, eos: str | None = None, names: SettingNames = FLAG_NAMES
+) -> Tokenizer:
     """`byte`, a HuggingFace `tokenizers` JSON file, or an HF model directory (its own).
 
     `eos` names the end-of-document token; by default the one the directory declares
-    (declared_end_id).
+    (declared_end_id). `names`: how errors name the `tokenizer` and `eos` settings.
     """
     if spec == "byte":
         if eos:
-            raise UserError("--eos names a token of a tokenizers model, not of --tokenizer byte")
+            raise UserError(
+                f"{names('eos')} names a token of a tokenizers model, not of "
+                f"{names('tokenizer', 'byte')}"
+            )
         # UTF-8 text never contains NUL, so byte 0 is free to mark the end of a document.
         return Tokenizer("byte", None, 256, 0)
     path = pathlib.Path(spec)
@@ -52,14 +57,14 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
         path = path / "tokenizer.json"  # a Hugging Face model directory, or an import of one
     if not path.is_file():
         raise UserError(
-            f"--tokenizer {spec}: no such file (use byte, a tokenizers JSON file or a Hugging "
-            f"Face model directory)"
+            f"{names('tokenizer', spec)}: no such file (use byte, a tokenizers JSON file or a "
+            f"Hugging Face model directory)"
         )
     try:
         import tokenizers
     except ImportError:
         raise UserError(
-            "--tokenizer FILE needs the tokenizers package: pip install tokenizers"
+            f"{names('tokenizer', spec)} needs the tokenizers package: pip install tokenizers"
         ) from None
     try:
         model = tokenizers.Tokenizer.from_file(str(path))
@@ -68,14 +73,20 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
     if eos:
         eos_id = model.token_to_id(eos)
         if eos_id is None:
-            raise UserError(f"--eos {eos}: {path} has no such token")
+            raise UserError(f"{names('eos', eos)}: {path} has no such token")
     else:
         eos_id = end_of_text_id(model, path.parent)
     if eos_id is None:
+        remedy = (
+            f"name it with {names('eos', 'TOKEN')}"
+            if names.offers("eos")  # a run's data.source=hf: has no such key: convert has
+            else "convert with `python -m paisoar_jax.convert text --eos TOKEN` and train on "
+            "data.source=arrayrecord:DIR"
+        )
         raise UserError(
             f"{path} has no end-of-sequence token: its directory declares none (an eos_token "
             f"in tokenizer_config.json, an eos_token_id in generation_config.json or "
-            f"config.json) and it has none of {', '.join(EOS_NAMES)}; name it with --eos TOKEN"
+            f"config.json) and it has none of {', '.join(EOS_NAMES)}; {remedy}"
         )
     sha256 = records.file_sha256(path)
     return Tokenizer(path.name, sha256, model.get_vocab_size(), eos_id, model, path)

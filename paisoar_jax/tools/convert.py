@@ -2,8 +2,9 @@
 
 `text` tokenizes files (one file = one document, each followed by the end-of-document id;
 a .jsonl or .parquet file holds one document per record or row, its `--field`; `--from-hf`
-reads the rows of a Hugging Face `datasets` dataset instead, tools/hf/datasets.py) into one
-stream cut into fixed-size records; `images` packs a class-per-folder image tree
+reads the rows of a Hugging Face `datasets` dataset instead) into one stream cut into
+fixed-size records (the conversion itself is data/text_conversion.py, which a run's
+`data.source=hf:` uses too); `images` packs a class-per-folder image tree
 into labelled records; `verify` checks a dataset's shards against its manifest. The formats
 and their readers are in `paisoar_jax.data.records`. `hf-import` and `hf-export` carry
 GPT-2 and Llama weights between Hugging Face's format and ours (paisoar_jax/tools/hf/).
@@ -24,200 +25,45 @@ into place only when complete, so a failed or interrupted run leaves no half dat
 from __future__ import annotations
 
 import argparse
-import glob
+import dataclasses
 import json
-import os
 import pathlib
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from paisoar_jax import output
 from paisoar_jax.data import records
-from paisoar_jax.data.tokenizing import load_tokenizer, tokenize
+from paisoar_jax.data.conversations import FORMATS
+from paisoar_jax.data.text_conversion import (
+    DEFAULT_RECORD_TOKENS,
+    TextConversion,
+    convert_text,
+    progress,
+)
 from paisoar_jax.data.writing import (
-    DOCUMENT_INDEX,
     IMAGE_WRITER_OPTIONS,
-    TOKEN_WRITER_OPTIONS,
     staged_output,
-    tokens_manifest,
     write_manifest,
     write_shards,
 )
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import conversations, hf
+from paisoar_jax.tools import hf
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.hf import datasets as hf_datasets
 
 PROGRAM = "paisoar_jax.convert"
-DEFAULT_RECORD_TOKENS = 16384
 SHOWN_SKIPPED = 3
 
 
-def documents(path: pathlib.Path, field: str) -> Iterator[tuple[bytes, str]]:
-    """(UTF-8 bytes, where) of each document of a file.
-
-    A .jsonl or .parquet file holds one per record or row (its `field`); any other file is
-    one document.
-    """
-    if path.suffix not in (".jsonl", ".parquet"):
-        try:
-            yield path.read_bytes(), str(path)
-        except OSError as error:
-            raise UserError(f"cannot read {path}: {error.strerror}") from None
-        return
-    for record, where in _rows(path, [field]):
-        yield conversations.text_field(record, field, where).encode("utf-8"), where
-
-
-def _rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tuple[Any, str]]:
-    """(record, where) of each record of a .jsonl or row of a .parquet file."""
-    if path.suffix == ".parquet":
-        return conversations.parquet_rows(path, columns)
-    return conversations.json_rows(path)
-
-
-def document_pieces(path: pathlib.Path, args: argparse.Namespace, template) -> Iterator:
-    """([(UTF-8 bytes, learned), ...], where) of each document of a file, by --format."""
-    if args.format == "text" and path.suffix not in (".jsonl", ".parquet"):
-        for data, where in documents(path, args.field):
-            yield [(data, True)], where
-        return
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise UserError(f"--format {args.format} reads .jsonl or .parquet records, not {path}")
-    columns = [args.field] if args.format == "text" else None
-    yield from record_pieces(_rows(path, columns), args, template)
-
-
-def record_pieces(records: Iterator, args: argparse.Namespace, template) -> Iterator:
-    """([(UTF-8 bytes, learned), ...], where) of each (record, where), by --format."""
-    for record, where in records:
-        if args.format == "text":
-            pieces = [(conversations.text_field(record, args.field, where), True)]
-        elif args.format == "instruction":
-            fields = (args.prompt_field, args.response_field)
-            pieces = conversations.instruction_pieces(record, *fields, where)
-        else:
-            pieces = template.pieces(record, args.messages_field, where)
-        yield [(text.encode("utf-8"), learned) for text, learned in pieces], where
-
-
-def input_pieces(files: list[pathlib.Path], args: argparse.Namespace, template) -> Iterator:
-    """The pieces of every document: of the files, or of the rows of --from-hf's dataset."""
-    if args.from_hf is not None:
-        rows = hf_datasets.rows(args.from_hf, args.split)
-        yield from record_pieces(rows, args, template)
-        return
-    for path in progress(files, "tokenizing", args.progress):
-        yield from document_pieces(path, args, template)
-
-
-def files_under(directory: pathlib.Path) -> list[pathlib.Path]:
-    """The files below a directory at any depth, skipping hidden ones (.git and the like)."""
-    return [
-        path
-        for path in directory.rglob("*")
-        if path.is_file()
-        and not any(part.startswith(".") for part in path.relative_to(directory).parts)
-    ]
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
-    """The sorted, deduplicated files named by files, directories or (recursive) globs."""
-    found: set[pathlib.Path] = set()
-    for pattern in patterns:
-        matched = []
-        for name in [pattern] if os.path.exists(pattern) else glob.glob(pattern, recursive=True):
-            path = pathlib.Path(name)
-            matched += files_under(path) if path.is_dir() else [path]
-        if not matched:
-            raise UserError(f"--input {pattern}: no such file, or no files under or matching it")
-        found.update(pathlib.Path(os.path.abspath(path)) for path in matched)
-    return sorted(found)
-
-
-def progress(items: Sequence, description: str, enabled: bool) -> Iterator:
-    """A tqdm bar on stderr, shown only on a terminal and when enabled."""
-    from tqdm import tqdm
-
-    return tqdm(
-        items,
-        desc=description,
-        unit="file",
-        file=sys.stderr,
-        disable=None if enabled and output.shows_progress() else True,
-    )
-
-
-def convert_text(args: argparse.Namespace) -> str:
-    """Tokenizes the input files into a tokens dataset; returns the summary line."""
-    if args.record_tokens < 1:
-        raise UserError(f"--record-tokens must be at least 1, got {args.record_tokens}")
-    files = expand_inputs(args.input) if args.input else []
-    tokenizer = load_tokenizer(args.tokenizer, args.eos)
-    template = None
-    if args.format == "chat":
-        if tokenizer.model is None:
-            raise UserError("--format chat needs a tokenizer with a chat template, not byte")
-        template = conversations.ChatTemplate(tokenizer.path)
-    masked = args.format != "text"  # instructions and chats: the tokens to learn marked
-    dtype = np.dtype("<u2" if tokenizer.vocab_size <= 1 << 16 else "<u4")
-    record_tokens = args.record_tokens
-    with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
-        # The stream goes to disk first: shard sizes depend on the total, known only at the end.
-        stream_path, mask_path = staging / "stream.tmp", staging / "mask.tmp"
-        starts, learned_count, token_count = [], 0, 0
-        with open(stream_path, "wb") as stream, open(mask_path, "wb") as mask_stream:
-            for pieces, where in input_pieces(files, args, template):
-                parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
-                flags = [
-                    np.full(len(part), learned)
-                    for part, (_, learned) in zip(parts, pieces, strict=True)
-                ]
-                # The end-of-document token is learned after a learned piece (a response)
-                tokens = np.concatenate([*parts, [tokenizer.eos_id]])
-                mask = np.concatenate([*flags, [pieces[-1][1] or not masked]])
-                stream.write(tokens.astype(dtype).tobytes())
-                if masked:
-                    mask_stream.write(mask.astype(np.uint8).tobytes())
-                starts.append(token_count)
-                token_count += len(tokens)
-                learned_count += int(mask.sum()) if masked else 0
-        if token_count == len(starts):
-            raise UserError(f"every input document is empty ({len(starts)} documents)")
-        if masked and learned_count == 0:
-            raise UserError(f"no record has a response token to learn ({len(starts)} records)")
-        stream_tokens = np.memmap(stream_path, dtype, "r")
-        mask_bytes = np.memmap(mask_path, np.uint8, "r") if masked else None
-        contents = (
-            stream_tokens[start : start + record_tokens].tobytes()
-            + (mask_bytes[start : start + record_tokens].tobytes() if masked else b"")
-            for start in range(0, token_count, record_tokens)
-        )
-        record_count = -(-token_count // record_tokens)
-        shards = write_shards(
-            staging, "tokens", contents, record_count, args.shards, TOKEN_WRITER_OPTIONS
-        )
-        del contents, stream_tokens, mask_bytes
-        stream_path.unlink()
-        mask_path.unlink()
-        first = 0
-        for shard in shards:
-            stop = first + shard["records"]
-            shard["tokens"] = min(stop * record_tokens, token_count) - first * record_tokens
-            first = stop
-        np.save(staging / DOCUMENT_INDEX, np.asarray(starts, np.int64))
-        manifest = tokens_manifest(staging, tokenizer, dtype, record_tokens, starts, shards)
-        if masked:
-            manifest |= {"loss_mask": True, "learned_tokens": learned_count}
-        write_manifest(staging, manifest)
-    learned = f" ({learned_count} of them to learn)" if masked else ""
-    return (
-        f"wrote {len(starts)} documents, {token_count} tokens{learned} "
-        f"in {len(shards)} shards to {args.output}"
-    )
+def _convert_text(args: argparse.Namespace) -> str:
+    """`convert text`: its flags as a TextConversion."""
+    settings = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(TextConversion)
+        if field.name != "names"  # the flags' own, by default
+    }
+    return convert_text(TextConversion(**settings | {"input": tuple(args.input or ())}))
 
 
 def convert_images(args: argparse.Namespace) -> str:
@@ -341,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     text.add_argument(
         "--format",
-        choices=conversations.FORMATS,
+        choices=FORMATS,
         default="text",
         help="text: whole documents, all learned; instruction: prompt and response fields, "
         "the prompt masked from the loss; chat: messages rendered with the tokenizer's chat "
@@ -350,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--prompt-field", default="prompt", help="--format instruction")
     text.add_argument("--response-field", default="response", help="--format instruction")
     text.add_argument("--messages-field", default="messages", help="--format chat")
-    text.set_defaults(handler=convert_text)
+    text.set_defaults(handler=_convert_text)
     images = commands.add_parser("images", help="pack a DIR/CLASS/*.jpg tree into a dataset")
     images.add_argument("--input", required=True, metavar="DIR")
     images.set_defaults(handler=convert_images)

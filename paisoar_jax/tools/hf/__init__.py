@@ -1,9 +1,9 @@
-"""Hugging Face checkpoints, adapters and datasets in and out (`python -m paisoar_jax.convert`).
+"""Hugging Face checkpoints and adapters in and out (`python -m paisoar_jax.convert`).
 
 Modules: checkpoints.py imports and exports whole models (`hf_import`, `hf_export`: the
 library side, re-exported here), layouts.py maps each family's tensors onto ours, peft.py
-reads and writes LoRA adapters in PEFT's format, datasets.py reads `--from-hf`'s `datasets`
-input, sources.py tokenizes a `data.source=hf:DIR` once before a run reads its cache.
+reads and writes LoRA adapters in PEFT's format. Hugging Face `datasets` are data's
+(data/hf_datasets.py, data/hf_sources.py).
 """
 
 from paisoar_jax.tools.hf.checkpoints import (

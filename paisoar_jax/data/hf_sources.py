@@ -1,16 +1,18 @@
 """`data.source=hf:<path>` at train time: the dataset tokenized once, on first use.
 
-A Hugging Face `datasets` directory (save_to_disk) or local data files are converted by
-`convert text --from-hf` into the cache directory the core reads them from
+A Hugging Face `datasets` directory (save_to_disk) or local data files are converted, as
+`convert text --from-hf` converts them (data/text_conversion.py, its errors naming the
+data.* keys), into the cache directory the core reads them from
 (`data.sources.hf_cache_directory`: a hash of the files and the settings, under
 data.cache_dir), then trained on as an arrayrecord dataset, with the global sampler's
-guarantees. Process 0 converts while the others wait; every process must see the cache.
+guarantees. The language-model task prepares them when it opens its sources; process 0
+converts while the others wait; every process must see the cache.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
+import pathlib
 
 import jax
 
@@ -18,7 +20,8 @@ from paisoar_jax import output
 from paisoar_jax.config import Config, DataConfig
 from paisoar_jax.data.records import MANIFEST_NAME
 from paisoar_jax.data.sources import hf_cache_directory
-from paisoar_jax.errors import UserError
+from paisoar_jax.data.text_conversion import TextConversion, convert_text
+from paisoar_jax.errors import SettingNames, UserError
 
 WAIT_S = 24 * 3600  # how long the other processes wait for process 0's tokenizing
 _BARRIERS = itertools.count()  # a barrier's name is used once
@@ -50,33 +53,42 @@ def hf_paths(config: Config) -> list[tuple[str, str, DataConfig]]:
     ]
 
 
-# convert's flags, and the keys of the data section that set them here
-FLAG_KEYS = {
-    "--split": "data.hf_split",
-    "--format": "data.hf_format",
-    "--tokenizer": "data.tokenizer",
-    "--messages-field": "data.hf_field",
-    "--prompt-field": "data.hf_field (prompt,response)",
-    "--response-field": "data.hf_field (prompt,response)",
-    "--field": "data.hf_field",
+# The conversion's settings as a run's config names them; eos and the record size are
+# convert's alone (empty: no such key here).
+CONFIG_LABELS = {
+    "format": "data.hf_format",
+    "tokenizer": "data.tokenizer",
+    "field": "data.hf_field",
+    "prompt_field": "data.hf_field (prompt,response)",
+    "response_field": "data.hf_field (prompt,response)",
+    "messages_field": "data.hf_field",
+    "eos": "",
 }
 
 
-def _field_arguments(form: str, field: str) -> list[str]:
-    """The column flags of convert for data.hf_field under data.hf_format."""
-    if not field:
-        return []
-    if form == "instruction":
-        prompt, response = field.split(",")
-        return ["--prompt-field", prompt.strip(), "--response-field", response.strip()]
-    return ["--messages-field" if form == "chat" else "--field", field]
-
-
-def _as_keys(message: str) -> str:
-    """A convert error with its flags named as the config keys that set them."""
-    for flag, key in FLAG_KEYS.items():
-        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", key, message)
-    return message
+def conversion_for(
+    key: str, data: DataConfig, path: str, directory: pathlib.Path
+) -> TextConversion:
+    """The conversion of `key`'s `hf:<path>` into `directory`, as the data section sets it."""
+    columns = {}
+    if data.hf_field and data.hf_format == "instruction":
+        prompt, response = (name.strip() for name in data.hf_field.split(","))
+        columns = {"prompt_field": prompt, "response_field": response}
+    elif data.hf_field:
+        columns = {"messages_field" if data.hf_format == "chat" else "field": data.hf_field}
+    split_key = "data.eval_hf_split" if key == "data.eval_source" else "data.hf_split"
+    names = SettingNames(CONFIG_LABELS | {"from_hf": f"{key}=hf:", "split": split_key}, "=")
+    return TextConversion(
+        output=directory,
+        from_hf=pathlib.Path(path),
+        split=data.hf_split,
+        tokenizer=data.tokenizer or "byte",
+        format=data.hf_format,
+        overwrite=True,  # the cache directory is ours; a partial one never lands (staged)
+        progress=False,
+        names=names,
+        **columns,
+    )
 
 
 def prepare(config: Config) -> None:
@@ -84,19 +96,11 @@ def prepare(config: Config) -> None:
     paths = hf_paths(config)
     if not paths:
         return
-    from paisoar_jax.tools import convert  # tokenizers and datasets: only when needed
-
     for key, path, data in paths:
         directory = hf_cache_directory(data, path)
         if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
-            arguments = ["text", "--from-hf", path, "--split", data.hf_split]
-            arguments += ["--format", data.hf_format, "--tokenizer", data.tokenizer or "byte"]
-            arguments += _field_arguments(data.hf_format, data.hf_field)
-            arguments += ["--output", str(directory), "--overwrite", "--no-progress"]
             try:
-                summary = convert.convert_text(convert.build_parser().parse_args(arguments))
-            except UserError as error:  # convert's words for its flags, as this run's keys
-                raise UserError(_as_keys(str(error))) from None
+                summary = convert_text(conversion_for(key, data, path, directory))
             except OSError as error:
                 raise UserError(
                     f"data.cache_dir: cannot write {directory} ({error.strerror or error}): set "

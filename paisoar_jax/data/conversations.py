@@ -1,8 +1,9 @@
 """Instruction and chat records as documents with a loss mask, for supervised fine-tuning.
 
-`convert text --format instruction|chat` reads JSON Lines or Parquet records and turns each
-into one document made of pieces, each marked as context (the loss skips it: a prompt, a
-system or user turn, the template's own markup) or as a response (the loss learns it):
+`convert text --format instruction|chat` (a run's data.hf_format) reads JSON Lines or
+Parquet records (or a `datasets` dataset's rows) and turns each into one document made of
+pieces, each marked as context (the loss skips it: a prompt, a system or user turn, the
+template's own markup) or as a response (the loss learns it):
 
     instruction   {"prompt": ..., "response": ...} (--prompt-field, --response-field): the
                   prompt's text as context, then the response's text, then the
@@ -29,7 +30,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
 
 FORMATS = ("text", "instruction", "chat")
 Piece = tuple[str, bool]  # (text, learned: whether the loss counts its tokens)
@@ -51,10 +52,12 @@ def json_rows(path: pathlib.Path) -> Iterator[tuple[Any, str]]:
             raise UserError(f"{where}: not a JSON object ({error.msg})") from None
 
 
-def parquet_rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tuple[Any, str]]:
+def parquet_rows(
+    path: pathlib.Path, columns: list[str] | None, names: SettingNames = FLAG_NAMES
+) -> Iterator[tuple[Any, str]]:
     """(row as a dict, where) for each row of a Parquet file, one row group at a time.
 
-    `columns`: the ones to read (those of --field), or None for all.
+    `columns`: the ones to read (those of the `field` setting), or None for all.
     """
     try:
         import pyarrow.parquet as parquet
@@ -66,8 +69,10 @@ def parquet_rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tupl
         raise UserError(f"{path} is not a Parquet file ({error})") from None
     missing = [name for name in columns or () if name not in table.schema_arrow.names]
     if missing:
-        names = ", ".join(table.schema_arrow.names)
-        raise UserError(f"{path} has no column {missing[0]!r} (columns: {names}): set --field")
+        found = ", ".join(table.schema_arrow.names)
+        raise UserError(
+            f"{path} has no column {missing[0]!r} (columns: {found}): set {names('field')}"
+        )
     row = 0
     for group in range(table.num_row_groups):
         for record in table.read_row_group(group, columns=columns).to_pylist():
@@ -75,8 +80,8 @@ def parquet_rows(path: pathlib.Path, columns: list[str] | None) -> Iterator[tupl
             yield record, f"{path} row {row}"
 
 
-def text_field(record: Any, field: str, where: str, option: str = "--field") -> str:
-    """The text under `field` of one record, or a UserError naming the record and option."""
+def text_field(record: Any, field: str, where: str, option: str) -> str:
+    """The text under `field` of one record, or a UserError naming the record and `option`."""
     if not isinstance(record, dict) or field not in record:
         raise UserError(f"{where}: no field {field!r} (set {option} to the text's name)")
     if not isinstance(record[field], str):
@@ -84,17 +89,20 @@ def text_field(record: Any, field: str, where: str, option: str = "--field") -> 
     return record[field]
 
 
-def instruction_pieces(record: Any, prompt_field: str, response_field: str, where: str):
+def instruction_pieces(
+    record: Any, fields: tuple[str, str], where: str, names: SettingNames = FLAG_NAMES
+) -> list[Piece]:
     """[(prompt, context), (response, learned)] of one instruction record."""
-    prompt = text_field(record, prompt_field, where, "--prompt-field")
-    response = text_field(record, response_field, where, "--response-field")
+    prompt = text_field(record, fields[0], where, names("prompt_field"))
+    response = text_field(record, fields[1], where, names("response_field"))
     return [(prompt, False), (response, True)]
 
 
 class ChatTemplate:
     """A tokenizer's Jinja chat template, rendered as transformers renders it."""
 
-    def __init__(self, tokenizer_path: pathlib.Path):
+    def __init__(self, tokenizer_path: pathlib.Path, names: SettingNames = FLAG_NAMES):
+        self.names = names  # how errors name the format and messages_field settings
         config_path = tokenizer_path.parent / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template")
@@ -105,9 +113,9 @@ class ChatTemplate:
             template = template_path.read_text()
         if not isinstance(template, str):
             raise UserError(
-                f"--format chat needs a chat template, and {tokenizer_path.parent} has none "
-                f"(no chat_template.jinja, none in tokenizer_config.json): use --format "
-                f"instruction with prompt and response fields"
+                f"{names('format', 'chat')} needs a chat template, and {tokenizer_path.parent} "
+                f"has none (no chat_template.jinja, none in tokenizer_config.json): use "
+                f"{names('format', 'instruction')} with prompt and response fields"
             )
         try:
             import jinja2
@@ -115,7 +123,7 @@ class ChatTemplate:
             import jinja2.sandbox
         except ImportError:
             raise UserError(
-                "--format chat renders templates with jinja2: pip install jinja2"
+                f"{names('format', 'chat')} renders templates with jinja2: pip install jinja2"
             ) from None
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True,
@@ -147,7 +155,7 @@ class ChatTemplate:
         ):
             raise UserError(
                 f"{where}: no list of {{role, content}} messages under {messages_field!r} "
-                f"(set --messages-field)"
+                f"(set {self.names('messages_field')})"
             )
         pieces, done = [], ""
         for index, message in enumerate(messages):
