@@ -3,8 +3,10 @@
 Sharded over a device mesh, mixed precision, checkpointed; see README.md for the tour. The
 public API (paisoar_jax/api.py and the helpers a model of one's own uses):
 
-    fit(config, overrides, *, model, loss, optimizer, data, eval_data)  train; returns a
-                                           FitResult: the summary and .model, the trained module
+    fit(config, overrides, *, model, loss, optimizer, data, eval_data, eval_sets)  train;
+                                           returns a FitResult: the summary and .model, the
+                                           trained module
+    Eval(data, every=STEPS)                an eval set of fit's eval_sets with its own cadence
     load(run_dir_or_step, model=factory)   the trained module again, from disk
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
     export_run(run_dir, output)            a run's weights, for checkpoint.init_from
@@ -55,6 +57,7 @@ _cpu_only_when_no_gpu_driver()
 _EXPORTS = {
     "fit": "paisoar_jax.api",
     "FitResult": "paisoar_jax.api",
+    "Eval": "paisoar_jax.api",
     "load": "paisoar_jax.api",
     "plan_fit": "paisoar_jax.api",
     "bench_fit": "paisoar_jax.api",

@@ -18,6 +18,7 @@ raises paisoar_jax.UserError instead). With no model, the config's zoo model is 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -112,6 +113,7 @@ def build_workload(
     optimizer: Any = None,
     data: Any = None,
     eval_data: Any = None,
+    eval_sets: dict[str, Any] | None = None,
     flops_per_example: float | None = None,
 ) -> tuple[Config, Any]:
     """(config with its model section filled, workload.Workload) for fit, plan and bench."""
@@ -122,7 +124,7 @@ def build_workload(
     from paisoar_jax.zoo import zoo_workload
 
     if model is None:
-        if loss is not None or data is not None or eval_data is not None:
+        if loss is not None or data is not None or eval_data is not None or eval_sets:
             raise UserError("loss and data go with a model of your own: pass model= too")
         zoo = zoo_workload(config)
         return config, Workload(zoo.model, zoo.task, optimizer, follows_policy=True)
@@ -146,12 +148,48 @@ def build_workload(
     task = CustomTask(
         loss,
         open_user_data(data, "data"),
-        None if eval_data is None else open_user_data(eval_data, "eval_data"),
+        user_eval_sets(eval_data, eval_sets or {}, config.train.eval_every),
         get_policy(config.precision.policy),
         flops_per_example,
         config.precision.cast_inputs,
     )
     return config, Workload(model, task, optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+    """An eval set of fit's `eval_sets` with a cadence of its own: `Eval(data, every=500)`."""
+
+    data: Any  # what eval_data takes
+    every: int = 0  # steps between its evals (and the last step); 0: train.eval_every's
+
+
+def user_eval_sets(eval_data: Any, eval_sets: dict[str, Any], eval_every: int) -> tuple:
+    """The default eval set (eval_data) and the named ones, as evaluation.EvalSets, checked."""
+    from paisoar_jax.config.data import NAME
+    from paisoar_jax.data.user_data import open_user_data
+    from paisoar_jax.evaluation import EvalSet
+
+    sets = []
+    if eval_data is not None:
+        sets.append(EvalSet(open_user_data(eval_data, "eval_data"), eval_every))
+    if not isinstance(eval_sets, dict):
+        raise UserError(f"eval_sets is a dict of name: data (or Eval), got {type(eval_sets)}")
+    for name, given in eval_sets.items():
+        label = f"eval_sets[{name!r}]"
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise UserError(f"{label}: a name is made of letters, digits, _ . -")
+        every = given.every if isinstance(given, Eval) else 0
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise UserError(f"{label}: every is the steps between its evals (>= 0), got {every!r}")
+        if not (every or eval_every):
+            raise UserError(
+                f"{label} is evaluated every train.eval_every steps, and train.eval_every=0: "
+                f"give it Eval(data, every=STEPS)"
+            )
+        data = given.data if isinstance(given, Eval) else given
+        sets.append(EvalSet(open_user_data(data, label), every or eval_every, name))
+    return tuple(sets)
 
 
 def as_factory(model: Any) -> Callable:
@@ -209,6 +247,7 @@ def fit(
     optimizer: Any = None,
     data: Any = None,
     eval_data: Any = None,
+    eval_sets: dict[str, Any] | None = None,
     flops_per_example: float | None = None,
     exit_on_error: bool = True,
     raise_on_interrupt: bool = True,
@@ -226,6 +265,8 @@ def fit(
         a dict or an (x, y) tuple of arrays) or batches (a grain IterDataset or a
         re-iterable of per-process batches); eval_data None: no eval. Both are checked
         against the loss before the first step.
+    eval_sets: more eval sets, {name: data or Eval(data, every=STEPS)}, each evaluated on
+        its own cadence (default train.eval_every) and reported as eval_<name>_loss, ...
     flops_per_example: training FLOPs per example, for MFU (None: MFU not reported).
     raise_on_interrupt: Ctrl-C saves a checkpoint, then raises KeyboardInterrupt out of
         fit (so a script stops there); False returns the result as for a finished run.
@@ -244,6 +285,7 @@ def fit(
             optimizer=optimizer,
             data=data,
             eval_data=eval_data,
+            eval_sets=eval_sets,
             flops_per_example=flops_per_example,
         )
         finished = loop.run(resolved, run_workload)

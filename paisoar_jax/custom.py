@@ -22,6 +22,7 @@ from flax import nnx
 
 from paisoar_jax.data.user_data import BatchData, ExampleData
 from paisoar_jax.errors import UserError
+from paisoar_jax.evaluation import EvalSet
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.precision import Policy
 
@@ -44,21 +45,21 @@ class CustomTask:
         self,
         loss: Loss,
         data: ExampleData | BatchData,
-        eval_data: ExampleData | BatchData | None,
+        eval_sets: tuple[EvalSet, ...],  # their sources ExampleData or BatchData
         policy: Policy,
         flops_per_example: float | None = None,
         cast_inputs: bool = False,
     ):
         self.user_loss = loss
-        self.data, self.eval_data = data, eval_data
+        self.data, self.eval_sets = data, eval_sets
         self.policy = policy
         self.cast_inputs = cast_inputs
         self.flops_per_example = flops_per_example
         self.metric_names: tuple[str, ...] = ()  # known once `prepare` traced the loss
 
-    def open_sources(self) -> tuple[Any, Any]:
-        """(train, eval) data; eval is None when none was given."""
-        return self.data, self.eval_data
+    def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
+        """The data given to fit, and its eval sets (eval_data's first; none if none given)."""
+        return self.data, self.eval_sets
 
     def host_batches(self, source, *, global_batch: int, seed: int, train: bool, workers=0):
         """The rows of endless global batches of `source` this process reads."""
@@ -125,15 +126,14 @@ class CustomTask:
         return None
 
     def prepare(self, layout, global_batch: int) -> None:
-        """Checks the batches of data and eval_data against the loss, abstractly.
+        """Checks the batches of data and of each eval set against the loss, abstractly.
 
         Before the first step (and not at the first eval, 50 steps in): the loss is traced
         on one global batch of each, in train mode and in eval mode, and must return
         (scalar, {name: scalar}); then the eval step's row-by-row form (`eval_rows`) is
-        traced on eval_data. An error the loss raises on a batch names that input.
+        traced on the eval sets. An error the loss raises on a batch names that input.
         """
         batch = self.batch_shape(global_batch)
-        eval_batch = None if self.eval_data is None else self.eval_data.batch_spec(global_batch)
 
         def probe(params, model_state, batch, key, train):
             model = nnx.merge(layout.graphdef, params, model_state)
@@ -163,14 +163,15 @@ class CustomTask:
         self.metric_names = _check_loss_result(
             trace("data", functools.partial(probe, train=True), batch)
         )
-        if eval_batch is not None:
-            result = trace("eval_data", functools.partial(probe, train=False), eval_batch)
+        for eval_set in self.eval_sets:
+            name, eval_batch = eval_set.source.name, eval_set.source.batch_spec(global_batch)
+            result = trace(name, functools.partial(probe, train=False), eval_batch)
             missing = set(self.metric_names) - set(_check_loss_result(result))
             if missing:
-                raise UserError(f"eval_data: the loss returns no {sorted(missing)[0]} on it")
+                raise UserError(f"{name}: the loss returns no {sorted(missing)[0]} on it")
             # It ran on a whole batch: a failure here is the row-by-row form, not the data.
             how = "on one row at a time (eval's jax.vmap over the rows), not on a whole batch"
-            trace("eval_data", probe_rows, eval_batch, how)
+            trace(name, probe_rows, eval_batch, how)
 
 
 def _check_loss_result(result: Any) -> tuple[str, ...]:

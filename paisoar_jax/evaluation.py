@@ -7,10 +7,15 @@ rows alone, and the result is the sums of all batches over the rows of all batch
 over the N rows, on any batch size, device or process count. `train.eval_batches` caps the
 batches read (the first ones, the same at every eval; 0: no cap). Ready batches without a
 length (fit's eval_data as a re-iterable) are read for one pass, every row their own.
+
+A run has eval sets (`EvalSet`): the default one (held out, data.eval_source or fit's
+eval_data; its metrics eval_loss, ...) and named ones (data.eval_sets, fit's eval_sets;
+eval_<name>_loss, ...), each on its own cadence and all at the last step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -29,6 +34,24 @@ from paisoar_jax.parallel import sharding
 # devices a deep queue starves the threads a collective waits for).
 IN_FLIGHT = 8
 MAX_LOG_PERPLEXITY = 700.0  # exp() of more overflows a float: the perplexity is then inf
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """One eval set of a run: its source, how often it is evaluated, what its metrics are."""
+
+    source: Any
+    every: int  # steps between its evals (it is evaluated at the last step too); 0: never
+    name: str = ""  # empty: the default set
+
+    @property
+    def prefix(self) -> str:
+        """What its metrics are named with: eval_ (eval_loss) or eval_<name>_."""
+        return f"eval_{self.name}_" if self.name else "eval_"
+
+    def is_due(self, step: int, is_last: bool) -> bool:
+        """Whether this set is evaluated after `step`."""
+        return bool(self.every) and (step % self.every == 0 or is_last)
 
 
 def eval_batch_count(size: int, global_batch: int, cap: int) -> int:

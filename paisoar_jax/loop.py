@@ -25,7 +25,7 @@ from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import HangError, UserError
-from paisoar_jax.evaluation import evaluate
+from paisoar_jax.evaluation import EvalSet, evaluate
 from paisoar_jax.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
@@ -90,8 +90,8 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     """Trains as configured; the summary with the final state (what `fit` hands back)."""
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
-    train_source, eval_source = task.open_sources()
-    check_splits(task, train_source, eval_source, config)
+    train_source, eval_sets = task.open_sources()
+    check_splits(task, train_source, eval_sets, config)
     run = setup(config, workload)
     run_dir, is_main = config.run_dir, jax.process_index() == 0
     enabled = config.checkpoint.enabled
@@ -138,7 +138,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
-        parts = RunParts.of(run, eval_source, limit_bytes)
+        parts = RunParts.of(run, eval_sets, limit_bytes)
         summary, state, compiled = _run_loop(
             parts, checkpointer, stop, watchdog, state, start_step, batches
         )
@@ -173,19 +173,14 @@ def _open_input(config: Config, mesh, task: Task, train_source, restored) -> Dev
 class RunParts(Setup):
     """What the loop works with: the run's Setup, and what `train` adds before the first step."""
 
-    eval_source: Any = None  # None: no eval data
+    eval_sets: tuple[EvalSet, ...] = ()  # the default one first; none: no eval
     limit_bytes: int | None = None  # what one device may hold, for the out-of-memory report
 
     @classmethod
-    def of(cls, run: Setup, eval_source: Any, limit_bytes: int | None) -> RunParts:
-        """`run`'s fields, with the eval data and the memory limit."""
+    def of(cls, run: Setup, eval_sets: tuple[EvalSet, ...], limit_bytes: int | None) -> RunParts:
+        """`run`'s fields, with the eval sets and the memory limit."""
         fields = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)}
-        return cls(**fields, eval_source=eval_source, limit_bytes=limit_bytes)
-
-    @property
-    def eval_every(self) -> int:
-        """Steps between evals; 0 when there is no eval data."""
-        return self.config.train.eval_every if self.eval_source is not None else 0
+        return cls(**fields, eval_sets=eval_sets, limit_bytes=limit_bytes)
 
 
 def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: int, batches):
@@ -215,17 +210,17 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
         heartbeat.progress.step = step  # what the launcher names if this process stalls
         watchdog.progressed(step)
         is_last = step == steps
-        is_eval_step = bool(parts.eval_every) and (step % parts.eval_every == 0 or is_last)
+        due = [one for one in parts.eval_sets if one.is_due(step, is_last)]
         # An eval step is also a log step: its eval results join that step's record.
-        is_log_step = step % train_config.log_every == 0 or is_last or is_eval_step
+        is_log_step = step % train_config.log_every == 0 or is_last or bool(due)
         if is_log_step:
             watchdog.phase = "log"
             _check_input(batches, start_step, checkpointer)  # before the loss is judged
             record = run_records.log_record(parts, step, metrics, train_step, instruments, history)
             record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
-            if is_eval_step:  # after the timings: eval time is not step time
+            if due:  # after the timings: eval time is not step time
                 with watchdog.paused():  # its first call compiles
-                    record |= _evaluate(parts, eval_step, state, step, history)
+                    record |= _evaluate(parts, eval_step, state, step, history, due)
             run_records.write_record(record, parts.task, instruments)
         stopped_by = stop_agreed(stop, step, is_log_step)
         stop_now = stopped_by is not None
@@ -302,14 +297,18 @@ def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instru
     return state, metrics
 
 
-def _evaluate(parts, eval_step, state, step: int, history) -> dict[str, float]:
-    """The eval metrics of this step, prefixed eval_, shown above the progress bar."""
+def _evaluate(parts, eval_step, state, step: int, history, due) -> dict[str, float]:
+    """The metrics of the eval sets `due` at this step, shown above the progress bar.
+
+    The default set's are eval_loss, ...; a named set's eval_<name>_loss, ...
+    """
     start = time.perf_counter()
-    history.eval_results = evaluate(
-        eval_step, state, parts.eval_source, parts.task, parts.config, parts.mesh, step
-    )
+    shown = {}
+    for one in due:
+        results = evaluate(eval_step, state, one.source, parts.task, parts.config, parts.mesh, step)
+        shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
+    history.eval_results |= shown  # each set's latest, for the summary
     history.eval_s += time.perf_counter() - start
-    shown = {f"eval_{name}": value for name, value in history.eval_results.items()}
     if jax.process_index() == 0:
         line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
         output.note(line, prefixed=False)

@@ -23,7 +23,7 @@ from paisoar_jax.workload import Task
 
 @dataclasses.dataclass
 class History:
-    """What the loop has seen so far: the logged losses, the loss scales, the last eval."""
+    """What the loop has seen so far: the logged losses, the loss scales, each eval set's last."""
 
     losses: list[float] = dataclasses.field(default_factory=list)
     # (step, loss scale, skipped steps) of the log steps (unscaled: those with a finite loss)
@@ -153,8 +153,8 @@ def summary(
         "steps": step,
         "first_loss": history.losses[0] if history.losses else None,
         "final_loss": history.losses[-1] if history.losses else None,
-        "eval_loss": history.eval_results.get("loss"),
-        **{f"eval_{k}": v for k, v in history.eval_results.items() if k != "loss"},
+        "eval_loss": history.eval_results.get("eval_loss"),  # None when no eval ran
+        **history.eval_results,
         timer.throughput_key: timer.units_per_step
         * (step - start_step)
         / max(train_s - history.eval_s, 1e-9),

@@ -30,6 +30,7 @@ from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
+from paisoar_jax.evaluation import EvalSet
 from paisoar_jax.models import moe, resolve_model_config
 from paisoar_jax.models.chunked_loss import chunk_count, chunked_cross_entropy
 from paisoar_jax.models.gpt import output_head
@@ -56,27 +57,38 @@ class LanguageModelling:
         if getattr(config.model, "experts", 0):  # a mixture of experts: its router's metrics
             self.metric_names = moe.metric_names(config.model)
 
-    def open_sources(self) -> tuple[Any, Any]:
-        """(train, eval) windows: data.source's or data.mixture's, eval data.eval_source's.
+    def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
+        """The train windows and the eval sets (evaluation.EvalSet).
 
-        hf:<path> sources are tokenized first, once, into their cache (data/hf_sources.py).
+        Train: data.source's or data.mixture's. Eval: the held-out windows or
+        data.eval_source's, then each of data.eval_sets. hf:<path> sources are tokenized
+        first, once, into their cache (data/hf_sources.py).
         """
         data, model, seed = self.config.data, self.config.model, self.config.train.seed
         hf_sources.prepare(self.config)
-        opened = (
+        train, held_out = (
             mixture.open_mixture(data.train_side(), lambda one: open_source(one, model, seed))
             if data.mixture
             else open_source(data.train_side(), model, seed)
         )
-        if not data.eval_source:
-            return opened
-        eval_side = data.eval_side()
+        eval_every = self.config.train.eval_every
+        default = held_out
+        if data.eval_source:
+            default = self._open_eval("data.eval_source", data.eval_source)
+        sets = [EvalSet(default, eval_every)]
+        for entry in data.eval_sets:
+            source = self._open_eval(f"data.eval_sets[{entry.name}]", entry.source)
+            sets.append(EvalSet(source, entry.every or eval_every, entry.name))
+        return train, tuple(sets)
+
+    def _open_eval(self, key: str, source: str) -> Any:
+        """The windows of one eval set's source: all of a converted set, else its eval split."""
+        side = self.config.data.eval_side(source)
         try:
-            train, held_out = open_source(eval_side, model, seed)
+            train, held_out = open_source(side, self.config.model, self.config.train.seed)
         except UserError as error:
-            raise UserError(f"data.eval_source: {error}") from None
-        whole = eval_side.eval_fraction == 0  # a converted set: all of it
-        return opened[0], train if whole else held_out
+            raise UserError(f"{key}: {error}") from None
+        return train if side.eval_fraction == 0 else held_out
 
     def host_batches(
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
@@ -200,8 +212,8 @@ class ImageClassification:
         self.mean, self.std = image_data.channel_statistics(self.model_config.channels)
         self.compute_dtype = get_policy(config.precision.policy).compute_dtype
 
-    def open_sources(self) -> tuple[Any, Any]:
-        """(train, eval) of images:<dir>, digits or synthetic images."""
+    def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
+        """The train images and the eval set, of images:<dir>, digits or synthetic images."""
         data, model = self.config.data, self.model_config
         if data.source.startswith("images:"):
             train, held_out, _ = image_data.open_image_source(data.source, data.eval_fraction)
@@ -223,7 +235,7 @@ class ImageClassification:
                 f"data.source={data.source} has {len(train.classes)} classes, more than "
                 f"model.num_classes={model.num_classes}"
             )
-        return train, held_out
+        return train, (EvalSet(held_out, self.config.train.eval_every),)
 
     def host_batches(
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from paisoar_jax import lora, precision, remat
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
+from paisoar_jax.evaluation import EvalSet
 from paisoar_jax.optim import build_lr_schedule, build_optimizer, describe_given, wrap_optimizer
 from paisoar_jax.parallel import pipeline, sharding
 from paisoar_jax.state import StateLayout, state_layout
@@ -40,8 +41,8 @@ class Task(Protocol):
     metric_names: tuple[str, ...]  # the fp32 scalars `loss` returns beside the loss
     reports_perplexity: bool  # eval adds exp(eval_loss): a mean loss per token
 
-    def open_sources(self) -> tuple[Any, Any]:
-        """The (train, eval) sources."""
+    def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
+        """The train source and the eval sets (the default one first; none: no eval)."""
 
     def host_batches(
         self, source: Any, *, global_batch: int, seed: int, train: bool, workers: int = 0

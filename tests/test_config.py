@@ -133,6 +133,13 @@ def test_sections_are_frozen():
         (["model.experts=4", "mesh.expert=3"], "does not split over the 3 expert shards"),
         (["model.experts=4", "mesh.expert=0"], "mesh.expert must be a positive size"),
         (["model.experts=4", "mesh.expert=2", "mesh.grad_comm=bf16"], "with mesh.expert > 1"),
+        (["data.eval_sets=[[synthetic,-1]]"], "synthetic's every is the steps between its evals"),
+        (["data.eval_sets=[[synthetic,2],[synthetic,5]]"], "two sources are named synthetic"),
+        (["data.eval_sets=[[images:x,2]]"], "'images:x' is not a token source"),
+        (["data.eval_sets=[[synthetic,2,a/b]]"], "the name 'a/b' of synthetic is not made of"),
+        (['data.eval_sets=[["hf:",2]]'], "data.source=hf: names no path"),
+        (["data.eval_sets=[[synthetic,0]]", "train.eval_every=0"], "give it its own every"),
+        (["model.name=resnet", "data.eval_sets=[[synthetic,2]]"], "data.eval_sets holds token"),
     ],
 )
 def test_bad_overrides_raise_one_clear_line(overrides, message):

@@ -1,11 +1,14 @@
 """Eval covers the whole eval set: the exact per-row mean, the last partial batch weighted
-by its real rows; `train.eval_batches` caps it; ready batches are read for one pass."""
+by its real rows; `train.eval_batches` caps it; ready batches are read for one pass; named
+eval sets run on their own cadence."""
+
+import re
 
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import FIT_BASE
+from conftest import FIT_BASE, run_records
 from flax import nnx
 
 import paisoar_jax
@@ -97,3 +100,53 @@ def test_ready_batches_are_evaluated_for_one_pass(tmp_path):
 )
 def test_eval_batch_count(size, batch, cap, count):
     assert eval_batch_count(size, batch, cap) == count
+
+
+def test_named_eval_sets_run_on_their_own_cadence_with_the_default_ones_numbers(tmp_path):
+    """fit's eval_sets: each set's metrics are those the same data gives as eval_data, at its
+    own steps (and the last); the default set keeps eval_loss at train.eval_every's."""
+    held_out, other = examples(200, seed=2), examples(120, seed=4)
+    overrides = ["train.steps=4", "train.eval_every=3"]
+    named = {"other": paisoar_jax.Eval(other, every=2), "same": held_out}
+    result = paisoar_jax.fit(
+        None,
+        [*FIT_BASE, "train.global_batch=64", f"run.dir={tmp_path}/named", *overrides],
+        model=Net,
+        loss=loss,
+        data=examples(256, seed=1),
+        eval_data=held_out,
+        eval_sets=named,
+        optimizer=optax.adam(1e-2),
+    )
+    records = {record["step"]: record for record in run_records(tmp_path / "named")}
+    assert "eval_other_loss" in records[2] and "eval_loss" not in records[2]
+    assert "eval_loss" in records[3] and "eval_same_loss" in records[3]  # train.eval_every's
+    assert "eval_other_loss" not in records[3]
+    assert {"eval_loss", "eval_other_loss", "eval_same_loss"} <= set(records[4])  # the last
+    np.testing.assert_allclose(result["eval_same_loss"], result["eval_loss"], rtol=1e-6)
+    loss_mean, accuracy = exact_means(result.model, other)
+    np.testing.assert_allclose(result["eval_other_loss"], loss_mean, rtol=1e-5)
+    np.testing.assert_allclose(result["eval_other_accuracy"], accuracy, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("eval_sets", "eval_every", "message"),
+    [
+        ({"a b": examples(64)}, 2, "eval_sets['a b']: a name is made of letters"),
+        ({"x": paisoar_jax.Eval(examples(64), every=-1)}, 2, "every is the steps between"),
+        ({"x": "data/valid"}, 2, "eval_sets['x'] must be a grain dataset"),
+        ([examples(64)], 2, "eval_sets is a dict of name: data"),
+        ({"x": examples(64)}, 0, "and train.eval_every=0: give it Eval(data, every=STEPS)"),
+    ],
+)
+def test_bad_eval_sets_are_one_line(tmp_path, eval_sets, eval_every, message):
+    with pytest.raises(paisoar_jax.UserError, match=re.escape(message)):
+        paisoar_jax.fit(
+            None,
+            [*FIT_BASE, f"train.eval_every={eval_every}", f"run.dir={tmp_path}/run"],
+            model=Net,
+            loss=loss,
+            data=examples(64),
+            eval_sets=eval_sets,
+            exit_on_error=False,
+        )

@@ -85,6 +85,10 @@ def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path)
     eval_split = [f"data.eval_source=hf:{splits}", "data.eval_hf_split=valid"]
     cases = [
         ([f"data.source=hf:{saved}", *eval_split], "name one with data.eval_hf_split"),
+        (  # a named eval set is tokenized (and read) as data.eval_source is
+            [f"data.source=hf:{saved}", f"data.eval_sets=[[hf:{splits},2,v]]", eval_split[1]],
+            "splits has no split 'valid' .*: name one with data.eval_hf_split",
+        ),
         ([f"data.source=hf:{saved}", "data.hf_format=chat"], "data.hf_format=chat needs a"),
         ([f"data.source=hf:{tmp_path / 'broken.jsonl'}"], "broken.jsonl: datasets cannot read it"),
         ([f"data.source=hf:{damaged}"], "damaged: datasets cannot read it"),
@@ -129,7 +133,8 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     config = load_config(None, overrides)
     hf_sources.prepare(config)
     assert "data.eval_source=hf:" in capsys.readouterr().out  # tokenized once, on its own
-    train_windows, eval_windows = LanguageModelling(config, object).open_sources()
+    train_windows, (eval_set,) = LanguageModelling(config, object).open_sources()
+    eval_windows = eval_set.source
     apart = [
         TokenRecords(hf_cache_directory(data, str(tmp_path / "splits")))
         for data in (config.data, config.data.eval_side())
@@ -140,5 +145,5 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     assert bytes(eval_windows[0][:14].astype(np.uint8)) == b"x = 'held out'"
     train(config)
     assert "eval_loss" in run_records(tmp_path / "run")[-1]
-    with pytest.raises(UserError, match="data.eval_source is a token eval set"):
+    with pytest.raises(UserError, match="data.eval_source holds token eval sets"):
         load_config(None, ["model.name=resnet", "data.eval_source=synthetic"])

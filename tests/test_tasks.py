@@ -4,7 +4,7 @@ accumulation, eval with running statistics, resume, the digits run and bad input
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, plan_run, run_module, run_modules, run_records
+from conftest import TINY, TINY_RESNET, build_run, plan_run, run_module, run_modules, run_records
 from flax import nnx
 from PIL import Image
 
@@ -256,3 +256,22 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(tree), saved.model_state)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), saved.params)
     assert np.abs(saved.model_state["stem_norm"]["mean"]).max() > 0  # not the fresh zeros
+
+
+def test_named_eval_sets_of_a_zoo_model_run_on_their_cadence(tmp_path):
+    """data.eval_sets: `text` is the default set's own source (the embedded held-out split),
+    so its numbers are eval_loss's; `noise` is evaluated at its steps and the last."""
+    overrides = [*TINY, "train.steps=4", "train.eval_every=3", f"run.dir={tmp_path}"]
+    overrides += ["data.eval_sets=[[synthetic,2,noise],[embedded,0,text]]"]
+    config = load_config(None, overrides)
+    summary = train(config)
+    records = {record["step"]: record for record in run_records(tmp_path) if "step" in record}
+    assert set(records[2]) & {"eval_loss", "eval_text_loss"} == set()
+    assert "eval_noise_loss" in records[2] and "eval_noise_perplexity" in records[2]
+    assert {"eval_loss", "eval_text_loss"} <= set(records[3]) and "eval_noise_loss" not in records[
+        3
+    ]
+    assert {"eval_loss", "eval_text_loss", "eval_noise_loss"} <= set(records[4])
+    assert summary["eval_text_loss"] == summary["eval_loss"]
+    assert summary["eval_noise_loss"] > summary["eval_loss"]  # random tokens: nothing to learn
+    assert load_config(tmp_path / "config.yaml").data.eval_sets == config.data.eval_sets

@@ -59,20 +59,20 @@ def _weight(value: Any, key: str, what: str) -> float:
     return float(value)
 
 
-def parse_mixture(value: Any, key: str = "data.mixture") -> tuple[MixtureSource, ...]:
-    """[[source, weight(, name)], ...] (or mappings of those keys) -> MixtureSources."""
+def _entries(value: Any, key: str, second: str) -> list[list[Any]]:
+    """[[source, <second>(, name)], ...], mappings of those keys read as lists."""
     entries = _loaded(value, key) or []
     if not isinstance(entries, list | tuple):
-        raise UserError(f"{key}: expected a list of [source, weight], got {value!r}")
-    mixture = []
+        raise UserError(f"{key}: expected a list of [source, {second}], got {value!r}")
+    lists = []
     for entry in entries:
         if isinstance(entry, dict):
-            entry = [entry.get("source"), entry.get("weight"), entry.get("name")]
+            entry = [entry.get("source"), entry.get(second), entry.get("name")]
         if not isinstance(entry, list | tuple) or len(entry) not in (2, 3):
             raise UserError(
-                f"{key}: an entry is [source, weight] or [source, weight, name], got {entry!r}"
+                f"{key}: an entry is [source, {second}] or [source, {second}, name], got {entry!r}"
             )
-        source, weight = entry[0], entry[1]
+        source = entry[0]
         if not isinstance(source, str) or not (
             source in ("embedded", "synthetic") or source.startswith(("arrayrecord:", "hf:"))
         ):
@@ -85,15 +85,45 @@ def parse_mixture(value: Any, key: str = "data.mixture") -> tuple[MixtureSource,
             raise UserError(
                 f"{key}: the name {name!r} of {source} is not made of letters, digits, _ . -"
             )
-        mixture.append(MixtureSource(source, _weight(weight, key, name), name))
-    names = [entry.name for entry in mixture]
+        lists.append([source, entry[1], name])
+    names = [name for _, _, name in lists]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UserError(
             f"{key}: two sources are named {twice[0]}: give each a name of its own as the "
-            f"entry's third item ([source, weight, name])"
+            f"entry's third item ([source, {second}, name])"
         )
-    return tuple(mixture)
+    return lists
+
+
+def parse_mixture(value: Any, key: str = "data.mixture") -> tuple[MixtureSource, ...]:
+    """[[source, weight(, name)], ...] (or mappings of those keys) -> MixtureSources."""
+    return tuple(
+        MixtureSource(source, _weight(weight, key, name), name)
+        for source, weight, name in _entries(value, key, "weight")
+    )
+
+
+@dataclass(frozen=True)
+class EvalSource:
+    """One named eval set beside the default one: a token source and its own cadence."""
+
+    source: str
+    every: int  # steps between its evals (and the last step); 0: train.eval_every's
+    name: str
+
+
+def parse_eval_sets(value: Any, key: str = "data.eval_sets") -> tuple[EvalSource, ...]:
+    """[[source, every(, name)], ...] (or mappings of those keys) -> EvalSources."""
+    sets = []
+    for source, every, name in _entries(value, key, "every"):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise UserError(
+                f"{key}: {name}'s every is the steps between its evals (0: train.eval_every's), "
+                f"got {every!r}"
+            )
+        sets.append(EvalSource(source, every, name))
+    return tuple(sets)
 
 
 def parse_stages(
@@ -170,7 +200,11 @@ class DataConfig:
     # synthetic): eval reads all of it (embedded, synthetic: their eval split) and
     # data.source is trained on whole (data.eval_fraction unused); empty: held out as above
     eval_source: str = ""
-    eval_hf_split: str = ""  # hf: data.eval_source's split of a DatasetDict; empty: hf_split
+    eval_hf_split: str = ""  # hf: the eval sets' split of a DatasetDict; empty: hf_split
+    # More eval sets, each read whole and evaluated on its own cadence (and at the last
+    # step): [[source, every, name], ...], any token source; every 0: train.eval_every's.
+    # metrics.jsonl reports each as eval_<name>_loss (and perplexity) beside eval_loss.
+    eval_sets: tuple[EvalSource, ...] = field(default=(), metadata={"parse": parse_eval_sets})
     min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
     mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
     # a resume onto data of another size or fingerprint: refuse it, or start the new data
@@ -180,6 +214,7 @@ class DataConfig:
     def __post_init__(self):
         check_at_least("data", self, {"prefetch": 1, "workers": 0})
         sources = [self.source, *(entry.source for entry in self.mixture), self.eval_source]
+        sources += [entry.source for entry in self.eval_sets]
         for source in filter(None, sources):
             if (
                 source.startswith(("hf:", "arrayrecord:", "images:"))
@@ -201,17 +236,23 @@ class DataConfig:
             )
         self._check_mixture()
 
-    def eval_side(self) -> DataConfig:
-        """The data section data.eval_source is read with: it as the one source, whole."""
+    def eval_side(self, source: str = "") -> DataConfig:
+        """The data section an eval set is read with: it as the one source, whole.
+
+        data.eval_source's, or `source`'s (one of data.eval_sets); embedded and synthetic
+        sources give their eval split.
+        """
+        source = source or self.eval_source
         return dataclasses.replace(
             self,
-            source=self.eval_source,
+            source=source,
             hf_split=self.eval_hf_split or self.hf_split,
             mixture=(),
             mixture_stages=(),
             eval_source="",
             eval_hf_split="",
-            eval_fraction=0.0 if self.eval_source.startswith(("arrayrecord:", "hf:")) else 0.05,
+            eval_sets=(),
+            eval_fraction=0.0 if source.startswith(("arrayrecord:", "hf:")) else 0.05,
         )
 
     def train_side(self) -> DataConfig:

@@ -307,12 +307,20 @@ class Config:
                 f"model.name={self.model.name} reads "
                 f"{'the data given to fit' if custom else 'one data.source'}"
             )
-        if self.data.eval_source and not isinstance(self.model, LanguageModelConfig):
-            raise UserError(
-                f"data.eval_source is a token eval set for the zoo's decoders (gpt, llama); "
-                f"model.name={self.model.name} holds out data.eval_fraction"
-                f"{' (or takes fit(eval_data=...))' if self.model.name == 'custom' else ''}"
-            )
+        for key, fit_argument in (("eval_source", "eval_data"), ("eval_sets", "eval_sets")):
+            if getattr(self.data, key) and not isinstance(self.model, LanguageModelConfig):
+                custom = self.model.name == "custom"
+                raise UserError(
+                    f"data.{key} holds token eval sets for the zoo's decoders (gpt, llama); "
+                    f"model.name={self.model.name} holds out data.eval_fraction"
+                    f"{f' (or takes fit({fit_argument}=...))' if custom else ''}"
+                )
+        for entry in self.data.eval_sets:
+            if not (entry.every or self.train.eval_every):
+                raise UserError(
+                    f"data.eval_sets: {entry.name} is evaluated every train.eval_every steps "
+                    f"(its every is 0), and train.eval_every=0: give it its own every"
+                )
         if self.data.eval_fraction == 0 and self.train.eval_every > 0 and not self.data.eval_source:
             raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
         self._check_pipeline()

@@ -42,12 +42,17 @@ def wait_for_everyone(name: str) -> None:
 def hf_paths(config: Config) -> list[tuple[str, str, DataConfig]]:
     """The run's hf:<path> sources: (its key, its path, the data section it is read with).
 
-    data.source or the mixture's, and data.eval_source (read with its own split).
+    data.source or the mixture's, data.eval_source and data.eval_sets' (read with the eval
+    split).
     """
     data = config.data
     specs = [("data.mixture", entry.source, data) for entry in data.mixture]
     specs = specs or [("data.source", data.source, data)]
     specs += [("data.eval_source", data.eval_source, data.eval_side())] if data.eval_source else []
+    specs += [
+        (f"data.eval_sets[{entry.name}]", entry.source, data.eval_side(entry.source))
+        for entry in data.eval_sets
+    ]
     return [
         (key, spec.removeprefix("hf:"), read) for key, spec, read in specs if spec.startswith("hf:")
     ]
@@ -76,7 +81,7 @@ def conversion_for(
         columns = {"prompt_field": prompt, "response_field": response}
     elif data.hf_field:
         columns = {"messages_field" if data.hf_format == "chat" else "field": data.hf_field}
-    split_key = "data.eval_hf_split" if key == "data.eval_source" else "data.hf_split"
+    split_key = "data.hf_split" if key in ("data.source", "data.mixture") else "data.eval_hf_split"
     names = SettingNames(CONFIG_LABELS | {"from_hf": f"{key}=hf:", "split": split_key}, "=")
     return TextConversion(
         output=directory,

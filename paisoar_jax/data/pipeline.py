@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -388,15 +389,16 @@ def resume_position(
     return int(saved["examples"]), None
 
 
-def check_splits(task: Any, train_source: Any, eval_source: Any, config: Config) -> None:
-    """Train holds a global batch at least, eval an example; every process has the same data.
+def check_splits(task: Any, train_source: Any, eval_sets: Sequence[Any], config: Config) -> None:
+    """Train holds a global batch, each eval set an example; every process has the same data.
 
-    (Sources of known length; ready batches are the user's own per process.)
+    (Sources of known length; ready batches are the user's own per process. `eval_sets`:
+    evaluation.EvalSets; one never evaluated is not checked.)
     """
     batch = config.train.global_batch
-    for split, source in (("train", train_source), ("eval", eval_source)):
-        if split == "eval" and (not config.train.eval_every or source is None):
-            continue
+    splits = [("train", train_source)]
+    splits += [(f"eval {one.name}".strip(), one.source) for one in eval_sets if one.every]
+    for split, source in splits:
         check_same_everywhere(source, f"{split} data")
         size = len(source) if hasattr(source, "__len__") else None
         if size == 0:

@@ -26,6 +26,7 @@ save, so a resumed run says in one line that its input restarts.
 from __future__ import annotations
 
 import collections.abc
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -216,6 +217,12 @@ def _rows(batch: Any, name: str) -> int:
 
 def open_user_data(data: Any, name: str) -> ExampleData | BatchData:
     """Sorts `data` into examples or batches (see the module docstring)."""
+    if isinstance(data, str | bytes | pathlib.PurePath):  # a path is not data (a str indexes)
+        raise UserError(
+            f"{name} must be a grain dataset, a numpy array or dict of arrays, a random-access "
+            f"source or a re-iterable of batches, not a {type(data).__name__} ({str(data)[:60]!r}"
+            f"): read the files into one of those first"
+        )
     if isinstance(data, grain.MapDataset):
         return ExampleData(data, name)
     arrays = np.ndarray | jax.Array
