@@ -211,3 +211,26 @@ def test_every_door_starts_a_run_through_startup_start():
     for path in PACKAGE.rglob("*.py"):
         if path.name != "startup.py":
             assert "mark_as_parsed" not in path.read_text(), path
+
+
+def test_functions_and_modules_stay_readable_in_one_sitting():
+    """No function over 80 lines, no module over 500: a longer one is split by concern."""
+    longest, largest = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            largest.append(path.relative_to(PACKAGE.parent))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if node.end_lineno - node.lineno + 1 > 80:
+                    longest.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not longest, longest
+    assert not largest, largest
+
+
+def test_no_entry_point_prepares_hf_data_itself():
+    """`data.source=hf:` is tokenized by the task that opens it (data/hf_sources.py), so a
+    door that opens the data (train, fit, bench, overhead) cannot forget it."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("hf_sources.py", "tasks.py"):
+            assert "hf_sources.prepare" not in path.read_text(), path

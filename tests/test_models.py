@@ -120,7 +120,7 @@ def test_unknown_model_name():
 
 
 def test_auto_attention_takes_xla_where_cudnn_cannot_run(capsys):
-    from paisoar_jax.models.gpt import cudnn_attention_compiles, resolve_attention
+    from paisoar_jax.models.attention import cudnn_attention_compiles, resolve_attention
 
     bf16, fp32 = get_policy("bf16"), get_policy("fp32")
     assert resolve_attention("auto", bf16, 64) == "xla"  # a CPU: no cuDNN

@@ -45,7 +45,7 @@ def test_matmuls_in_compute_dtype_islands_in_fp32(policy, dtype):
     eqns = list(equations(loss_jaxpr(policy)))
     dots = [e for e in eqns if e.primitive.name == "dot_general"]
     # Weight matmuls have no batch dimensions; attention's (batch, heads) ones do. On CPU
-    # fp16 attention runs in fp32 (see models/gpt.py), so check it only for bf16.
+    # fp16 attention runs in fp32 (see models/attention.py), so check it only for bf16.
     weight_dots = [e for e in dots if not e.params["dimension_numbers"][1][0]]
     checked = dots if dtype == jnp.bfloat16 else weight_dots
     assert weight_dots and all(v.aval.dtype == dtype for e in checked for v in e.invars)

@@ -23,12 +23,12 @@ from jax.ad_checkpoint import checkpoint_name
 from paisoar_jax import fp8
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.attention import resolve_attention
 from paisoar_jax.models.gpt import (
     Decoder,
     DecoderBlock,
     experts_of,
     mlp_width,
-    resolve_attention,
 )
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.parallel.sharding import constrain

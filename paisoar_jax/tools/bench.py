@@ -175,7 +175,7 @@ def _estimate(
 
 def _attention(config: Config) -> str | None:
     """The attention implementation a language model ran (auto resolved); None for images."""
-    from paisoar_jax.models.gpt import resolve_attention
+    from paisoar_jax.models.attention import resolve_attention
     from paisoar_jax.precision import get_policy
 
     model = config.model

@@ -1,0 +1,133 @@
+"""Attention for the zoo's decoders: rotary positions, causal attention and its kernel.
+
+`attention` runs jax.nn.dot_product_attention (logits and softmax in fp32), so cuDNN flash
+attention serves on GPU; `resolve_attention` says which implementation model.attention
+runs (auto: cuDNN where it compiles, else XLA's) and `check_attention` refuses what cuDNN
+cannot run. Rotary positions (`rotary_tables`, `apply_rotary`) are Llama's and, with
+model.positions=rotary, GPT's. Shape suffixes: B batch, T time, H heads, E head width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paisoar_jax import output
+from paisoar_jax.errors import UserError
+from paisoar_jax.platform import compile_platform, is_target_compile
+from paisoar_jax.precision import Policy, float32_island
+
+
+def rotary_tables(
+    positions_T: jax.Array, head_width: int, theta: float = 10000.0
+) -> tuple[jax.Array, jax.Array]:
+    """Sine and cosine tables (T x E/2, or B x T x E/2 for positions per row) at `positions_T`."""
+    inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
+    angles_TxE2 = positions_T[..., None] * inverse_frequency
+    return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+
+
+def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
+    """Rotates pairs of features by position-dependent angles (computed in fp32).
+
+    The features are the last axis, the positions the second; the axes between (heads, or
+    queries-and-keys then heads) share the angles.
+    """
+    x = float32_island(x_BxTxHxE)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    between = (1,) * (x.ndim - 3)  # the angles broadcast over the heads
+    sin = sin_TxE2.reshape(*sin_TxE2.shape[:-1], *between, sin_TxE2.shape[-1])
+    cos = cos_TxE2.reshape(*cos_TxE2.shape[:-1], *between, cos_TxE2.shape[-1])
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x_BxTxHxE.dtype)
+
+
+def attention(
+    q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str, segments_BxT: jax.Array | None = None
+) -> jax.Array:
+    """Causal attention via jax.nn.dot_product_attention; logits and softmax in fp32.
+
+    With `segments_BxT` (packed documents), a token attends only to the tokens of its own
+    segment (cuDNN takes the mask as a dense bias). XLA on CPU has no fp16 matmul with
+    fp32 accumulation, which jax's fp16 attention asks for, so fp16 attention on CPU runs
+    in fp32 (GPUs keep fp16).
+    """
+    dtype = q_BxTxHxE.dtype
+    if dtype == jnp.float16 and compile_platform() == "cpu":
+        q_BxTxHxE, k_BxTxHxE, v_BxTxHxE = map(float32_island, (q_BxTxHxE, k_BxTxHxE, v_BxTxHxE))
+    mask_Bx1xTxT = None
+    if segments_BxT is not None:
+        mask_Bx1xTxT = (segments_BxT[:, :, None] == segments_BxT[:, None, :])[:, None]
+    out_BxTxHxE = jax.nn.dot_product_attention(
+        q_BxTxHxE,
+        k_BxTxHxE,
+        v_BxTxHxE,
+        mask=mask_Bx1xTxT,
+        is_causal=True,
+        implementation=implementation,
+    )
+    return out_BxTxHxE.astype(dtype)
+
+
+def check_attention(implementation: str, policy: Policy) -> None:
+    """Refuses up front what cuDNN flash attention cannot run: non-GPU devices, fp32."""
+    if implementation != "cudnn":
+        return
+    if compile_platform() != "gpu":
+        raise UserError(
+            f"model.attention=cudnn needs an NVIDIA GPU, and this run has "
+            f"{compile_platform()} devices (use auto or xla)"
+        )
+    if not _is_half(policy):
+        raise UserError("model.attention=cudnn needs precision.policy=bf16 or fp16")
+
+
+def _is_half(policy: Policy) -> bool:
+    return jnp.dtype(policy.compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def resolve_attention(name: str, policy: Policy, head_width: int) -> str:
+    """The attention implementation model.attention=`name` runs: "cudnn" or "xla".
+
+    auto takes cuDNN flash attention where it can run (an NVIDIA GPU, bf16 or fp16, a head
+    width that is a multiple of 8 up to 128, and a cuDNN that compiles it): on the H200 this
+    project measures on, a plain JAX GPT-2 124M step ran at 467k tokens/s with it against
+    251k with XLA's attention (benchmarks/RESULTS.md). Everywhere else auto is XLA's.
+    """
+    check_attention(name, policy)
+    if name != "auto":
+        return name
+    shape_fits = head_width % 8 == 0 and head_width <= 128
+    if compile_platform() == "gpu" and _is_half(policy) and shape_fits:
+        # A GPU target without a GPU (plan --target) cannot try it: the step's compile will.
+        if is_target_compile() or cudnn_attention_compiles(
+            jnp.dtype(policy.compute_dtype).name, head_width
+        ):
+            return "cudnn"
+    return "xla"
+
+
+@functools.cache
+def cudnn_attention_compiles(dtype: str, head_width: int) -> bool:
+    """Whether cuDNN flash attention (forward and backward) compiles here for this head.
+
+    Checked once per process, dtype and head width, from abstract inputs.
+    """
+    q_BxTxHxE = jax.ShapeDtypeStruct((1, 128, 1, head_width), jnp.dtype(dtype))
+
+    def loss(q_BxTxHxE):
+        out = jax.nn.dot_product_attention(
+            q_BxTxHxE, q_BxTxHxE, q_BxTxHxE, is_causal=True, implementation="cudnn"
+        )
+        return out.astype(jnp.float32).sum()
+
+    try:
+        jax.jit(jax.grad(loss)).lower(q_BxTxHxE).compile()
+    except Exception as error:  # any failure means: use XLA's attention, and say why
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if jax.process_index() == 0:  # stderr: bench's stdout carries its JSON line
+            output.note(f"cuDNN attention unavailable ({reason}); using XLA attention", stderr=True)
+        return False
+    return True
