@@ -1,5 +1,6 @@
 """`python -m paisoar_jax.convert`: determinism, tokenizers, images and one-line errors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -371,3 +372,25 @@ def test_a_hugging_face_model_directory_names_its_tokenizer(tmp_path):
     manifest = json.loads((tmp_path / "out/manifest.json").read_text())
     assert manifest["tokenizer"] == "tokenizer.json"
     assert manifest["tokenizer_sha256"] == convert.records.file_sha256(model_dir / "tokenizer.json")
+
+
+def test_the_conversion_is_a_typed_object_whose_errors_use_the_doors_names(tmp_path):
+    """`convert text` and a run's data.source=hf: share data/text_conversion.py; its errors
+    name each setting as the door the user came through spells it."""
+    from paisoar_jax.data.text_conversion import TextConversion, convert_text
+    from paisoar_jax.errors import SettingNames, UserError
+
+    (tmp_path / "a.txt").write_text("hello")
+    summary = convert_text(TextConversion(tmp_path / "out", input=(str(tmp_path / "a.txt"),)))
+    assert summary.startswith("wrote 1 documents, 6 tokens")
+    with pytest.raises(UserError, match="give --input or --from-hf, one of them"):
+        convert_text(TextConversion(tmp_path / "none"))
+    keys = SettingNames({"tokenizer": "data.tokenizer", "format": "data.hf_format"}, "=")
+    chat = TextConversion(tmp_path / "c", input=(str(tmp_path / "a.txt"),), format="chat")
+    with pytest.raises(UserError, match="^data.hf_format=chat needs a tokenizer with a chat"):
+        convert_text(dataclasses.replace(chat, names=keys))
+    with pytest.raises(UserError, match="^--format chat needs a tokenizer with a chat"):
+        convert_text(chat)
+    missing = dataclasses.replace(chat, tokenizer=str(tmp_path / "nope.json"), names=keys)
+    with pytest.raises(UserError, match="^data.tokenizer=.*nope.json: no such file"):
+        convert_text(missing)

@@ -71,6 +71,8 @@ def convert_text(conversion: TextConversion) -> str:
         if getattr(conversion, setting) < 1:
             value = getattr(conversion, setting)
             raise UserError(f"{names(setting)} must be at least 1, got {value}")
+    if bool(conversion.input) == (conversion.from_hf is not None):
+        raise UserError(f"give {names('input')} or {names('from_hf')}, one of them")
     files = expand_inputs(conversion.input, names) if conversion.input else []
     tokenizer = load_tokenizer(conversion.tokenizer, conversion.eos, names)
     template = None
