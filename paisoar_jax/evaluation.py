@@ -27,6 +27,7 @@ import numpy as np
 from paisoar_jax.config import Config
 from paisoar_jax.data.mixture import MixtureEval
 from paisoar_jax.data.prefetch import global_batch
+from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 
 # Eval batches dispatched before the host waits for their sums: enough to keep the device
@@ -52,6 +53,23 @@ class EvalSet:
     def is_due(self, step: int, is_last: bool) -> bool:
         """Whether this set is evaluated after `step`."""
         return bool(self.every) and (step % self.every == 0 or is_last)
+
+
+def check_metric_names(eval_sets: tuple[EvalSet, ...], task: Any) -> None:
+    """Refuses eval sets whose metrics would share a name, before the first step.
+
+    Set `a`'s metric b_loss and set `a_b`'s loss would both be eval_a_b_loss. Called once
+    the task knows its metrics (after `setup` traced its loss).
+    """
+    metrics = ("loss", *task.metric_names, *(("perplexity",) if task.reports_perplexity else ()))
+    owners: dict[str, str] = {}
+    for eval_set in eval_sets:
+        for metric in metrics:
+            name, owner = f"{eval_set.prefix}{metric}", eval_set.name or "the default eval set"
+            if owners.setdefault(name, owner) != owner:
+                raise UserError(
+                    f"eval sets {owners[name]} and {owner} would both report {name}: rename one"
+                )
 
 
 def eval_batch_count(size: int, global_batch: int, cap: int) -> int:

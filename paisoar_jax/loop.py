@@ -25,7 +25,7 @@ from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import HangError, UserError
-from paisoar_jax.evaluation import EvalSet, evaluate
+from paisoar_jax.evaluation import EvalSet, check_metric_names, evaluate
 from paisoar_jax.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
@@ -93,6 +93,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     train_source, eval_sets = task.open_sources()
     check_splits(task, train_source, eval_sets, config)
     run = setup(config, workload)
+    check_metric_names(eval_sets, task)  # the task's metrics are known once setup traced it
     run_dir, is_main = config.run_dir, jax.process_index() == 0
     enabled = config.checkpoint.enabled
     checkpoint_dir = checkpoint_directory(config.checkpoint, run_dir) if enabled else None

@@ -150,3 +150,24 @@ def test_bad_eval_sets_are_one_line(tmp_path, eval_sets, eval_every, message):
             eval_sets=eval_sets,
             exit_on_error=False,
         )
+
+
+def test_eval_sets_whose_metrics_share_a_name_are_refused_before_the_first_step(tmp_path):
+    """The default set's metric x_loss and set x's loss would both be eval_x_loss."""
+
+    def with_x_loss(model, batch, rng):
+        value, metrics = loss(model, batch, rng)
+        return value, {**metrics, "x_loss": value}
+
+    with pytest.raises(paisoar_jax.UserError, match="the default eval set and x would both"):
+        paisoar_jax.fit(
+            None,
+            [*FIT_BASE, "train.eval_every=2", f"run.dir={tmp_path}/run"],
+            model=Net,
+            loss=with_x_loss,
+            data=examples(64),
+            eval_data=examples(64),
+            eval_sets={"x": examples(64, seed=1)},
+            exit_on_error=False,
+        )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
