@@ -124,8 +124,13 @@ def build_workload(
     from paisoar_jax.zoo import zoo_workload
 
     if model is None:
-        if loss is not None or data is not None or eval_data is not None or eval_sets:
+        if loss is not None or data is not None or eval_data is not None:
             raise UserError("loss and data go with a model of your own: pass model= too")
+        if eval_sets is not None:
+            raise UserError(
+                "eval_sets go with a model of your own; a zoo model's named eval sets are "
+                "data.eval_sets=[[source, every, name], ...]"
+            )
         zoo = zoo_workload(config)
         return config, Workload(zoo.model, zoo.task, optimizer, follows_policy=True)
     model = as_factory(model)
@@ -148,7 +153,7 @@ def build_workload(
     task = CustomTask(
         loss,
         open_user_data(data, "data"),
-        user_eval_sets(eval_data, eval_sets or {}, config.train.eval_every),
+        user_eval_sets(eval_data, {} if eval_sets is None else eval_sets, config.train.eval_every),
         get_policy(config.precision.policy),
         flops_per_example,
         config.precision.cast_inputs,
@@ -166,11 +171,13 @@ class Eval:
 
 def user_eval_sets(eval_data: Any, eval_sets: dict[str, Any], eval_every: int) -> tuple:
     """The default eval set (eval_data) and the named ones, as evaluation.EvalSets, checked."""
-    from paisoar_jax.config.data import NAME
+    from paisoar_jax.config.data import NAME, check_every
     from paisoar_jax.data.user_data import open_user_data
     from paisoar_jax.evaluation import EvalSet
 
     sets = []
+    if isinstance(eval_data, Eval):
+        raise UserError("eval_data is data; Eval(data, every=STEPS) goes in eval_sets={name: ...}")
     if eval_data is not None:
         sets.append(EvalSet(open_user_data(eval_data, "eval_data"), eval_every))
     if not isinstance(eval_sets, dict):
@@ -179,9 +186,7 @@ def user_eval_sets(eval_data: Any, eval_sets: dict[str, Any], eval_every: int) -
         label = f"eval_sets[{name!r}]"
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise UserError(f"{label}: a name is made of letters, digits, _ . -")
-        every = given.every if isinstance(given, Eval) else 0
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise UserError(f"{label}: every is the steps between its evals (>= 0), got {every!r}")
+        every = check_every(label, given.every) if isinstance(given, Eval) else 0
         if not (every or eval_every):
             raise UserError(
                 f"{label} is evaluated every train.eval_every steps, and train.eval_every=0: "
@@ -263,8 +268,8 @@ def fit(
         accumulation wrap it.
     data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array,
         a dict or an (x, y) tuple of arrays) or batches (a grain IterDataset or a
-        re-iterable of per-process batches); eval_data None: no eval. Both are checked
-        against the loss before the first step.
+        re-iterable of per-process batches); eval_data None: no default eval set. Both,
+        and every eval set, are checked against the loss before the first step.
     eval_sets: more eval sets, {name: data or Eval(data, every=STEPS)}, each evaluated on
         its own cadence (default train.eval_every) and reported as eval_<name>_loss, ...
     flops_per_example: training FLOPs per example, for MFU (None: MFU not reported).
@@ -384,7 +389,8 @@ def bench_fit(
         resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
         if not resolved.run.dir:
             resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
-        resolved, run_workload = build_workload(resolved, **parts)
+        timed = {key: value for key, value in parts.items() if key not in ("eval_sets",)}
+        resolved, run_workload = build_workload(resolved, **timed)  # eval_data: never due
         result = bench_train(resolved, run_workload)
         output.result(json.dumps(result))
         return result

@@ -68,7 +68,8 @@ def check_metric_names(eval_sets: tuple[EvalSet, ...], task: Any) -> None:
             name, owner = f"{eval_set.prefix}{metric}", eval_set.name or "the default eval set"
             if owners.setdefault(name, owner) != owner:
                 raise UserError(
-                    f"eval sets {owners[name]} and {owner} would both report {name}: rename one"
+                    f"eval sets {owners[name]} and {owner} would both report {name}: rename "
+                    f"eval set {owner} (or the loss's metric)"
                 )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -49,6 +50,20 @@ def progress_bar(**settings) -> tqdm:
     if sys.stderr.isatty() and not under_srun:
         return tqdm(mininterval=1.0, **settings)
     return tqdm(file=_LinePerRedraw(sys.stderr), mininterval=30.0, ascii=True, **settings)
+
+
+def file_progress(items: Sequence, description: str, enabled: bool = True) -> Iterator:
+    """`items` (files) under a tqdm bar on stderr.
+
+    Drawn only on a terminal, in text mode and when enabled (convert's --no-progress).
+    """
+    return tqdm(
+        items,
+        desc=description,
+        unit="file",
+        file=sys.stderr,
+        disable=None if enabled and shows_progress() else True,
+    )
 
 
 class _LinePerRedraw:

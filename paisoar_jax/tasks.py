@@ -77,13 +77,13 @@ class LanguageModelling:
             default = self._open_eval("data.eval_source", data.eval_source)
         sets = [EvalSet(default, eval_every)]
         for entry in data.eval_sets:
-            source = self._open_eval(f"data.eval_sets[{entry.name}]", entry.source)
+            source = self._open_eval(f"data.eval_sets[{entry.name}]", entry.source, entry.hf_split)
             sets.append(EvalSet(source, entry.every or eval_every, entry.name))
         return train, tuple(sets)
 
-    def _open_eval(self, key: str, source: str) -> Any:
+    def _open_eval(self, key: str, source: str, hf_split: str = "") -> Any:
         """The windows of one eval set's source: all of a converted set, else its eval split."""
-        side = self.config.data.eval_side(source)
+        side = self.config.data.eval_side(source, hf_split)
         try:
             train, held_out = open_source(side, self.config.model, self.config.train.seed)
         except UserError as error:

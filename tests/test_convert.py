@@ -11,6 +11,8 @@ from conftest import PYTHON, subprocess_env
 from PIL import Image
 
 from paisoar_jax.data.records import ImageRecords, TokenRecords
+from paisoar_jax.data.tokenizing import load_tokenizer
+from paisoar_jax.errors import SettingNames, UserError
 from paisoar_jax.tools import convert
 
 TEXTS = [
@@ -115,6 +117,9 @@ def test_tokenizer_without_an_end_of_document_token(tmp_path, capsys):
     line = one_error_line(capsys)
     assert "plain.json has no end-of-sequence token: its directory declares none" in line
     assert line.endswith("name it with --eos TOKEN")
+    run_side = SettingNames({"tokenizer": "data.tokenizer", "eos": ""}, "=")  # hf: has no eos
+    with pytest.raises(UserError, match="convert with `python -m paisoar_jax.convert text --eos"):
+        load_tokenizer(str(tmp_path / "plain.json"), names=run_side)
 
 
 def instruction_records(path):
@@ -378,7 +383,6 @@ def test_the_conversion_is_a_typed_object_whose_errors_use_the_doors_names(tmp_p
     """`convert text` and a run's data.source=hf: share data/text_conversion.py; its errors
     name each setting as the door the user came through spells it."""
     from paisoar_jax.data.text_conversion import TextConversion, convert_text
-    from paisoar_jax.errors import SettingNames, UserError
 
     (tmp_path / "a.txt").write_text("hello")
     summary = convert_text(TextConversion(tmp_path / "out", input=(str(tmp_path / "a.txt"),)))

@@ -3,6 +3,7 @@ by its real rows; `train.eval_batches` caps it; ready batches are read for one p
 eval sets run on their own cadence."""
 
 import re
+import types
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ from conftest import FIT_BASE, run_records
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax.evaluation import eval_batch_count
+from paisoar_jax.evaluation import EvalSet, check_metric_names, eval_batch_count
 
 
 def examples(count, seed=0):
@@ -171,3 +172,12 @@ def test_eval_sets_whose_metrics_share_a_name_are_refused_before_the_first_step(
             exit_on_error=False,
         )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_two_named_sets_whose_metrics_share_a_name_are_refused():
+    """Set a's metric b_loss and set a_b's loss: both eval_a_b_loss."""
+    task = types.SimpleNamespace(metric_names=("b_loss",), reports_perplexity=False)
+    sets = (EvalSet(None, 2, "a"), EvalSet(None, 2, "a_b"))
+    with pytest.raises(paisoar_jax.UserError, match="eval sets a and a_b would both report"):
+        check_metric_names(sets, task)
+    check_metric_names((EvalSet(None, 2, "a"), EvalSet(None, 2, "c")), task)  # apart: fine

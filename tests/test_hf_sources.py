@@ -68,10 +68,15 @@ def test_changed_data_is_tokenized_again_and_refused_on_resume(saved, tmp_path, 
         resumable_run(tmp_path / "run", settings(changed, tmp_path / "cache"), 6)
 
 
-def test_a_missing_dataset_is_one_line(tmp_path):
-    config = load_config(None, [f"data.source=hf:{tmp_path / 'nothing'}"])
-    with pytest.raises(UserError, match="hf:.*nothing: no such directory or file"):
-        hf_sources.prepare(config)
+def test_a_missing_dataset_is_one_line_naming_its_key(tmp_path):
+    nothing = tmp_path / "nothing"
+    for key, setting in [
+        ("data.source", f"data.source=hf:{nothing}"),
+        ("data.eval_source", f"data.eval_source=hf:{nothing}"),
+        (r"data.eval_sets\[gone\]", f"data.eval_sets=[[hf:{nothing},2,gone]]"),
+    ]:
+        with pytest.raises(UserError, match=f"^{key}=hf:.*nothing: no such directory or file"):
+            hf_sources.prepare(load_config(None, [setting]))
 
 
 def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path):
@@ -87,7 +92,7 @@ def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path)
         ([f"data.source=hf:{saved}", *eval_split], "name one with data.eval_hf_split"),
         (  # a named eval set is tokenized (and read) as data.eval_source is
             [f"data.source=hf:{saved}", f"data.eval_sets=[[hf:{splits},2,v]]", eval_split[1]],
-            "splits has no split 'valid' .*: name one with data.eval_hf_split",
+            r"splits has no split 'valid' .*: name one with data.eval_sets\[v\]'s hf_split or",
         ),
         ([f"data.source=hf:{saved}", "data.hf_format=chat"], "data.hf_format=chat needs a"),
         ([f"data.source=hf:{tmp_path / 'broken.jsonl'}"], "broken.jsonl: datasets cannot read it"),
@@ -143,7 +148,12 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     assert len(train_windows) == (apart[0].token_count - 1) // seq_len  # no windows held out
     assert len(eval_windows) == (apart[1].token_count - 1) // seq_len  # all of validation
     assert bytes(eval_windows[0][:14].astype(np.uint8)) == b"x = 'held out'"
-    train(config)
+    # The same split again as a named set, read from the set's own hf_split
+    named = f"data.eval_sets=[[hf:{tmp_path / 'splits'},0,again,validation]]"
+    summary = train(load_config(None, [*overrides, "data.eval_hf_split=train", named]))
     assert "eval_loss" in run_records(tmp_path / "run")[-1]
+    assert summary["eval_again_loss"] != summary["eval_loss"]  # train split against validation
+    summary = train(load_config(None, [*overrides, named, f"run.dir={tmp_path / 'again'}"]))
+    assert summary["eval_again_loss"] == summary["eval_loss"]
     with pytest.raises(UserError, match="data.eval_source holds token eval sets"):
         load_config(None, ["model.name=resnet", "data.eval_source=synthetic"])

@@ -59,19 +59,27 @@ def _weight(value: Any, key: str, what: str) -> float:
     return float(value)
 
 
-def _entries(value: Any, key: str, second: str) -> list[list[Any]]:
-    """[[source, <second>(, name)], ...], mappings of those keys read as lists."""
+def _entries(value: Any, key: str, second: str, more: tuple[str, ...] = ()) -> list[list]:
+    """[[source, <second>, name, *more], ...] of [source, <second>(, name, *more)] entries.
+
+    Mappings of those keys read as lists; name defaults to the source's (source_name), the
+    optional items after it to None.
+    """
     entries = _loaded(value, key) or []
     if not isinstance(entries, list | tuple):
         raise UserError(f"{key}: expected a list of [source, {second}], got {value!r}")
+    width = 3 + len(more)
     lists = []
     for entry in entries:
         if isinstance(entry, dict):
-            entry = [entry.get("source"), entry.get(second), entry.get("name")]
-        if not isinstance(entry, list | tuple) or len(entry) not in (2, 3):
+            entry = [entry.get(item) for item in ("source", second, "name", *more)]
+        if not isinstance(entry, list | tuple) or not 2 <= len(entry) <= width:
+            items = ", ".join(["name", *more])
             raise UserError(
-                f"{key}: an entry is [source, {second}] or [source, {second}, name], got {entry!r}"
+                f"{key}: an entry is [source, {second}] or [source, {second}, {items}], got "
+                f"{entry!r}"
             )
+        entry = [*entry, *[None] * (width - len(entry))]
         source = entry[0]
         if not isinstance(source, str) or not (
             source in ("embedded", "synthetic") or source.startswith(("arrayrecord:", "hf:"))
@@ -80,13 +88,13 @@ def _entries(value: Any, key: str, second: str) -> list[list[Any]]:
                 f"{key}: {source!r} is not a token source (embedded, synthetic, "
                 f"arrayrecord:DIR, hf:DIR)"
             )
-        name = entry[2] if len(entry) == 3 and entry[2] is not None else source_name(source)
+        name = source_name(source) if entry[2] is None else entry[2]
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise UserError(
                 f"{key}: the name {name!r} of {source} is not made of letters, digits, _ . -"
             )
-        lists.append([source, entry[1], name])
-    names = [name for _, _, name in lists]
+        lists.append([source, entry[1], name, *entry[3:]])
+    names = [entry[2] for entry in lists]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UserError(
@@ -111,18 +119,25 @@ class EvalSource:
     source: str
     every: int  # steps between its evals (and the last step); 0: train.eval_every's
     name: str
+    hf_split: str = ""  # hf: its DatasetDict's split; empty: data.eval_hf_split's
+
+
+def check_every(what: str, every: Any) -> int:
+    """An eval set's cadence: steps >= 0 (0: train.eval_every's), else a UserError."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise UserError(
+            f"{what}: every is the steps between its evals (0: train.eval_every's), got {every!r}"
+        )
+    return every
 
 
 def parse_eval_sets(value: Any, key: str = "data.eval_sets") -> tuple[EvalSource, ...]:
-    """[[source, every(, name)], ...] (or mappings of those keys) -> EvalSources."""
+    """[[source, every(, name, hf_split)], ...] (or mappings of those keys) -> EvalSources."""
     sets = []
-    for source, every, name in _entries(value, key, "every"):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise UserError(
-                f"{key}: {name}'s every is the steps between its evals (0: train.eval_every's), "
-                f"got {every!r}"
-            )
-        sets.append(EvalSource(source, every, name))
+    for source, every, name, hf_split in _entries(value, key, "every", ("hf_split",)):
+        if hf_split is not None and not isinstance(hf_split, str):
+            raise UserError(f"{key}: {name}'s hf_split is a split's name, got {hf_split!r}")
+        sets.append(EvalSource(source, check_every(f"{key}: {name}", every), name, hf_split or ""))
     return tuple(sets)
 
 
@@ -201,9 +216,11 @@ class DataConfig:
     # data.source is trained on whole (data.eval_fraction unused); empty: held out as above
     eval_source: str = ""
     eval_hf_split: str = ""  # hf: the eval sets' split of a DatasetDict; empty: hf_split
-    # More eval sets, each read whole and evaluated on its own cadence (and at the last
-    # step): [[source, every, name], ...], any token source; every 0: train.eval_every's.
-    # metrics.jsonl reports each as eval_<name>_loss (and perplexity) beside eval_loss.
+    # More eval sets, each evaluated on its own cadence (and at the last step): [[source,
+    # every, name, hf_split], ...] (name and hf_split optional), any token source, read as
+    # data.eval_source is; every 0: train.eval_every's; hf_split: a DatasetDict's split
+    # (default data.eval_hf_split's). metrics.jsonl reports each as eval_<name>_loss (and
+    # perplexity) beside eval_loss.
     eval_sets: tuple[EvalSource, ...] = field(default=(), metadata={"parse": parse_eval_sets})
     min_crop_scale: float = 0.08  # images: smallest area share of a random-resized crop
     mixup_alpha: float = 0.0  # images: mixup's Beta(alpha, alpha); 0 turns mixup off
@@ -236,17 +253,17 @@ class DataConfig:
             )
         self._check_mixture()
 
-    def eval_side(self, source: str = "") -> DataConfig:
+    def eval_side(self, source: str = "", hf_split: str = "") -> DataConfig:
         """The data section an eval set is read with: it as the one source, whole.
 
-        data.eval_source's, or `source`'s (one of data.eval_sets); embedded and synthetic
-        sources give their eval split.
+        data.eval_source's, or `source`'s (one of data.eval_sets, read from its own
+        `hf_split` when given); embedded and synthetic sources give their eval split.
         """
         source = source or self.eval_source
         return dataclasses.replace(
             self,
             source=source,
-            hf_split=self.eval_hf_split or self.hf_split,
+            hf_split=hf_split or self.eval_hf_split or self.hf_split,
             mixture=(),
             mixture_stages=(),
             eval_source="",

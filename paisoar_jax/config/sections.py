@@ -203,7 +203,9 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step, accumulated inside the step
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 100  # 0 disables eval
+    # Steps between evals of the default eval set (0: never; a data.eval_sets entry with an
+    # every of its own is still evaluated)
+    eval_every: int = 100
     eval_batches: int = 0  # 0: every eval reads the whole eval set; n: its first n batches
     sample_bytes: int = 160  # length of the text sample generated at the end (0: none)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 looks the device kind up
@@ -322,7 +324,11 @@ class Config:
                     f"(its every is 0), and train.eval_every=0: give it its own every"
                 )
         if self.data.eval_fraction == 0 and self.train.eval_every > 0 and not self.data.eval_source:
-            raise UserError("data.eval_fraction=0 leaves no eval data: set train.eval_every=0 too")
+            also = " and give each of data.eval_sets its own every" if self.data.eval_sets else ""
+            raise UserError(
+                f"data.eval_fraction=0 leaves the default eval set no data: set "
+                f"train.eval_every=0 too{also} (or set data.eval_source)"
+            )
         self._check_pipeline()
         self._check_grad_comm()
         self._check_experts()

@@ -50,7 +50,11 @@ def hf_paths(config: Config) -> list[tuple[str, str, DataConfig]]:
     specs = specs or [("data.source", data.source, data)]
     specs += [("data.eval_source", data.eval_source, data.eval_side())] if data.eval_source else []
     specs += [
-        (f"data.eval_sets[{entry.name}]", entry.source, data.eval_side(entry.source))
+        (
+            f"data.eval_sets[{entry.name}]",
+            entry.source,
+            data.eval_side(entry.source, entry.hf_split),
+        )
         for entry in data.eval_sets
     ]
     return [
@@ -81,7 +85,11 @@ def conversion_for(
         columns = {"prompt_field": prompt, "response_field": response}
     elif data.hf_field:
         columns = {"messages_field" if data.hf_format == "chat" else "field": data.hf_field}
-    split_key = "data.hf_split" if key in ("data.source", "data.mixture") else "data.eval_hf_split"
+    split_key = {"data.source": "data.hf_split", "data.mixture": "data.hf_split"}.get(
+        key, "data.eval_hf_split"
+    )
+    if key.startswith("data.eval_sets"):  # (or the set's own, its fourth item)
+        split_key = f"{key}'s hf_split or data.eval_hf_split"
     names = SettingNames(CONFIG_LABELS | {"from_hf": f"{key}=hf:", "split": split_key}, "=")
     return TextConversion(
         output=directory,
@@ -102,7 +110,7 @@ def prepare(config: Config) -> None:
     if not paths:
         return
     for key, path, data in paths:
-        directory = hf_cache_directory(data, path)
+        directory = hf_cache_directory(data, path, key)
         if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
             try:
                 summary = convert_text(conversion_for(key, data, path, directory))
@@ -115,7 +123,7 @@ def prepare(config: Config) -> None:
     if jax.process_count() > 1:
         wait_for_everyone(f"paisoar_jax.hf_sources.{next(_BARRIERS)}")
         for key, path, data in paths:
-            directory = hf_cache_directory(data, path)
+            directory = hf_cache_directory(data, path, key)
             if not (directory / MANIFEST_NAME).is_file():
                 raise UserError(
                     f"{key}=hf:{path}: process 0 tokenized it into {directory}, which "

@@ -195,8 +195,10 @@ def open_token_records(
     return tuple(PackedWindows(records, seq_len, *split) for split in splits)
 
 
-def hf_cache_directory(data_config: DataConfig, path: str) -> pathlib.Path:
-    """Where `hf:<path>` is tokenized once, under data.cache_dir.
+def hf_cache_directory(
+    data_config: DataConfig, path: str, key: str = "data.source"
+) -> pathlib.Path:
+    """Where `hf:<path>` is tokenized once, under data.cache_dir (`key` names the setting).
 
     Its name holds a hash of the data files (relative path, size, modification time) and of
     the conversion's settings (tokenizer and its sha256, split, format, field): changed data
@@ -204,7 +206,7 @@ def hf_cache_directory(data_config: DataConfig, path: str) -> pathlib.Path:
     """
     target = pathlib.Path(path).expanduser().absolute()
     if not target.exists():
-        raise UserError(f"data.source=hf:{path}: no such directory or file")
+        raise UserError(f"{key}=hf:{path}: no such directory or file")
     files = (
         sorted(file for file in target.rglob("*") if file.is_file())
         if target.is_dir()

@@ -19,7 +19,6 @@ import dataclasses
 import glob
 import os
 import pathlib
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,6 +61,10 @@ class TextConversion:
     overwrite: bool = False  # replace a non-empty output directory
     progress: bool = True  # a progress bar on a terminal
     names: SettingNames = FLAG_NAMES  # how errors name these settings
+
+    def __post_init__(self):
+        if isinstance(self.input, str):  # one pattern, not its characters
+            object.__setattr__(self, "input", (self.input,))
 
 
 def convert_text(conversion: TextConversion) -> str:
@@ -148,7 +151,7 @@ def input_pieces(
         rows = hf_datasets.rows(conversion.from_hf, conversion.split, conversion.names)
         yield from record_pieces(rows, conversion, template)
         return
-    for path in progress(files, "tokenizing", conversion.progress):
+    for path in output.file_progress(files, "tokenizing", conversion.progress):
         yield from document_pieces(path, conversion, template)
 
 
@@ -231,16 +234,3 @@ def expand_inputs(patterns: Sequence[str], names: SettingNames = FLAG_NAMES) -> 
             )
         found.update(pathlib.Path(os.path.abspath(path)) for path in matched)
     return sorted(found)
-
-
-def progress(items: Sequence, description: str, enabled: bool) -> Iterator:
-    """A tqdm bar on stderr, shown only on a terminal and when enabled."""
-    from tqdm import tqdm
-
-    return tqdm(
-        items,
-        desc=description,
-        unit="file",
-        file=sys.stderr,
-        disable=None if enabled and output.shows_progress() else True,
-    )

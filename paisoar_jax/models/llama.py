@@ -3,10 +3,10 @@
 The same math as Hugging Face's LlamaForCausalLM, so its checkpoints load as they are
 (paisoar_jax/tools/hf/): rotary positions rotate the two halves of each head (HF's
 `rotate_half`), with HF's `rope_theta` and the Llama-3 scaling of long contexts; no biases;
-embeddings tied or not. Attention, scan over stacked blocks, remat and fp8 matmuls are
-GPT's (models/gpt.py). Every parameter carries logical axis names: tensor parallelism
-splits the query heads and the key/value heads. Shape suffixes: B batch, T time, D width,
-H query heads, K key/value heads, E head width, F MLP width, V vocab.
+embeddings tied or not. Attention (models/attention.py), scan over stacked blocks, remat
+and fp8 matmuls are GPT's (models/gpt.py). Every parameter carries logical axis names:
+tensor parallelism splits the query heads and the key/value heads. Shape suffixes: B batch,
+T time, D width, H query heads, K key/value heads, E head width, F MLP width, V vocab.
 """
 
 from __future__ import annotations

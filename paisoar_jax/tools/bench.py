@@ -31,6 +31,7 @@ from paisoar_jax.tools import cli
 BENCH_OVERRIDES = [
     "checkpoint.enabled=false",
     "train.eval_every=0",
+    "data.eval_sets=[]",  # (their own every would still evaluate them)
     "train.sample_bytes=0",
     "run.progress=false",
     "run.tensorboard=false",

@@ -36,12 +36,7 @@ import numpy as np
 from paisoar_jax import output
 from paisoar_jax.data import records
 from paisoar_jax.data.conversations import FORMATS
-from paisoar_jax.data.text_conversion import (
-    DEFAULT_RECORD_TOKENS,
-    TextConversion,
-    convert_text,
-    progress,
-)
+from paisoar_jax.data.text_conversion import DEFAULT_RECORD_TOKENS, TextConversion, convert_text
 from paisoar_jax.data.writing import (
     IMAGE_WRITER_OPTIONS,
     staged_output,
@@ -80,7 +75,7 @@ def convert_images(args: argparse.Namespace) -> str:
         raise UserError(f"{directory} has no readable .jpg/.jpeg/.png images")
     contents = (
         np.array(label, records.LABEL_DTYPE).tobytes() + path.read_bytes()
-        for path, label in progress(files, "packing", args.progress)
+        for path, label in output.file_progress(files, "packing", args.progress)
     )
     with staged_output(pathlib.Path(args.output), args.overwrite) as staging:
         shards = write_shards(
