@@ -85,10 +85,11 @@ def conversion_for(
         columns = {"prompt_field": prompt, "response_field": response}
     elif data.hf_field:
         columns = {"messages_field" if data.hf_format == "chat" else "field": data.hf_field}
-    split_key = {"data.source": "data.hf_split", "data.mixture": "data.hf_split"}.get(
-        key, "data.eval_hf_split"
-    )
-    if key.startswith("data.eval_sets"):  # (or the set's own, its fourth item)
+    if key in ("data.source", "data.mixture"):
+        split_key = "data.hf_split"
+    elif key == "data.eval_source":
+        split_key = "data.eval_hf_split"
+    else:  # one of data.eval_sets: its own split (the entry's fourth item), else the eval one
         split_key = f"{key}'s hf_split or data.eval_hf_split"
     names = SettingNames(CONFIG_LABELS | {"from_hf": f"{key}=hf:", "split": split_key}, "=")
     return TextConversion(

@@ -71,8 +71,8 @@ def convert_text(conversion: TextConversion) -> str:
     """Tokenizes the conversion's input into a tokens dataset; returns the summary line."""
     names = conversion.names
     for setting in ("record_tokens", "shards"):
-        if getattr(conversion, setting) < 1:
-            value = getattr(conversion, setting)
+        value = getattr(conversion, setting)
+        if value < 1:
             raise UserError(f"{names(setting)} must be at least 1, got {value}")
     if bool(conversion.input) == (conversion.from_hf is not None):
         raise UserError(f"give {names('input')} or {names('from_hf')}, one of them")
