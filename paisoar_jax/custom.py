@@ -40,6 +40,11 @@ class CustomTask:
     rate_name = "ex_s"
     unit_of_data = "examples"
     reports_perplexity = False  # a loss of one's own: its exp need mean nothing
+    config_note = (
+        "# Written by paisoar_jax.fit: the model, loss and data were the program's (and the\n"
+        "# optimizer, when it gave one), not the model/data/optim settings below. The program\n"
+        "# repeats the run; `--config` of this file alone would train the zoo's default.\n"
+    )
 
     def __init__(
         self,

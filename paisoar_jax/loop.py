@@ -123,7 +123,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         cleanup.enter_context(watchdog)
         state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
-            (run_dir / "config.yaml").write_text(dump_yaml(config))
+            (run_dir / "config.yaml").write_text(task.config_note + dump_yaml(config))
             changed = restored and run.lr_schedule is not None and schedule_change(restored, config)
             if changed:  # (the config's schedule only: a user's optimizer keeps its own)
                 output.note(changed)
@@ -194,7 +194,8 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     first_batch = next(batches)
     train_step, eval_step = _compile(parts, state, first_batch, watchdog.paused)
     run_records.say_compiled(parts, train_step.compile_s, start_step)
-    instruments, history = run_records.instruments(parts, start_step), run_records.History()
+    instruments = run_records.instruments(parts, start_step)
+    history = run_records.start_history(parts, state, start_step)
     stopped_by, step, first_save = None, start_step, True
     train_start = time.perf_counter()
     instruments.timer.restart(step=start_step)

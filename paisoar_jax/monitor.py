@@ -82,11 +82,13 @@ def check_health(
     """Stops on a non-finite loss (unscaled runs) or on steps the loss scale cannot rescue.
 
     With a loss scaler an occasional overflow only halves the scale (a warning when it falls
-    at every log step). The run stops when the scale is at its floor and steps still
-    overflow (skipped since a log step that found it there), or when SKIPPED_IN_A_ROW steps
-    in a row were skipped: nothing trains then.
-    `history`: (step, scale, skipped steps) of the earlier log steps; `lower_lr`: how this
-    run's learning rate is lowered (optim.lr, or the user's own optimizer).
+    at every log step, once it has grown: before, it is coming down from initial_scale).
+    The run stops when the scale is at its floor and steps still overflow (skipped since a
+    log step that found it there), or when SKIPPED_IN_A_ROW steps in a row were skipped:
+    nothing trains then.
+    `history`: (step, scale, skipped steps) of the earlier log steps, with a scaler first
+    those the run started from (`run_records.start_history`); `lower_lr`: how this run's
+    learning rate is lowered (optim.lr, or the user's own optimizer).
     """
     step, loss = record["step"], record["loss"]
     scale, skipped = record["loss_scale"], record["skipped_steps"]
@@ -117,6 +119,9 @@ def check_health(
     falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
         later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
     )
+    # Until the scale has grown once, falling is a high initial scale finding its level.
+    grown = any(later[1] > earlier[1] for earlier, later in zip(history, history[1:], strict=False))
+    falling = falling and grown
     if falling and jax.process_index() == 0:  # every process sees it; one says it
         output.warning(
             f"the loss scale fell at each of the last {FALLING_SCALE_LOGS} log steps "

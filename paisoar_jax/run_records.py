@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from paisoar_jax import output
+from paisoar_jax import loss_scale, output
 from paisoar_jax.errors import DivergenceError
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
@@ -30,6 +30,19 @@ class History:
     scales: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
     eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
     eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
+
+
+def start_history(parts: Any, state: Any, start_step: int) -> History:
+    """An empty History; with a loss scaler, the scale and skipped steps at start_step.
+
+    So the first log interval counts towards the steps skipped in a row, as the later do.
+    """
+    history = History()
+    if parts.config.precision.loss_scale_mode()[0] != "none":
+        values = jax.device_get(loss_scale.scale_metrics(state.opt_state))
+        start = (start_step, float(values["loss_scale"]), int(values["skipped_steps"]))
+        history.scales.append(start)
+    return history
 
 
 @dataclasses.dataclass

@@ -46,6 +46,7 @@ class LanguageModelling:
     """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
 
     unit = "tokens"
+    config_note = ""
     rate_name = "tok_s"
     unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
     reports_perplexity = True  # eval adds exp(eval_loss), the perplexity per token
@@ -87,7 +88,11 @@ class LanguageModelling:
         try:
             train, held_out = open_source(side, self.config.model, self.config.train.seed)
         except UserError as error:
-            raise UserError(f"{key}: {error}") from None
+            # Opened as a data.source would be; said of the key that named it.
+            text, opened_as = str(error), f"data.source={source}"
+            if text.startswith(opened_as):
+                raise UserError(f"{key}={source}{text.removeprefix(opened_as)}") from None
+            raise UserError(f"{key}: {text}") from None
         return train if side.eval_fraction == 0 else held_out
 
     def host_batches(
@@ -201,6 +206,7 @@ class ImageClassification:
 
     unit = "examples"
     rate_name = "img_s"
+    config_note = ""
     unit_of_data = "images"
     metric_names = ("accuracy",)
     reports_perplexity = False

@@ -40,6 +40,7 @@ class Task(Protocol):
     unit_of_data: str  # what a source holds, for messages: windows, images, examples
     metric_names: tuple[str, ...]  # the fp32 scalars `loss` returns beside the loss
     reports_perplexity: bool  # eval adds exp(eval_loss): a mean loss per token
+    config_note: str  # comment lines atop the run's config.yaml ("" for none)
 
     def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
         """The train source and the eval sets (the default one first; none: no eval)."""

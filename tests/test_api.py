@@ -12,6 +12,7 @@ from flax import nnx
 
 import paisoar_jax
 from paisoar_jax import api
+from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import rules, sharding
 from paisoar_jax.state import init_state
@@ -357,6 +358,9 @@ def test_plan_fit_prints_every_parameter(devices, capsys):
     }
     assert "blocks.1.down.kernel" in table and "[tensor, fsdp]" in table
     assert result["model"] == "custom"
+    # No flops_per_example: the compute is unknown, not 0 us at 0.0% efficiency.
+    assert "  compute                unknown   (give flops_per_example to count it)" in table
+    assert "scaling efficiency unknown" in table and "0.0%" not in table
 
 
 def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):
@@ -441,6 +445,10 @@ def test_model_state_with_rng_streams_resumes_exactly(tmp_path):
         for name in ("whole", "cut")
     }
     assert logged["cut"] == logged["whole"] and len(logged["whole"]) == 6
+    # config.yaml says that the program, not its model/data/optim settings, made the run.
+    written = (tmp_path / "whole" / "config.yaml").read_text()
+    assert written.startswith("# Written by paisoar_jax.fit: the model, loss and data were")
+    assert load_config(str(tmp_path / "whole" / "config.yaml")).train.steps == 6
 
 
 @pytest.mark.slow

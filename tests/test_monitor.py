@@ -43,7 +43,7 @@ def test_with_a_scaler_a_non_finite_loss_is_only_a_skipped_step(capsys):
 
 
 def test_scale_falling_at_every_log_step_warns_once_it_is_a_trend(capsys):
-    history = []
+    history = [(0, 2.0**14, 0)]  # the start: the scale then grew, so it had found its level
     for step, scale in [(10, 2.0**15), (20, 2.0**14), (30, 2.0**13)]:
         check_health(record(step, 3.0, scale, skipped=step // 10), FP16, history, LOWER)
     assert capsys.readouterr().err == ""  # two falls: could still be overflow
@@ -54,6 +54,19 @@ def test_scale_falling_at_every_log_step_warns_once_it_is_a_trend(capsys):
     assert warning.strip().endswith("lower your optimizer's lr")  # not optim.lr: fit's own
     check_health(record(50, 3.0, 2.0**12, skipped=4), FP16, history, LOWER)
     assert capsys.readouterr().err == ""  # a steady scale is healthy again
+
+
+def test_a_scale_coming_down_from_its_initial_value_does_not_warn(capsys):
+    """Before: a run started at precision.initial_scale=1e12 warned twice that its gradients
+    were diverging while its loss fell and the scale found its level."""
+    history = [(0, 1e12, 0)]
+    for index, step in enumerate((5, 10, 15, 20, 25), 1):  # one skipped step in each
+        check_health(record(step, 1.0, 1e12 / 2**index, skipped=index), FP16, history, LOWER)
+    assert capsys.readouterr().err == ""
+    check_health(record(30, 1.0, 2e12 / 2**5, skipped=5), FP16, history, LOWER)  # it grew
+    for index, step in enumerate((35, 40, 45), 6):
+        check_health(record(step, 1.0, 2e12 / 2**index, skipped=index), FP16, history, LOWER)
+    assert "fell at each of the last 3 log steps" in capsys.readouterr().err
 
 
 def test_a_step_skipped_with_the_scale_at_its_floor_stops_the_run():
@@ -73,6 +86,22 @@ def test_skipped_steps_in_a_row_stop_a_static_scale():
     assert _skipped_in_a_row(history) == 15  # steps 21-35 (one of 16-20 trained)
     with pytest.raises(DivergenceError, match="the last 20 steps .to step 40. were all skipped"):
         check_health(record(40, math.nan, 1024.0, 34), STATIC, history, LOWER)
+
+
+def test_skipped_steps_count_from_the_start_of_the_run(tmp_path):
+    """Every step overflows at a static scale: the run stops after 20 skipped steps. Before:
+    the first log interval was never counted, so it ran to step 25 (20 + train.log_every)."""
+
+    def overflowing(model, batch, rng):
+        loss, metrics = cross_entropy(model, batch, rng)
+        return loss * 1e30, metrics
+
+    overrides = [*FIT_BASE, "train.steps=40", "train.log_every=5", "precision.policy=fp16"]
+    overrides += ["precision.loss_scale=static:1024", f"run.dir={tmp_path}/run"]
+    with pytest.raises(DivergenceError, match="the last 20 steps .to step 20. were all skipped"):
+        paisoar_jax.fit(
+            None, overrides, model=Linear, loss=overflowing, data=batches(), exit_on_error=False
+        )
 
 
 def test_a_run_records_its_step_time_breakdown_and_profiles_the_steps_asked_for(tmp_path, capfd):

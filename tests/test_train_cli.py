@@ -81,6 +81,8 @@ BAD_INPUTS = [
     (["--config", "missing.yaml"], "config file not found: missing.yaml"),
     (["model.attention=cudnn"], "model.attention=cudnn needs an NVIDIA GPU"),
     (["data.source=arrayrecord:/no/data"], "arrayrecord:/no/data: no such file or directory"),
+    # Said of the key that names it (before: "data.eval_source: data.source=arrayrecord:...").
+    (["data.eval_source=arrayrecord:/no/data"], "error: data.eval_source=arrayrecord:/no/data: no"),
     (["run.dir=/dev/null/run"], "run.dir /dev/null/run is not writable"),
 ]
 

@@ -132,7 +132,7 @@ class PrecisionConfig:
             if value > 0:
                 return "static", value
         raise UserError(
-            f"precision.loss_scale={text!r} is not dynamic, none or static:<positive number>"
+            f"precision.loss_scale={text!r} is not auto, dynamic, none or static:<positive number>"
         )
 
 

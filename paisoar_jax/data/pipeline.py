@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paisoar_jax.config import Config
+from paisoar_jax.data.worker_processes import check_main_guard
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel.sharding import input_slot
 
@@ -217,6 +218,7 @@ class GlobalBatches:
             )
         if len(source) == 0:
             raise UserError("the data has no examples")
+        check_main_guard(workers)  # before a worker imports a script that would train again
         self.reads, self.source = reads, source
         self.global_batch, self.seed = global_batch, seed
         self.workers, self.in_memory = workers, in_memory

@@ -1,12 +1,11 @@
-"""`python -m paisoar_jax.launch --nproc N [--devices-per-proc K] -- [train arguments ...]`.
+"""`python -m paisoar_jax.launch --nproc N -- [train arguments | python my_script.py ...]`.
 
 Starts N processes of `python -m paisoar_jax.train` on this machine (or of any script:
 `-- python my_script.py ARGS`, whose `paisoar_jax.fit` or `paisoar_jax.initialize()` joins
 them), joined by jax.distributed through the PAISOAR_* variables
-(paisoar_jax/distributed.py): a free port
-on 127.0.0.1 for one node, `--coordinator HOST:PORT` for several (`--nnodes`,
-`--node-rank`, one launcher per node). On CPU each process gets K simulated devices; on a
-GPU node, K GPUs (default: an equal share).
+(paisoar_jax/distributed.py): a free port on 127.0.0.1 for one node, `--coordinator
+HOST:PORT` for several (`--nnodes`, `--node-rank`, one launcher per node). On CPU each
+process gets K simulated devices; on a GPU node, K GPUs (default: an equal share).
 
 Every output line is prefixed with `[rank i] `. When a process fails (non-zero exit or a
 signal) the others get SIGTERM, then SIGKILL after `--grace` seconds (a process whose peer
@@ -53,6 +52,8 @@ from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restar
 from paisoar_jax.tools.launch.restarts import say as _say
 
 PROGRAM = "paisoar_jax.launch"
+USAGE = f"python -m {PROGRAM} --nproc N [options] -- [train arguments | python SCRIPT ARGS]"
+DESCRIPTION = "N processes of paisoar_jax.train, or of a script of your own, joined as one job."
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 USER_ERROR_WAIT_S = 3.0  # how long the others may take to report a bad input themselves
@@ -64,7 +65,7 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     child_arguments = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROGRAM, usage=USAGE, description=DESCRIPTION)
     parser.add_argument("--nproc", type=int, required=True, help="processes on this node")
     parser.add_argument(
         "--devices-per-proc",

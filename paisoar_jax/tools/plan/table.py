@@ -11,6 +11,24 @@ from paisoar_jax.tools import gpu_target
 from paisoar_jax.tools.plan import fit_search
 
 
+def _compute_line(result: dict[str, Any], seconds: float) -> str:
+    """The step's compute time and FLOPs, or unknown when no FLOPs count was given."""
+    if not result["flops_per_device"]:  # a model of one's own, its FLOPs not given
+        return f"  compute{'unknown':>23}   (give flops_per_example to count it)"
+    return (
+        f"  compute{_duration(seconds):>23}   "
+        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device"
+        f"{', with the pipeline bubble' if result.get('pipeline') else ''})"
+    )
+
+
+def _efficiency(result: dict[str, Any], overlap: str) -> str:
+    """The scaling efficiency with `overlap`, or unknown when the compute is."""
+    if not result["flops_per_device"]:
+        return "unknown"
+    return f"{result['scaling_efficiency'][overlap]:.1%}"
+
+
 def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
     """The pipeline section of the table (nothing without stages)."""
     if report is None:
@@ -151,15 +169,13 @@ def format_table(result: dict) -> str:
         f"step time on {link['name']} ({link['gb_per_s']:g} GB/s per direction), "
         f"{result['peak_tflops']:g} TFLOP/s x {result['efficiency']:g} efficiency",
         f"  peak: {result['peak_source']}",
-        f"  compute{_duration(times['compute']):>23}   "
-        f"({result['flops_per_device'] / 1e12:.3g} TFLOP per device"
-        f"{', with the pipeline bubble' if result.get('pipeline') else ''})",
+        _compute_line(result, times["compute"]),
         f"  communication{_duration(times['communication']):>17}   "
         "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
         f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
-        f"scaling efficiency {result['scaling_efficiency']['no_overlap']:.1%}",
+        f"scaling efficiency {_efficiency(result, 'no_overlap')}",
         f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
-        f"scaling efficiency {result['scaling_efficiency']['perfect_overlap']:.1%}",
+        f"scaling efficiency {_efficiency(result, 'perfect_overlap')}",
     ]
     lines += _pipeline_lines(result.get("pipeline"))
     lines += _experts_lines(result.get("experts"))
