@@ -184,6 +184,14 @@ def test_errors_in_a_yaml_file_name_its_line(tmp_path):
         load_config(str(path))
 
 
+def test_a_double_quoted_regex_in_rules_says_how_to_quote_it():
+    """A regex in double quotes is no YAML (\\. is not an escape there); in single quotes it is."""
+    with pytest.raises(UserError, match=r"double quotes YAML reads \\ as an escape: single-quote"):
+        load_config(None, ['sharding.rules=[["out\\.kernel", [null, tensor]]]'])
+    loaded = load_config(None, ["sharding.rules=[['out\\.kernel', [null, tensor]]]"])
+    assert loaded.sharding.rules[0][0] == "out\\.kernel"
+
+
 def test_missing_config_file():
     with pytest.raises(UserError, match="config file not found: nowhere.yaml"):
         resolve_config_path("nowhere.yaml")

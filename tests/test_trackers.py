@@ -169,6 +169,19 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, capsys
     assert len(warnings) == 1 and "stopped taking metrics at step 1" in warnings[0]
 
 
+def test_tensorboard_takes_a_skipped_steps_nan_without_a_warning(tmp_path, caplog):
+    """Before: each fp16 step skipped for overflow (grad_norm NaN) printed tensorboardX's
+    "NaN or Inf found in input tensor" on stderr; metrics.jsonl keeps the NaN."""
+    from paisoar_jax.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, tensorboard=True)
+    writer.write({"step": 1, "loss": 2.0, "grad_norm": float("nan")})
+    writer.close()
+    assert not [record for record in caplog.records if "NaN or Inf" in record.getMessage()]
+    assert [record["step"] for record in run_records(tmp_path)] == [1]
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
 def test_every_tracker_the_config_accepts_has_a_class_and_no_other():
     """config/run.py's TRACKERS (what run.trackers may name) and the registry agree, and each
     class is one a metrics writer can drive (log, close, replays)."""

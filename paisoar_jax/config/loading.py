@@ -108,7 +108,10 @@ def _coerce_rules(value: Any, key: str) -> tuple:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError:
-            raise UserError(f"{key}: not valid YAML: {value!r}") from None
+            hint = ""
+            if "\\" in value and '"' in value:  # "out\.kernel": \. is no YAML escape
+                hint = " (in double quotes YAML reads \\ as an escape: single-quote the regex)"
+            raise UserError(f"{key}: not valid YAML{hint}: {value!r}") from None
     if isinstance(value, dict):
         value = list(value.items())
     if not isinstance(value, list | tuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -17,6 +18,9 @@ class TensorBoard:
     def __init__(self, config: Config | None, run_dir: pathlib.Path, settings=None, resume_step=0):
         from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
 
+        # A skipped fp16 step's grad_norm and a diverged loss are logged as NaN on purpose:
+        # tensorboardX would warn of each on stderr.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         purge_step = resume_step + 1 if resume_step else None  # hides the old steps after it
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
