@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paisoar_jax.config import FIT_CONFIG_NOTE
 from paisoar_jax.data.user_data import BatchData, ExampleData
 from paisoar_jax.errors import UserError
 from paisoar_jax.evaluation import EvalSet
@@ -40,11 +41,7 @@ class CustomTask:
     rate_name = "ex_s"
     unit_of_data = "examples"
     reports_perplexity = False  # a loss of one's own: its exp need mean nothing
-    config_note = (
-        "# Written by paisoar_jax.fit: the model, loss and data were the program's (and the\n"
-        "# optimizer, when it gave one), not the model/data/optim settings below. The program\n"
-        "# repeats the run; `--config` of this file alone would train the zoo's default.\n"
-    )
+    config_note = FIT_CONFIG_NOTE  # atop config.yaml: the program made this run
 
     def __init__(
         self,

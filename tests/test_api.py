@@ -17,6 +17,7 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import rules, sharding
 from paisoar_jax.state import init_state
 from paisoar_jax.step import jit_eval_step, jit_train_step, loss_and_grads
+from paisoar_jax.tools.doctor import command as doctor
 from paisoar_jax.workload import setup
 
 BASE = FIT_BASE  # a model of one's own through fit: log each step, no eval
@@ -364,8 +365,6 @@ def test_plan_fit_prints_every_parameter(devices, capsys):
 
 
 def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):
-    from paisoar_jax.tools.doctor import command as doctor
-
     overrides = [*BASE, "train.steps=6", "train.log_every=2", f"run.dir={tmp_path}/bench"]
     result = paisoar_jax.bench_fit(None, overrides, model=Net, loss=net_loss, data=examples())
     assert result["model"] == "custom" and result["examples_per_s"] > 0
@@ -449,6 +448,7 @@ def test_model_state_with_rng_streams_resumes_exactly(tmp_path):
     written = (tmp_path / "whole" / "config.yaml").read_text()
     assert written.startswith("# Written by paisoar_jax.fit: the model, loss and data were")
     assert load_config(str(tmp_path / "whole" / "config.yaml")).train.steps == 6
+    assert doctor.load_run(tmp_path / "whole").by_fit  # the doctor's advice is a program's
 
 
 @pytest.mark.slow

@@ -147,6 +147,19 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     assert not any("convert" in fix for fix in finding["fixes"])
 
 
+def test_an_input_bound_fit_run_is_told_to_time_its_own_data(tmp_path):
+    """Before: the fix was `bench --data-only` with the run's data.*, which times the
+    embedded corpus, not the data a fit program gave."""
+    records = [
+        {"step": step, "step_time_s": 0.1, "data_wait_frac": 0.5, "platform": "gpu"}
+        for step in (1, 2, 3)
+    ]
+    config = load_config(None, [f"run.dir={tmp_path}"])
+    for by_fit, wanted in ((True, "paisoar_jax.bench_fit(...)"), (False, "--data-only")):
+        finding = findings.input_bound(findings.Run(tmp_path, config, records, None, by_fit))
+        assert any(wanted in fix for fix in finding.fixes), finding.fixes
+
+
 class SlowBatches:
     """Batches that take `delay` seconds each (decoding, augmentation, a slow tokenizer)."""
 

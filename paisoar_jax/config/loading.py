@@ -286,6 +286,14 @@ def to_dict(config: Config) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+# Atop a `fit` run's config.yaml (custom.CustomTask.config_note); the doctor reads it.
+FIT_CONFIG_NOTE = (
+    "# Written by paisoar_jax.fit: the model, loss and data were the program's (and the\n"
+    "# optimizer, when it gave one), not the model/data/optim settings below. The program\n"
+    "# repeats the run; `--config` of this file alone would train the zoo's default.\n"
+)
+
+
 def dump_yaml(config: Config) -> str:
     """The resolved config as YAML text that load_config reads back to the same Config."""
     return yaml.safe_dump(to_dict(config), sort_keys=False)

@@ -51,6 +51,7 @@ class Run:
     config: Config
     records: list[dict[str, Any]]  # metrics.jsonl, one record per log step
     plan: dict[str, Any] | None  # plan.json, when the run directory has one
+    by_fit: bool = False  # made by paisoar_jax.fit: its data is the program's, not data.*
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -134,7 +135,10 @@ def input_bound(run: Run) -> Finding | None:
             "DIR --output OUT`) and train on `data.source=images:OUT`"
         )
     fixes.append(
-        "time the input alone: `python -m paisoar_jax.bench --data-only` with the run's data.*"
+        "compare the data wait of `paisoar_jax.bench_fit(...)` (your program's parts) at "
+        "other data.workers"
+        if run.by_fit
+        else "time the input alone: `python -m paisoar_jax.bench --data-only` with the run's data.*"
     )
     evidence = (
         f"waited for input {percent(share)} of the step time over steps "
