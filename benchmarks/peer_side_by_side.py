@@ -17,7 +17,8 @@ optimizer state donated, as ours are. As written, its step cannot write its new 
 the old, so it holds that state twice, and XLA puts activations in the second copy's space
 until the update writes it: its temporaries then look smaller than they are (gpt_1b: 26.5
 GiB as written, 37.2 donated). The device memory in all (arguments, outputs not donated,
-temporaries, code; memory.memory's "total") is what a run needs; the peer's is as written.
+temporaries, code; memory.memory's "total") is what a run needs, the peer's donated too;
+the last line of a row gives the peer's two figures as written.
 
 Needs the CUDA plugin (the gpu-aot extra, or pip install "jax[cuda12]"); it sets
 JAX_PLATFORMS=cpu itself, as a target compile must.
@@ -102,9 +103,9 @@ def total_bytes(compiled) -> int:
 def peer_figures(source: Path, shape: dict[str, int], target: str) -> dict[str, float]:
     """The peer's step compiled for one `target` GPU: temporaries, non-gemm bytes, estimate.
 
-    "temporaries_bytes" are those of the step with params and optimizer state donated (the
-    module's docstring says why), "written_temporaries_bytes" those of the step as written,
-    whose kernels the estimate prices and whose memory in all is "total_bytes".
+    "temporaries_bytes" and "total_bytes" are those of the step with params and optimizer
+    state donated (the module's docstring says why); "written_temporaries_bytes" and
+    "written_total_bytes" those of the step as written, whose kernels the estimate prices.
     """
     step, arguments, count = peer_step(source, shape)
     device = gpu_target.target_devices(target, 1, 1)[0]
@@ -122,8 +123,9 @@ def peer_figures(source: Path, shape: dict[str, int], target: str) -> dict[str, 
     )
     return {
         "temporaries_bytes": donated.memory_analysis().temp_size_in_bytes,
+        "total_bytes": total_bytes(donated),
         "written_temporaries_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "total_bytes": total_bytes(compiled),
+        "written_total_bytes": total_bytes(compiled),
         "non_gemm_bytes": estimate["memory_bound_s"] * gpu_target.DEVICES[target].memory_bandwidth,
         "step_s": estimate["step_s"],
         "tokens": tokens,
@@ -186,8 +188,12 @@ def main() -> None:
                 f"  {name:10s} {label:15s} ours {figures['ours_per_token']:.4g}/token  "
                 f"peer {figures['peer_per_token']:.4g}/token  ratio {figures['ratio']:.3f}"
             )
-        written = found["peer"]["written_temporaries_bytes"] / 2**30
-        print(f"  {name:10s} (the peer's temporaries as written, not donated: {written:.2f} GiB)")
+        peer = found["peer"]
+        temporaries, total = peer["written_temporaries_bytes"], peer["written_total_bytes"]
+        print(
+            f"  {name:10s} (the peer as written, not donated: temporaries "
+            f"{temporaries / 2**30:.2f} GiB, memory in all {total / 2**30:.2f} GiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from paisoar_jax.errors import DivergenceError
 from paisoar_jax.metrics import mfu
 
 FALLING_SCALE_LOGS = 3  # warn when the loss scale fell at this many log steps in a row
-SKIPPED_IN_A_ROW = 20  # stop after this many skipped steps in a row (whole log intervals)
+SKIPPED_IN_A_ROW = 20  # a static scale: stop after this many skipped steps in a row
 
 
 class IntervalTimer:
@@ -81,11 +81,10 @@ def check_health(
 ) -> None:
     """Stops on a non-finite loss (unscaled runs) or on steps the loss scale cannot rescue.
 
-    With a loss scaler an occasional overflow only halves the scale (a warning when it falls
-    at every log step, once it has grown: before, it is coming down from initial_scale).
-    The run stops when the scale is at its floor and steps still overflow (skipped since a
-    log step that found it there), or when SKIPPED_IN_A_ROW steps in a row were skipped:
-    nothing trains then.
+    With a loss scaler an occasional overflow only halves the scale (a warning when it keeps
+    falling: `scale_keeps_falling`). The run stops when the scale is at its floor and steps
+    still overflow (skipped since a log step that found it there), or when a static scale
+    skipped SKIPPED_IN_A_ROW steps in a row: nothing trains then.
     `history`: (step, scale, skipped steps) of the earlier log steps, with a scaler first
     those the run started from (`run_records.start_history`); `lower_lr`: how this run's
     learning rate is lowered (optim.lr, or the user's own optimizer).
@@ -109,25 +108,40 @@ def check_health(
                 f"precision.min_scale): the gradients are not finite at any scale; "
                 f"{lower_lr}, or use precision.policy=bf16"
             )
-        in_a_row = _skipped_in_a_row(history)
+        # A dynamic scale halves at each overflow, so its floor above ends it; a static one
+        # would skip every step for ever.
+        in_a_row = _skipped_in_a_row(history) if mode == "static" else 0
         if in_a_row >= SKIPPED_IN_A_ROW:
             raise DivergenceError(
                 f"the last {in_a_row} steps (to step {step}) were all skipped: their gradients "
                 f"overflow at loss scale {scale:g}; {lower_lr}, or use precision.policy=bf16"
             )
-    recent = history[-(FALLING_SCALE_LOGS + 1) :]
+    if scale_keeps_falling(history) and jax.process_index() == 0:  # every process sees it
+        first = history[-(FALLING_SCALE_LOGS + 1)]
+        output.warning(
+            f"the loss scale fell at each of the last {FALLING_SCALE_LOGS} log steps "
+            f"({first[1]:g} at step {first[0]} -> {scale:g} at step "
+            f"{step}): the gradients are diverging, not just overflowing; {lower_lr}"
+        )
+
+
+def scale_keeps_falling(points: list[tuple[int, float, int]]) -> bool:
+    """Whether the loss scale fell at each of the last FALLING_SCALE_LOGS log steps, settled.
+
+    `points`: (step, scale, skipped steps so far) of the log steps, the run's start first.
+    A fresh run's scale comes down from precision.initial_scale, skipping a step in each
+    interval, until it finds its level: those falls are no trend. It has settled once an
+    interval passes with no step skipped, or when the run resumed (its start past step 0).
+    The loop warns on it; the doctor reports it (tools/doctor/findings.py).
+    """
+    recent = points[-(FALLING_SCALE_LOGS + 1) :]
     falling = len(recent) == FALLING_SCALE_LOGS + 1 and all(
         later[1] < earlier[1] for earlier, later in zip(recent, recent[1:], strict=False)
     )
-    # Until the scale has grown once, falling is a high initial scale finding its level.
-    grown = any(later[1] > earlier[1] for earlier, later in zip(history, history[1:], strict=False))
-    falling = falling and grown
-    if falling and jax.process_index() == 0:  # every process sees it; one says it
-        output.warning(
-            f"the loss scale fell at each of the last {FALLING_SCALE_LOGS} log steps "
-            f"({recent[0][1]:g} at step {recent[0][0]} -> {recent[-1][1]:g} at step "
-            f"{step}): the gradients are diverging, not just overflowing; {lower_lr}"
-        )
+    settled = points[0][0] > 0 or any(
+        later[2] == earlier[2] for earlier, later in zip(points, points[1:], strict=False)
+    )
+    return falling and settled
 
 
 def _skipped_in_a_row(history: list) -> int:

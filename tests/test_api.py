@@ -362,6 +362,7 @@ def test_plan_fit_prints_every_parameter(devices, capsys):
     # No flops_per_example: the compute is unknown, not 0 us at 0.0% efficiency.
     assert "  compute                unknown   (give flops_per_example to count it)" in table
     assert "scaling efficiency unknown" in table and "0.0%" not in table
+    assert "  step, no overlap       unknown   scaling efficiency unknown" in table
 
 
 def test_bench_fit_and_doctor_read_a_model_of_ones_own(tmp_path, capsys):

@@ -160,6 +160,16 @@ def test_an_input_bound_fit_run_is_told_to_time_its_own_data(tmp_path):
         assert any(wanted in fix for fix in finding.fixes), finding.fixes
 
 
+def test_a_plan_without_the_compute_makes_no_communication_finding(tmp_path):
+    """A model of one's own planned without flops_per_example: its "step" is the collectives
+    alone, not a step that communication bounds."""
+    config = load_config(None, [f"run.dir={tmp_path}"])
+    times = {"compute": 0.0, "communication": 0.01, "step_no_overlap": 0.01}
+    plan = {"time_s": times, "flops_per_device": 0.0}
+    records = [{"step": 1, "loss": 1.0}]
+    assert findings.communication_bound(findings.Run(tmp_path, config, records, plan)) is None
+
+
 class SlowBatches:
     """Batches that take `delay` seconds each (decoding, augmentation, a slow tokenizer)."""
 
@@ -357,7 +367,7 @@ def every_check_firing(config_overrides):
             "step": step,
             "loss": loss,
             "loss_scale": 2.0 ** (15 - step),
-            "skipped_steps": step,
+            "skipped_steps": step - 1,  # none in the first interval: the scale had settled
             "step_time_s": 0.1,
             "data_wait_frac": 0.5,
             "mfu": 0.01,
@@ -384,6 +394,7 @@ def every_check_firing(config_overrides):
             record.update({"moe_layer_dropped/0": 0.0, "moe_layer_dropped/1": 0.2})
     plan_result = {
         "param_count": 2 * 10**9,
+        "flops_per_device": 1e12,
         "time_s": {"compute": 0.1, "communication": 0.2, "step_no_overlap": 0.3},
         "collectives": {"all-reduce": {"count": 2, "bytes": 2**30, "seconds": 0.2}},
         "link": {"name": "infiniband", "gb_per_s": 50.0},

@@ -246,18 +246,19 @@ def test_gpt2_on_one_h200_never_makes_the_fp32_logits_and_holds_less_than_the_pe
     assert compiled.memory_analysis().temp_size_in_bytes < 0.7 * PEER_TEMPORARIES
 
 
-# ../shared/peers/gpt_jax.py at gpt_1b's shape (L24 D2048 T2048 B8) on one H200
-# (benchmarks/peer_side_by_side.py --rows gpt_1b, 2026-12-04): its temporaries with params and
-# optimizer state donated, as ours are (as written, it holds 26.5 GiB of temporaries and
-# a second copy of the state, where XLA puts activations), and its device memory in all.
+# ../shared/peers/gpt_jax.py at gpt_1b's shape (L24 D2048 T2048 B8) on one H200, compiled
+# with params and optimizer state donated, as ours are (benchmarks/peer_side_by_side.py
+# --rows gpt_1b, commit 91d6e9d): its temporaries and its device memory in all. As written
+# it holds 26.5 GiB of temporaries and a second copy of the state, where XLA puts
+# activations (55.9 GiB in all).
 PEER_1B_DONATED_TEMPORARIES = 39_942_602_272
-PEER_1B_TOTAL = 60_020_373_916
+PEER_1B_DONATED_TOTAL = 55_732_574_616
 
 
 @pytest.mark.gpu_aot
 def test_gpt_1b_on_one_h200_holds_less_than_the_peer_like_for_like():
-    """gpt_1b as shipped: under 0.8x the temporaries of the plain-JAX step compiled with the
-    same donation (0.77x), and under 0.8x its device memory in all (0.77x)."""
+    """gpt_1b as shipped, against the plain-JAX step compiled with the same donation: under
+    0.8x its temporaries (0.77x) and under 0.87x its device memory in all (0.83x)."""
     from paisoar_jax.config import load_config
     from paisoar_jax.tools import plan
 
@@ -272,7 +273,7 @@ def test_gpt_1b_on_one_h200_holds_less_than_the_peer_like_for_like():
         + analysis.generated_code_size_in_bytes
     )
     assert analysis.temp_size_in_bytes < 0.8 * PEER_1B_DONATED_TEMPORARIES, analysis
-    assert total < 0.8 * PEER_1B_TOTAL, analysis
+    assert total < 0.87 * PEER_1B_DONATED_TOTAL, analysis
 
 
 @pytest.mark.gpu_aot

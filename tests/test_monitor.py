@@ -43,7 +43,7 @@ def test_with_a_scaler_a_non_finite_loss_is_only_a_skipped_step(capsys):
 
 
 def test_scale_falling_at_every_log_step_warns_once_it_is_a_trend(capsys):
-    history = [(0, 2.0**14, 0)]  # the start: the scale then grew, so it had found its level
+    history = [(0, 2.0**15, 0), (5, 2.0**15, 0)]  # no step skipped: the scale found its level
     for step, scale in [(10, 2.0**15), (20, 2.0**14), (30, 2.0**13)]:
         check_health(record(step, 3.0, scale, skipped=step // 10), FP16, history, LOWER)
     assert capsys.readouterr().err == ""  # two falls: could still be overflow
@@ -56,16 +56,16 @@ def test_scale_falling_at_every_log_step_warns_once_it_is_a_trend(capsys):
     assert capsys.readouterr().err == ""  # a steady scale is healthy again
 
 
-def test_a_scale_coming_down_from_its_initial_value_does_not_warn(capsys):
+def test_a_scale_coming_down_from_its_initial_value_neither_warns_nor_stops(capsys):
     """Before: a run started at precision.initial_scale=1e12 warned twice that its gradients
     were diverging while its loss fell and the scale found its level."""
     history = [(0, 1e12, 0)]
-    for index, step in enumerate((5, 10, 15, 20, 25), 1):  # one skipped step in each
+    for step in (5, 10, 15, 20, 25):  # every step skipped, the scale halved at each
+        check_health(record(step, math.nan, 1e12 / 2**step, skipped=step), FP16, history, LOWER)
+    check_health(record(30, 1.0, 1e12 / 2**25, skipped=25), FP16, history, LOWER)  # its level
+    assert capsys.readouterr().err == ""  # and no stop: 25 skipped in a row, far above 1
+    for index, step in enumerate((35, 40, 45), 26):  # settled, then falling: a trend
         check_health(record(step, 1.0, 1e12 / 2**index, skipped=index), FP16, history, LOWER)
-    assert capsys.readouterr().err == ""
-    check_health(record(30, 1.0, 2e12 / 2**5, skipped=5), FP16, history, LOWER)  # it grew
-    for index, step in enumerate((35, 40, 45), 6):
-        check_health(record(step, 1.0, 2e12 / 2**index, skipped=index), FP16, history, LOWER)
     assert "fell at each of the last 3 log steps" in capsys.readouterr().err
 
 

@@ -3,9 +3,8 @@
 import subprocess
 import textwrap
 
+import pytest
 from conftest import PYTHON, subprocess_env
-
-from paisoar_jax.data.worker_processes import _is_main_guard
 
 FIT_SCRIPT = """
 import numpy as np, optax
@@ -55,14 +54,43 @@ def test_the_same_fit_under_the_main_guard_trains_with_workers(tmp_path):
     assert "steps 2" in result.stdout
 
 
-def test_the_guard_is_told_apart_from_other_top_level_statements():
-    import ast
+WHERE = "from paisoar_jax.data.worker_processes import unguarded_main_line as where\n"
+GUARDED = {  # each calls where() from a line a worker's import of the script would not run
+    "plain": 'if __name__ == "__main__":\n    print(where())\n',
+    "reversed": "if '__main__' == __name__:\n    print(where())\n",
+    "with an and": 'import sys\nif __name__ == "__main__" and sys.argv:\n    print(where())\n',
+    "inside a try": 'try:\n    if __name__ == "__main__":\n        print(where())\nfinally:\n'
+    "    pass\n",
+    "a main() it calls": 'def main():\n    print(where())\n\nif __name__ == "__main__":\n'
+    "    main()\n",
+}
+UNGUARDED = {  # each is run again by the import: (the script, the line named)
+    "at the top": ("print(where())\n", 2),
+    "a main() at the top": ("def main():\n    print(where())\n\nmain()\n", 5),
+    "inside a try": ("try:\n    print(where())\nexcept OSError:\n    pass\n", 3),
+    "inside another if": ("if True:\n    print(where())\n", 3),
+    "with a byte-order mark": ("\ufeffprint(where())\n", 2),
+}
 
-    def first(source):
-        return ast.parse(textwrap.dedent(source)).body[0]
 
-    assert _is_main_guard(first('if __name__ == "__main__":\n    pass'))
-    assert _is_main_guard(first("if '__main__' == __name__:\n    pass"))
-    assert not _is_main_guard(first('if __name__ != "__main__":\n    pass'))
-    assert not _is_main_guard(first("if True:\n    pass"))
-    assert not _is_main_guard(first("fit()"))
+def run_where(tmp_path, body):
+    """What unguarded_main_line() says in a script of WHERE + body (its stdout's last line)."""
+    script = tmp_path / "mine.py"
+    mark = "\ufeff" if body.startswith("\ufeff") else ""  # a byte-order mark opens the file
+    script.write_text(mark + WHERE + body.removeprefix(mark), encoding="utf-8")
+    result = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_a_guarded_call_is_never_refused(tmp_path, name):
+    assert run_where(tmp_path, GUARDED[name]) == "None"
+
+
+@pytest.mark.parametrize("name", UNGUARDED)
+def test_an_unguarded_call_is_found_with_its_line(tmp_path, name):
+    body, line = UNGUARDED[name]
+    assert run_where(tmp_path, body) == str((tmp_path / "mine.py", line))

@@ -10,6 +10,7 @@ The package imports nothing of paisoar_jax but `errors`, so every other module m
 
 from paisoar_jax.config.loading import (
     CONFIG_DIR,
+    FIT_CONFIG_MARK,
     FIT_CONFIG_NOTE,
     config_from_dict,
     dump_yaml,
@@ -42,6 +43,7 @@ from paisoar_jax.config.sections import (
 
 __all__ = [
     "CONFIG_DIR",
+    "FIT_CONFIG_MARK",
     "FIT_CONFIG_NOTE",
     "MODEL_CONFIGS",
     "AxisEntry",

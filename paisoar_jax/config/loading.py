@@ -107,9 +107,9 @@ def _coerce_rules(value: Any, key: str) -> tuple:
     if isinstance(value, str):
         try:
             value = yaml.safe_load(value)
-        except yaml.YAMLError:
+        except yaml.YAMLError as error:
             hint = ""
-            if "\\" in value and '"' in value:  # "out\.kernel": \. is no YAML escape
+            if "unknown escape character" in str(error):  # "out\.kernel": \. is none
                 hint = " (in double quotes YAML reads \\ as an escape: single-quote the regex)"
             raise UserError(f"{key}: not valid YAML{hint}: {value!r}") from None
     if isinstance(value, dict):
@@ -286,9 +286,11 @@ def to_dict(config: Config) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-# Atop a `fit` run's config.yaml (custom.CustomTask.config_note); the doctor reads it.
+# Atop a `fit` run's config.yaml (custom.CustomTask.config_note). The doctor looks for its
+# first words alone, so that the rest may be reworded.
+FIT_CONFIG_MARK = "# Written by paisoar_jax.fit:"
 FIT_CONFIG_NOTE = (
-    "# Written by paisoar_jax.fit: the model, loss and data were the program's (and the\n"
+    f"{FIT_CONFIG_MARK} the model, loss and data were the program's (and the\n"
     "# optimizer, when it gave one), not the model/data/optim settings below. The program\n"
     "# repeats the run; `--config` of this file alone would train the zoo's default.\n"
 )

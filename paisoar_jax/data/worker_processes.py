@@ -33,8 +33,10 @@ def check_main_guard(workers: int) -> None:
 def unguarded_main_line() -> tuple[pathlib.Path, int] | None:
     """(the main script, its top-level line now running) when that line is unguarded.
 
-    Unguarded: outside an `if __name__ == "__main__":` block. None otherwise, and without
-    a script file (an interactive session, `python -c`, a notebook).
+    Unguarded: no `if` around it tests `__name__` (`if __name__ == "__main__":`, with an
+    `and` or inside a `try:` too; any test of it is taken as a guard, so that a guarded
+    script is never refused). None otherwise, and without a script file that parses (an
+    interactive session, `python -c`, a notebook).
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -48,24 +50,29 @@ def unguarded_main_line() -> tuple[pathlib.Path, int] | None:
     if frame is None:
         return None
     try:
-        tree = ast.parse(pathlib.Path(path).read_text())
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        tree = ast.parse(pathlib.Path(path).read_bytes())  # its own encoding, BOM or not
+    except (OSError, SyntaxError, ValueError):
         return None  # nothing to read: no advice rather than a wrong one
     line = frame.f_lineno
-    for statement in tree.body:
-        if statement.lineno <= line <= (statement.end_lineno or statement.lineno):
-            return None if _is_main_guard(statement) else (pathlib.Path(path), line)
-    return None
+    statements = tree.body
+    while statements:
+        around = [one for one in statements if one.lineno <= line <= (one.end_lineno or 0)]
+        if not around:
+            break
+        statement = around[0]
+        if isinstance(statement, ast.If) and _tests_name(statement.test):
+            return None
+        statements = [
+            child for child in ast.iter_child_nodes(statement) if isinstance(child, ast.stmt)
+        ] + [
+            inner
+            for child in ast.iter_child_nodes(statement)
+            if isinstance(child, ast.excepthandler | ast.match_case)
+            for inner in child.body
+        ]
+    return pathlib.Path(path), line
 
 
-def _is_main_guard(statement: ast.stmt) -> bool:
-    """Whether `statement` is `if __name__ == "__main__":` (either side of the ==)."""
-    if not isinstance(statement, ast.If) or not isinstance(statement.test, ast.Compare):
-        return False
-    test = statement.test
-    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [side.id for side in sides if isinstance(side, ast.Name)]
-    constants = [side.value for side in sides if isinstance(side, ast.Constant)]
-    return names == ["__name__"] and constants == ["__main__"]
+def _tests_name(test: ast.expr) -> bool:
+    """Whether an `if` test reads `__name__` (the main guard, alone or within a condition)."""
+    return any(isinstance(node, ast.Name) and node.id == "__name__" for node in ast.walk(test))

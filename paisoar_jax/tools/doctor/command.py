@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paisoar_jax import output
-from paisoar_jax.config import FIT_CONFIG_NOTE, load_config
+from paisoar_jax.config import FIT_CONFIG_MARK, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.doctor import findings, moe_findings
@@ -107,7 +107,7 @@ def load_run(directory: pathlib.Path) -> Run:
             plan = json.loads(plan_path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise UserError(f"cannot read {plan_path} ({error})") from None
-    by_fit = config_path.read_text().startswith(FIT_CONFIG_NOTE)
+    by_fit = config_path.read_text().startswith(FIT_CONFIG_MARK)
     return Run(directory, config, records, plan, by_fit)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.memory import format_bytes  # the units plan prints
+from paisoar_jax.monitor import scale_keeps_falling
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.pipeline import from_config as pipeline_of
 
@@ -171,8 +172,8 @@ def _plan_differences(run: Run) -> list[str]:
 
 def communication_bound(run: Run) -> Finding | None:
     """plan.json projects collectives over 30% of the step (no overlap)."""
-    times = (run.plan or {}).get("time_s")
-    if not times or not times.get("step_no_overlap"):
+    times = (run.plan or {}).get("time_s")  # no step without the compute (flops unknown)
+    if not times or not times.get("step_no_overlap") or not run.plan.get("flops_per_device"):
         return None
     share = times["communication"] / times["step_no_overlap"]
     if share <= COMMUNICATION_LIMIT:
@@ -351,14 +352,13 @@ def _no_loss_scale(config: Config) -> str:
 
 
 def loss_scale_collapse(run: Run) -> Finding | None:
-    """The dynamic loss scale fell at each of the last 3 log steps: gradients blow up."""
+    """The dynamic loss scale keeps falling once settled (as the loop warns): gradients blow up."""
     if _loss_scale_mode(run.config) != "dynamic":
         return None
     scales = _series(run.records, "loss_scale")
-    recent = scales[-(TREND_LOGS + 1) :]
-    if len(recent) <= TREND_LOGS or not all(
-        later < earlier for (_, earlier), (_, later) in zip(recent, recent[1:], strict=False)
-    ):
+    skipped = dict(_series(run.records, "skipped_steps"))
+    start = (0, run.config.precision.initial_scale, 0)  # metrics.jsonl holds the run whole
+    if not scale_keeps_falling([start, *((s, v, skipped.get(s, 0)) for s, v in scales)]):
         return None
     (first_step, first), (last_step, last) = scales[0], scales[-1]
     config = run.config

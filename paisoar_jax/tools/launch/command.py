@@ -1,6 +1,6 @@
-"""`python -m paisoar_jax.launch --nproc N -- [train arguments | python my_script.py ...]`.
+"""`python -m paisoar_jax.launch --nproc N [--devices-per-proc K] -- [ARGS | python SCRIPT]`.
 
-Starts N processes of `python -m paisoar_jax.train` on this machine (or of any script:
+Starts N processes of `python -m paisoar_jax.train ARGS` on this machine (or of any script:
 `-- python my_script.py ARGS`, whose `paisoar_jax.fit` or `paisoar_jax.initialize()` joins
 them), joined by jax.distributed through the PAISOAR_* variables
 (paisoar_jax/distributed.py): a free port on 127.0.0.1 for one node, `--coordinator

@@ -29,6 +29,11 @@ def _efficiency(result: dict[str, Any], overlap: str) -> str:
     return f"{result['scaling_efficiency'][overlap]:.1%}"
 
 
+def _step(result: dict[str, Any], key: str) -> str:
+    """A step time of `time_s`, or unknown when the compute is (no FLOPs count given)."""
+    return _duration(result["time_s"][key]) if result["flops_per_device"] else "unknown"
+
+
 def _pipeline_lines(report: dict[str, Any] | None) -> list[str]:
     """The pipeline section of the table (nothing without stages)."""
     if report is None:
@@ -172,9 +177,9 @@ def format_table(result: dict) -> str:
         _compute_line(result, times["compute"]),
         f"  communication{_duration(times['communication']):>17}   "
         "(ring: all-reduce 2(n-1)/n x bytes, gather/scatter (n-1)/n)",
-        f"  step, no overlap{_duration(times['step_no_overlap']):>14}   "
+        f"  step, no overlap{_step(result, 'step_no_overlap'):>14}   "
         f"scaling efficiency {_efficiency(result, 'no_overlap')}",
-        f"  step, full overlap{_duration(times['step_perfect_overlap']):>12}   "
+        f"  step, full overlap{_step(result, 'step_perfect_overlap'):>12}   "
         f"scaling efficiency {_efficiency(result, 'perfect_overlap')}",
     ]
     lines += _pipeline_lines(result.get("pipeline"))
