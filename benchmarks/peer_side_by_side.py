@@ -172,7 +172,7 @@ def row(name: str, target: str, source: Path) -> dict:
 
 
 def main() -> None:
-    """Print each row (a JSON line, then the ratios and the peer's temporaries as written)."""
+    """Print each row (a JSON line, then the ratios and the peer's memory as written)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="h200", choices=sorted(gpu_target.DEVICES))
     rows = ", ".join(ROWS)

@@ -46,10 +46,10 @@ class LanguageModelling:
     """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
 
     unit = "tokens"
-    config_note = ""
     rate_name = "tok_s"
     unit_of_data = "windows"  # what a source holds: windows of seq_len + 1 tokens
     reports_perplexity = True  # eval adds exp(eval_loss), the perplexity per token
+    config_note = ""  # nothing atop config.yaml: it says all that made the run
     metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
 
     def __init__(self, config: Config, model_class: type):
@@ -206,10 +206,10 @@ class ImageClassification:
 
     unit = "examples"
     rate_name = "img_s"
-    config_note = ""
     unit_of_data = "images"
     metric_names = ("accuracy",)
     reports_perplexity = False
+    config_note = ""
 
     def __init__(self, config: Config, model_class: type):
         self.config = config
