@@ -158,6 +158,9 @@ def test_an_input_bound_fit_run_is_told_to_time_its_own_data(tmp_path):
     for by_fit, wanted in ((True, "paisoar_jax.bench_fit(...)"), (False, "--data-only")):
         finding = findings.input_bound(findings.Run(tmp_path, config, records, None, by_fit))
         assert any(wanted in fix for fix in finding.fixes), finding.fixes
+        # Workers import the program again: a fit program needs its main guard for them.
+        guarded = ["if __name__" in fix for fix in finding.fixes if "data.workers=" in fix]
+        assert guarded == [by_fit], finding.fixes
 
 
 def test_a_plan_without_the_compute_makes_no_communication_finding(tmp_path):

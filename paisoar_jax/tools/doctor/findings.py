@@ -16,7 +16,6 @@ from typing import Any
 
 from paisoar_jax.config import Config
 from paisoar_jax.memory import format_bytes  # the units plan prints
-from paisoar_jax.monitor import scale_keeps_falling
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.pipeline import from_config as pipeline_of
 
@@ -24,8 +23,7 @@ INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores
 COMMUNICATION_LIMIT = 0.30
 BUBBLE_LIMIT = 0.20
-SKIPPED_LIMIT = 0.05
-TREND_LOGS = 3  # log steps in a row that make a trend (loss rising, loss scale falling)
+TREND_LOGS = 3  # log steps in a row that make a trend (a rising loss)
 DIVERGED_MARGIN = 0.25  # a rising loss this far over its minimum is diverging, not noise
 # MFU floors by parameter count for a bf16 run on an H100/H200. This project measured on
 # one H200: GPT-2 124M at 22% (XLA attention) to 41% (cuDNN attention), a 1.3B decoder at
@@ -55,7 +53,7 @@ class Run:
     by_fit: bool = False  # made by paisoar_jax.fit: its data is the program's, not data.*
 
 
-def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+def series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     """(step, value) of the records where `key` is present and not null."""
     return [(record["step"], record[key]) for record in records if record.get(key) is not None]
 
@@ -70,24 +68,19 @@ def percent(value: float) -> str:
     return f"{value:.0%}" if value >= 0.1 else f"{value:.1%}"
 
 
-def _scale(value: float) -> str:
-    """A loss scale as a whole number where it is one (65536, not 6.5536e+04)."""
-    return f"{value:.0f}" if value >= 1 and value == int(value) else f"{value:g}"
-
-
-def _loss_scale_mode(config: Config) -> str:
+def loss_scale_mode(config: Config) -> str:
     """dynamic, static or none: the run's loss scaling."""
     return config.precision.loss_scale_mode()[0]
 
 
-def _own_optimizer(run: Run) -> bool:
+def own_optimizer(run: Run) -> bool:
     """Whether the run's optimizer was the user's own (fit's optimizer=): optim.* is unused."""
     return bool(run.records) and run.records[0].get("lr_source") == "optimizer"
 
 
-def _lower_lr(run: Run, why: str = "") -> str:
+def lower_lr(run: Run, why: str = "") -> str:
     """The fix that lowers the learning rate: optim.lr, or the user's own optimizer's."""
-    if _own_optimizer(run):
+    if own_optimizer(run):
         return f"a lower learning rate in the optimizer given to fit{why} (optim.lr is not used)"
     lr = run.config.optim.lr
     return f"`optim.lr={lr / 10:g}`{why or f' (now {lr:g})'}"
@@ -124,9 +117,10 @@ def input_bound(run: Run) -> Finding | None:
     _, worst_step, worst, _ = max(used, key=lambda item: item[2])
     data = run.config.data
     workers, prefetch = max(2, 2 * data.workers), 2 * data.prefetch
+    guard = ' (they import your script again: keep fit under `if __name__ == "__main__":`)'
     fixes = [
         f"`data.workers={workers}`: read and transform batches in {workers} worker "
-        f"processes (now {data.workers})",
+        f"processes (now {data.workers}){guard if run.by_fit else ''}",
         f"`data.prefetch={prefetch}`: more batches in flight ahead of the step "
         f"(now {data.prefetch})",
     ]
@@ -313,7 +307,7 @@ def parameter_count(run: Run) -> int | None:
 
 def low_mfu(run: Run) -> Finding | None:
     """The median MFU is below what a model of this size reaches (EXPECTED_MFU)."""
-    values = [value for _, value in _series(_after_first(run.records), "mfu")]
+    values = [value for _, value in series(_after_first(run.records), "mfu")]
     if not values:
         return None
     params = parameter_count(run)
@@ -344,78 +338,16 @@ def low_mfu(run: Run) -> Finding | None:
     return Finding("low-mfu", "MFU is low for the model's size", evidence, tuple(fixes))
 
 
-def _no_loss_scale(config: Config) -> str:
-    """The fix that needs no loss scale: bf16 for an fp16 run, no scaling for the others."""
-    if config.precision.policy == "fp16":
-        return "`precision.policy=bf16`: fp32's range, so no loss scale and no skipped steps"
-    return f"`precision.loss_scale=none`: {config.precision.policy} needs no loss scale"
-
-
-def loss_scale_collapse(run: Run) -> Finding | None:
-    """The dynamic loss scale keeps falling once settled (as the loop warns): gradients blow up."""
-    if _loss_scale_mode(run.config) != "dynamic":
-        return None
-    scales = _series(run.records, "loss_scale")
-    skipped = dict(_series(run.records, "skipped_steps"))
-    start = (0, run.config.precision.initial_scale, 0)  # metrics.jsonl holds the run whole
-    if not scale_keeps_falling([start, *((s, v, skipped.get(s, 0)) for s, v in scales)]):
-        return None
-    (first_step, first), (last_step, last) = scales[0], scales[-1]
-    config = run.config
-    fixes = [_lower_lr(run)]
-    if config.optim.clipping(_own_optimizer(run)) == 0:
-        fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
-    fixes.append(_no_loss_scale(config))
-    evidence = (
-        f"the loss scale fell at each of the last {TREND_LOGS} log steps: {_scale(first)} at "
-        f"step {first_step} -> {_scale(last)} at step {last_step}; a scale that keeps "
-        "falling means the gradients themselves blow up, not an occasional overflow"
-    )
-    return Finding("loss-scale-collapse", "the loss scale keeps falling", evidence, tuple(fixes))
-
-
-def skipped_steps(run: Run) -> Finding | None:
-    """Over 5% of the steps were skipped for non-finite gradients."""
-    skipped = _series(run.records, "skipped_steps")
-    if not skipped:
-        return None
-    last_step, count = skipped[-1]
-    if last_step <= 0 or count / last_step <= SKIPPED_LIMIT:
-        return None
-    precision = run.config.precision
-    scales = [scale for _, scale in _series(run.records, "loss_scale")]
-    fixes = []
-    # A scale that stopped falling settled where steps go through: start there. One still
-    # falling has no such value (loss_scale_collapse reports it).
-    if scales and scales[-1] < precision.initial_scale and loss_scale_collapse(run) is None:
-        fixes.append(
-            f"`precision.initial_scale={_scale(scales[-1])}`: start where the scale settled "
-            f"(it started at {_scale(precision.initial_scale)}; each halving skipped a step)"
-        )
-    if any(later > earlier for earlier, later in zip(scales, scales[1:], strict=False)):
-        fixes.append(
-            f"`precision.growth_interval={2 * precision.growth_interval}`: grow the scale "
-            "less often (each growth that overflows skips a step)"
-        )
-    fixes.append(_no_loss_scale(run.config))
-    fixes.append(_lower_lr(run, " if the skips go on: the gradients blow up"))
-    evidence = (
-        f"{count} of {last_step} steps skipped ({percent(count / last_step)}, over "
-        f"{SKIPPED_LIMIT:.0%}); {skipped[0][1]} of them by the first log step ({skipped[0][0]})"
-    )
-    return Finding("skipped-steps", "many steps were skipped", evidence, tuple(fixes))
-
-
 def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
     """Lower lr, clip, warm up longer, bf16 over fp16, go on from a checkpoint before it."""
     from paisoar_jax.checkpoint import checkpoint_directory
 
     config = run.config
     optim = config.optim
-    fixes = [_lower_lr(run)]
-    if optim.clipping(_own_optimizer(run)) == 0:
+    fixes = [lower_lr(run)]
+    if optim.clipping(own_optimizer(run)) == 0:
         fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
-    if not _own_optimizer(run):  # its warm-up is its own too
+    if not own_optimizer(run):  # its warm-up is its own too
         warmup = max(100, 2 * optim.warmup_steps)
         fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
     if config.precision.policy == "fp16":
@@ -435,13 +367,13 @@ def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
 
 def diverging(run: Run) -> Finding | None:
     """A non-finite loss, or a loss rising for 3 log steps well above its minimum."""
-    losses = _series(run.records, "loss")
+    losses = series(run.records, "loss")
     finite = [(step, loss) for step, loss in losses if math.isfinite(loss)]
     best = min(finite, key=lambda item: item[1]) if finite else None
     lowest = f"; lowest {best[1]:.4g} at step {best[0]}" if best else ""
     bad = [(step, loss) for step, loss in losses if not math.isfinite(loss)]
     # With a loss scaler a skipped step logs a non-finite loss; only a run of them diverged.
-    scaled = _loss_scale_mode(run.config) != "none"
+    scaled = loss_scale_mode(run.config) != "none"
     recent = losses[-TREND_LOGS:]
     recent_bad = len(recent) == TREND_LOGS and not any(math.isfinite(loss) for _, loss in recent)
     if bad and (not scaled or recent_bad):
@@ -476,7 +408,7 @@ def mesh_shape(run: Run) -> dict[str, int] | None:
 
 def recompiles(run: Run) -> Finding | None:
     """The train step compiled again after its first compilation."""
-    counts = _series(run.records, "recompiles")
+    counts = series(run.records, "recompiles")
     if not counts or counts[-1][1] <= 0:
         return None
     first_step = next(step for step, count in counts if count > 0)
