@@ -236,6 +236,9 @@ def test_a_killed_process_stops_the_launcher(tmp_path):
     assert time.monotonic() - killed_at < 30  # the grace (5 s) and some, not jax's 100 s
     assert "paisoar_jax.launch: rank 1 was killed by SIGKILL" in text
     assert "paisoar_jax.launch: last lines of rank 1:" in text
+    # Its lines, or that it printed none (before: an empty block).
+    after = text.split("paisoar_jax.launch: last lines of rank 1:\n", 1)[1].splitlines()
+    assert after and after[0].startswith("  ") and after[0].strip(), text[-3000:]
 
 
 @pytest.mark.slow

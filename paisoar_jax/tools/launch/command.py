@@ -274,7 +274,7 @@ def _fail(exited: Child, children: list[Child], grace: float, screen: Output) ->
     failed.signal_group(signal.SIGKILL)  # its workers, if it left any behind
     for thread in failed.threads:
         thread.join(timeout=5)
-    lines = "\n".join(f"  {line}" for line in failed.tail)
+    lines = "\n".join(f"  {line}" for line in failed.tail) or "  (none: it printed nothing)"
     _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
     status = failed.exit_status() if failed.process.returncode else exited.exit_status()
     cause = f"rank {failed.rank} {how}{said}"
