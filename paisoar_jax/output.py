@@ -108,6 +108,18 @@ def result(text: str) -> None:
     print(text, flush=True)
 
 
+def printable(text: str) -> str:
+    r"""Model-written text safe for a terminal or a log: control characters escaped (\x0c).
+
+    Lines and tabs stay as they are. A sample of a little-trained byte model holds NUL, form
+    feeds and escapes: raw, they disturb terminals and make grep call the log binary.
+    """
+    return "".join(
+        char if char.isprintable() or char in "\n\t" else char.encode("unicode_escape").decode()
+        for char in text
+    )
+
+
 def describe_params(count: int) -> str:
     """A parameter count as a run reports it: `0.12M params`, or `8,386 params` when small."""
     return f"{count:,} params" if count < 10_000 else f"{count / 1e6:.2f}M params"

@@ -166,6 +166,7 @@ def summary(
         "steps": step,
         "first_loss": history.losses[0] if history.losses else None,
         "final_loss": history.losses[-1] if history.losses else None,
+        "logged_losses": len(history.losses),  # log steps this process ran (1: first = final)
         "eval_loss": history.eval_results.get("eval_loss"),  # None when no eval ran
         **history.eval_results,
         timer.throughput_key: timer.units_per_step
@@ -190,11 +191,12 @@ def print_summary(summary: dict[str, Any], task: Task) -> None:
         if key.startswith("eval_") and key not in ("eval_loss", "eval_s"):
             eval_text += f", {key} {value:.4f}"
     eval_time = f" (eval {summary['eval_s']:.1f}s)" if summary["eval_s"] else ""
-    loss_text = (
-        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
-        if first_loss is not None
-        else "no loss logged"
-    )
+    if first_loss is None:
+        loss_text = "no loss logged"
+    elif summary.get("logged_losses") == 1:  # not "3.5851 -> 3.5851", as if nothing trained
+        loss_text = f"loss {first_loss:.4f} (one log step: lower train.log_every for more)"
+    else:
+        loss_text = f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
     steps, resumed_from = summary["steps"], summary["resumed_from"]
     # This process's steps, apart from those a resumed checkpoint had done already.
     ran = f" ({steps - resumed_from} this run, resumed from {resumed_from})" if resumed_from else ""

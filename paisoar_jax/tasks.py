@@ -198,7 +198,7 @@ class LanguageModelling:
             get_policy(self.config.precision.policy).compute_dtype,
             seed=train.seed,
         )
-        return text.decode("utf-8", errors="replace")
+        return output.printable(text.decode("utf-8", errors="replace"))
 
 
 class ImageClassification:

@@ -17,6 +17,14 @@ def test_data_only_times_the_pipeline(tmp_path):
     assert result["mode"] == "data" and result["batches"] == 20
     assert result["tokens_per_s"] > 0
     assert result["tokens_per_s"] == pytest.approx(result["batches_per_s"] * 16 * 32)
+    assert result["source"] == "embedded"
+
+
+def test_data_only_names_the_mixture_it_reads(tmp_path):
+    """Before: a mixture was timed, and labelled data.source's default (embedded)."""
+    mixture = "data.mixture=[[embedded,3],[synthetic,1]]"
+    result = bench("--data-only", "--batches", "4", "--warmup", "1", *TINY, mixture, cwd=tmp_path)
+    assert result["source"] == "mixture embedded x 3, synthetic x 1"
 
 
 @pytest.mark.slow

@@ -173,6 +173,23 @@ def test_a_plan_without_the_compute_makes_no_communication_finding(tmp_path):
     assert findings.communication_bound(findings.Run(tmp_path, config, records, plan)) is None
 
 
+def test_a_pipelined_run_is_not_told_to_compress_its_gradients(tmp_path):
+    """mesh.grad_comm does not combine with pipeline stages yet: before, the doctor offered it
+    to a communication-bound pipelined run, and the run then refused it."""
+    times = {"compute": 0.1, "communication": 0.2, "step_no_overlap": 0.3}
+    plan = {"time_s": times, "flops_per_device": 1e12, "mesh": {"data": 4}}
+    records = [{"step": 1, "loss": 1.0}]
+    offered = {}
+    for name, stages in (
+        ("pipelined", ["mesh.stage=2", "train.pipeline_microbatches=2"]),
+        ("flat", []),
+    ):
+        config = load_config(None, [*TINY, "mesh.data=4", *stages, f"run.dir={tmp_path}"])
+        finding = findings.communication_bound(findings.Run(tmp_path, config, records, plan))
+        offered[name] = any("grad_comm=" in fix for fix in finding.fixes)
+    assert offered == {"pipelined": False, "flat": True}
+
+
 class SlowBatches:
     """Batches that take `delay` seconds each (decoding, augmentation, a slow tokenizer)."""
 

@@ -128,3 +128,11 @@ def test_a_progress_bar_under_srun_draws_lines_even_on_a_terminal(srun, monkeypa
     bar.close()
     in_place = not srun or "SLURM_PTY_PORT" in srun  # a terminal, or srun --pty's
     assert ("\r" in stream.getvalue()) == in_place
+
+
+def test_model_written_text_is_printed_with_its_control_characters_escaped():
+    """Before: a closing sample put NUL and form feeds on stdout; grep called the log binary."""
+    text = "line one\n\tindented\x00 and\x0c a \x1b[31m colour, é and \ufffd"
+    assert output.printable(text) == (
+        "line one\n\tindented\\x00 and\\x0c a \\x1b[31m colour, é and \ufffd"
+    )

@@ -26,7 +26,7 @@ from conftest import PYTHON, TINY, build_run, subprocess_env
 
 from paisoar_jax import memory
 from paisoar_jax.tools.plan import command as plan_command
-from paisoar_jax.tools.plan.table import format_table
+from paisoar_jax.tools.plan.table import _duration, format_table
 
 FP32 = 4
 # TINY's model: vocab 256 (the default), width 64, 32 tokens, 2 layers, learned positions.
@@ -207,3 +207,14 @@ def test_output_that_cannot_be_written_is_one_line_and_status_2(devices):
     assert err.strip() == (
         "paisoar_jax.plan: error: --output /dev/null/plan.json: cannot write it (File exists)"
     )
+
+
+def test_durations_fit_their_column_down_to_a_few_bytes_collective():
+    """Before: 0.853 ns printed as "0.000853 us", 11 characters, flush against the bytes."""
+    assert [_duration(s) for s in (8.53e-10, 5e-8, 2e-6, 3e-3)] == [
+        "0.853 ns",
+        "50 ns",
+        "2 us",
+        "3 ms",
+    ]
+    assert all(len(_duration(10.0**-exponent)) <= 9 for exponent in range(1, 13))

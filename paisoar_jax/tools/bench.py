@@ -73,7 +73,12 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
     units = batches * config.train.global_batch * task.units_per_example()
     return {
         "mode": "data",
-        "source": config.data.source,
+        # A mixture is what is read when there is one (data.source is then unused).
+        "source": (
+            "mixture " + ", ".join(f"{one.source} x {one.weight:g}" for one in config.data.mixture)
+            if config.data.mixture
+            else config.data.source
+        ),
         "workers": config.data.workers,
         "global_batch": config.train.global_batch,
         **task.signature(),  # seq_len, or image size and channels

@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json or text is None:
             output.result(json.dumps({"tokens": new}))
         else:
-            output.result(text.decode(prompt + new))
+            output.result(output.printable(text.decode(prompt + new)))
 
     return exit_status(PROGRAM, work)
 

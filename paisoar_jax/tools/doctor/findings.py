@@ -14,7 +14,8 @@ import pathlib
 import statistics
 from typing import Any
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import Config, config_from_dict, to_dict
+from paisoar_jax.errors import UserError
 from paisoar_jax.memory import format_bytes  # the units plan prints
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.pipeline import from_config as pipeline_of
@@ -229,6 +230,10 @@ def _grad_comm_fixes(run: Run) -> list[str]:
     """Compressing the gradient exchange (grad_comm.py), where the data axis has one."""
     plan, settings = run.plan, run.config.mesh
     if plan.get("mesh", {}).get("data", 1) <= 1 or settings.grad_comm == "int8":
+        return []
+    try:  # only what the run's config takes (not with pipeline stages, experts or fp8)
+        config_from_dict(to_dict(run.config), ["mesh.grad_comm=int8"])
+    except UserError:
         return []
     bf16 = "`mesh.grad_comm=bf16` halves the gradient bytes, " * (settings.grad_comm == "fp32")
     fix = (

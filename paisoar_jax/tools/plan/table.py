@@ -107,7 +107,9 @@ def _context_lines(report: dict[str, Any] | None, sizes: dict[str, Any] | None) 
 
 
 def _duration(seconds: float) -> str:
-    """Seconds in ms (us below 0.1 ms), three significant digits."""
+    """Seconds in ms (us below 0.1 ms, ns below 0.1 us), three significant digits."""
+    if seconds < 1e-7:
+        return f"{seconds * 1e9:.3g} ns"  # a collective of a few bytes: short, in its column
     if seconds < 1e-4:
         return f"{seconds * 1e6:.3g} us"
     return f"{seconds * 1e3:.3g} ms"
