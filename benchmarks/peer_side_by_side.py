@@ -17,7 +17,7 @@ optimizer state donated, as ours are. As written, its step cannot write its new 
 the old, so it holds that state twice, and XLA puts activations in the second copy's space
 until the update writes it: its temporaries then look smaller than they are (gpt_1b: 26.5
 GiB as written, 37.2 donated). The device memory in all (arguments, outputs not donated,
-temporaries, code; memory.memory's "total") is what a run needs, the peer's donated too;
+temporaries, code; memory.step_total) is what a run needs, the peer's donated too;
 the last line of a row gives the peer's two figures as written.
 
 Needs the CUDA plugin (the gpu-aot extra, or pip install "jax[cuda12]"); it sets
@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from paisoar_jax.config import load_config  # noqa: E402
+from paisoar_jax.memory import step_total  # noqa: E402
 from paisoar_jax.tools import gpu_target  # noqa: E402
 from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, plan  # noqa: E402
 
@@ -88,18 +89,6 @@ def peer_step(source: Path, shape: dict[str, int]):
     return namespace["step"], (params, opt_state, tokens, tokens), count
 
 
-def total_bytes(compiled) -> int:
-    """Device memory a compiled step needs in all, as memory.memory's "total" counts it."""
-    analysis = compiled.memory_analysis()
-    return (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-        + analysis.generated_code_size_in_bytes
-    )
-
-
 def peer_figures(source: Path, shape: dict[str, int], target: str) -> dict[str, float]:
     """The peer's step compiled for one `target` GPU: temporaries, non-gemm bytes, estimate.
 
@@ -123,9 +112,9 @@ def peer_figures(source: Path, shape: dict[str, int], target: str) -> dict[str, 
     )
     return {
         "temporaries_bytes": donated.memory_analysis().temp_size_in_bytes,
-        "total_bytes": total_bytes(donated),
+        "total_bytes": step_total(donated.memory_analysis()),
         "written_temporaries_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "written_total_bytes": total_bytes(compiled),
+        "written_total_bytes": step_total(compiled.memory_analysis()),
         "non_gemm_bytes": estimate["memory_bound_s"] * gpu_target.DEVICES[target].memory_bandwidth,
         "step_s": estimate["step_s"],
         "tokens": tokens,

@@ -24,6 +24,21 @@ def per_device_bytes(tree: Any) -> int:
     )
 
 
+def step_total(analysis: Any) -> int:
+    """Device memory a compiled step needs in all, from `compiled.memory_analysis()`.
+
+    Its arguments, its outputs not donated (aliased to an argument), its temporaries and
+    its code.
+    """
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+        + analysis.generated_code_size_in_bytes
+    )
+
+
 def memory(layout: Any, compiled: Any) -> dict[str, int]:
     """Per-device bytes: the state from its shardings, the rest from XLA's memory analysis."""
     params = per_device_bytes(layout.abstract_state.params)
@@ -48,7 +63,7 @@ def memory(layout: Any, compiled: Any) -> dict[str, int]:
         "other_inputs": arguments - params - optimizer_state,  # batch, step counter
         "outputs_not_donated": outputs - aliased,
         "generated_code": code,
-        "total": arguments + outputs - aliased + temporaries + code,
+        "total": step_total(analysis),
     }
 
 
