@@ -280,7 +280,12 @@ def fit(
 
     def work() -> FitResult:
         from paisoar_jax import loop, trained
+        from paisoar_jax.preemption import StopRequest
 
+        with StopRequest():  # a signal before the first step ends the process at once
+            return train(loop, trained)
+
+    def train(loop, trained) -> FitResult:
         resolved = resolve_config(config, overrides)
         start(resolved, "paisoar_jax.fit")  # as the command line starts (startup.py)
         resolved, run_workload = build_workload(

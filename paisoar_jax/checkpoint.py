@@ -319,6 +319,11 @@ class Checkpointer:
             force=True,
         )
 
+    def meta(self, step: int) -> dict[str, Any]:
+        """What `step` was saved with (its config, mesh, version), without its arrays."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return restored["meta"]
+
     def restore(
         self, step: int, target: Any, input_signature: dict[str, Any] | None = None
     ) -> Restored:
@@ -330,8 +335,7 @@ class Checkpointer:
         """
         step_dir = self.directory / str(step)
         typed_target, target = target, storable_target(target)
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
+        meta = self.meta(step)
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
         try:
             check_compatible(saved_tree, target, step_dir)

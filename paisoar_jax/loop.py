@@ -30,9 +30,11 @@ from paisoar_jax.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.resume import (
+    batch_change_note,
     make_checkpointer,
     resume_input,
     save,
+    saved_batch,
     schedule_change,
     starting_point,
 )
@@ -87,7 +89,25 @@ def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
 
 
 def run(config: Config, workload: Workload | None = None) -> Finished:
-    """Trains as configured; the summary with the final state (what `fit` hands back)."""
+    """Trains as configured; the summary with the final state (what `fit` hands back).
+
+    From here on SIGTERM and Ctrl-C are the StopRequest's (preemption.py): before the first
+    step has finished they end the process at once (nothing new to save, and a compile or
+    a restore is not worth waiting for); after it, the loop saves the step reached and stops.
+    """
+    enabled = config.checkpoint.enabled
+    checkpoint_dir = checkpoint_directory(config.checkpoint, config.run_dir) if enabled else None
+
+    def last_saved() -> str:
+        newest = heartbeat.newest_checkpoint(str(checkpoint_dir) if checkpoint_dir else None)
+        return f"last saved: step {newest} in {checkpoint_dir}" if newest else "no step saved"
+
+    with StopRequest(last_saved) as stop:
+        return _run(config, workload, stop, checkpoint_dir)
+
+
+def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoint_dir) -> Finished:
+    """`run` once the stop signals are caught."""
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
     train_source, eval_sets = task.open_sources()
@@ -95,8 +115,6 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     run = setup(config, workload)
     check_metric_names(eval_sets, task)  # the task's metrics are known once setup traced it
     run_dir, is_main = config.run_dir, jax.process_index() == 0
-    enabled = config.checkpoint.enabled
-    checkpoint_dir = checkpoint_directory(config.checkpoint, run_dir) if enabled else None
 
     def save_bytes() -> int:  # asked only when the disk is full
         return full_disk.tree_bytes(run.layout.abstract_state)
@@ -114,9 +132,6 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         if checkpointer is not None:
             heartbeat.progress.checkpoint_dir = str(checkpointer.directory)
             cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
-        # From here on Ctrl-C / SIGTERM only raise a flag: a restore is never cut half-way,
-        # and a signal that comes before the first step saves right after it.
-        stop = cleanup.enter_context(StopRequest())
         who = f"process {jax.process_index()} of {jax.process_count()}"
         hang_timeout_s = timeout_for(config.train.hang_timeout_s, jax.process_count())
         watchdog = Watchdog(hang_timeout_s, who, lambda: stop.request(HANG_STOP))
@@ -127,6 +142,8 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
             changed = restored and run.lr_schedule is not None and schedule_change(restored, config)
             if changed:  # (the config's schedule only: a user's optimizer keeps its own)
                 output.note(changed)
+            if restored and (batch_note := batch_change_note(restored, config)):
+                output.note(batch_note)
         if start_step >= config.train.steps:
             if is_main:
                 output.note(
@@ -139,7 +156,8 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         batches = _open_input(config, run.mesh, task, train_source, restored)
         cleanup.callback(batches.close)
         limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
-        parts = RunParts.of(run, eval_sets, limit_bytes)
+        resumed_batch = saved_batch(restored) if restored else None
+        parts = RunParts.of(run, eval_sets, limit_bytes, resumed_batch)
         summary, state, compiled = _run_loop(
             parts, checkpointer, stop, watchdog, state, start_step, batches
         )
@@ -176,12 +194,21 @@ class RunParts(Setup):
 
     eval_sets: tuple[EvalSet, ...] = ()  # the default one first; none: no eval
     limit_bytes: int | None = None  # what one device may hold, for the out-of-memory report
+    resumed_batch: int | None = None  # the global batch of the checkpoint resumed from
 
     @classmethod
-    def of(cls, run: Setup, eval_sets: tuple[EvalSet, ...], limit_bytes: int | None) -> RunParts:
-        """`run`'s fields, with the eval sets and the memory limit."""
+    def of(
+        cls,
+        run: Setup,
+        eval_sets: tuple[EvalSet, ...],
+        limit_bytes: int | None,
+        resumed_batch: int | None = None,
+    ) -> RunParts:
+        """`run`'s fields, with the eval sets, the memory limit and the resumed batch."""
         fields = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)}
-        return cls(**fields, eval_sets=eval_sets, limit_bytes=limit_bytes)
+        return cls(
+            **fields, eval_sets=eval_sets, limit_bytes=limit_bytes, resumed_batch=resumed_batch
+        )
 
 
 def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: int, batches):
@@ -206,6 +233,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
         batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
         watchdog.phase = "step"
         state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
+        stop.stepping = True  # a signal from now on saves the step reached
         in_flight.append(metrics["loss"])
         if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one
             in_flight.popleft().block_until_ready()
@@ -240,6 +268,12 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     watchdog.phase = "save"
     if checkpointer is not None:
         checkpointer.wait()  # committed before we say it is saved
+    if (
+        stopped_by is None
+        and stop.signal_name not in (None, HANG_STOP)
+        and jax.process_count() == 1
+    ):
+        stopped_by = stop.signal_name  # came after the last step: saved, no closing sample
     train_s = time.perf_counter() - train_start
     if stopped_by == HANG_STOP:  # the hang cleared in time for a save: still a failure
         where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"

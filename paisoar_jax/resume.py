@@ -46,6 +46,9 @@ def starting_point(
 ) -> tuple[Any, int, Restored | None]:
     """(state, step, what was restored or None): resumed, fine-tuned from params, or fresh."""
     resume, signature = config.checkpoint.resume, input_signature(config, task)
+    if checkpointer is not None and resume != "never" and checkpointer.steps():
+        step = checkpointer.steps()[-1] if resume == "auto" else int(resume)
+        refuse_batch_change(checkpointer, step, config)  # before any step is moved aside
     if checkpointer is not None and resume != "never":
         if resume == "auto":
             restored = checkpointer.restore_latest(layout.abstract_state, signature)
@@ -111,6 +114,66 @@ def input_signature(config: Config, task: Task) -> dict[str, Any]:
         **task.signature(),  # seq_len, image size and channels, or a user's data
         "seed": config.train.seed,
     }
+
+
+def saved_batch(restored: Restored) -> int | None:
+    """The global batch the checkpoint's run trained with (None: not recorded)."""
+    return restored.meta.get("config", {}).get("train", {}).get("global_batch")
+
+
+def refuse_batch_change(checkpointer: Checkpointer, step: int, config: Config) -> None:
+    """Refuses a resume with another global batch where it cannot go on exactly.
+
+    The examples are one global order (data/pipeline.py), so another batch size goes on
+    from the first example not yet trained. Not so where batches are counted by step: a
+    mixture's stages begin at step numbers, and a pipeline's schedule splits the batch.
+    """
+    try:
+        saved = checkpointer.meta(step).get("config", {}).get("train", {}).get("global_batch")
+    except Exception:  # an unreadable step: the restore says so (and falls back)
+        return
+    new = config.train.global_batch
+    if saved is None or saved == new or step not in checkpointer.steps():
+        return
+    why = (
+        "data.mixture_stages begin at step numbers, which would then mean other examples"
+        if config.data.mixture_stages
+        else f"a pipeline ({config.mesh.describe_stages()}) cannot change its batch mid-run"
+        if config.mesh.stages > 1
+        else None
+    )
+    if why:
+        raise UserError(
+            f"train.global_batch changed since checkpoint step {step} in "
+            f"{checkpointer.directory} ({saved} -> {new}) and {why}: resume with "
+            f"train.global_batch={saved}, or start a new run.dir"
+        )
+
+
+def batch_change_note(restored: Restored, config: Config) -> str | None:
+    """The line for a resume with another global batch (which goes on exactly)."""
+    saved, new = saved_batch(restored), config.train.global_batch
+    if saved is None or saved == new:
+        return None
+    step, steps = restored.step, config.train.steps
+    done = _examples_done(restored.data_state, step, saved)
+    return (
+        f"train.global_batch changed since checkpoint step {step} ({saved} -> {new}): the "
+        f"input goes on from example {done}, the first not yet trained; from step {step + 1} "
+        f"each step takes {new} examples, and the learning-rate schedule stays counted in "
+        f"steps (train.steps={steps}: {done + max(steps - step, 0) * new} examples in all, "
+        f"not {steps * saved})"
+    )
+
+
+def _examples_done(data_state: dict | None, step: int, saved: int) -> int:
+    """How many examples of the global order a checkpoint had trained on."""
+    state = data_state or {}
+    if state.get("sampler") == "global":
+        return int(state["examples"])
+    if state.get("sampler") == "mixture":
+        return sum(int(position) for position in state.get("positions", {}).values())
+    return step * saved
 
 
 def schedule_change(restored: Restored, config: Config) -> str | None:

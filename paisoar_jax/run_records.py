@@ -124,6 +124,10 @@ def log_record(
         layout = parts.layout
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
+        batch, resumed_batch = parts.config.train.global_batch, parts.resumed_batch
+        record["global_batch"] = batch
+        if resumed_batch is not None and resumed_batch != batch:  # said in a line at start
+            record["global_batch_changed"] = [resumed_batch, batch]
         # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
         record["lr_source"] = "config" if parts.lr_schedule is not None else "optimizer"
         if record["lr"] is None and jax.process_index() == 0:

@@ -382,3 +382,40 @@ def test_a_checkpoint_written_before_the_state_had_model_state_still_resumes(
     checkpointer.close()
     assert restored.model_state == {}
     assert_states_equal(restored, state)
+
+
+def test_a_resume_with_another_global_batch_says_so_and_goes_on_from_the_next_example(
+    tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))  # 4 steps of 16
+    capsys.readouterr()
+    resumed = train(run_config(run_dir, "train.steps=6", "train.global_batch=32"))
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    said = [line for line in capsys.readouterr().out.splitlines() if "global_batch" in line]
+    assert said == [
+        "paisoar_jax: train.global_batch changed since checkpoint step 4 (16 -> 32): the input "
+        "goes on from example 64, the first not yet trained; from step 5 each step takes 32 "
+        "examples, and the learning-rate schedule stays counted in steps (train.steps=6: 128 "
+        "examples in all, not 96)"
+    ]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[0]["global_batch"] == 16 and "global_batch_changed" not in records[0]
+    assert records[4]["global_batch"] == 32 and records[4]["global_batch_changed"] == [16, 32]
+    position = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
+    assert position["data_position"]["examples"] == 4 * 16 + 2 * 32
+
+
+def test_a_global_batch_change_that_cannot_go_on_exactly_is_refused_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    staged = ("data.mixture=[[embedded,1]]", "data.mixture_stages=[[3,1]]")
+    train(run_config(run_dir, *staged))
+    with pytest.raises(UserError) as refused:
+        train(run_config(run_dir, *staged, "train.steps=6", "train.global_batch=32"))
+    assert str(refused.value) == (
+        f"train.global_batch changed since checkpoint step 4 in {run_dir / 'checkpoints'} "
+        "(16 -> 32) and data.mixture_stages begin at step numbers, which would then mean other "
+        "examples: resume with train.global_batch=16, or start a new run.dir"
+    )
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4]

@@ -277,3 +277,22 @@ def test_a_batch_that_does_not_split_over_the_processes_is_a_user_error():
     source = TokenWindows(np.arange(81, dtype=np.int32), seq_len=8)
     with pytest.raises(UserError, match="does not split evenly over 2 processes"):
         batch_dataset(source, global_batch=3, seed=0, process_index=1, process_count=2)
+
+
+def test_another_global_batch_goes_on_from_the_first_example_not_yet_trained():
+    """A resume with train.global_batch 8 -> 16 (on two processes): none skipped or repeated."""
+    source = TokenWindows(np.arange(8 * 40 + 1, dtype=np.int32), seq_len=8)
+    uninterrupted = np.concatenate(first_batches(source, 10, global_batch=8, seed=4))
+    before = batch_dataset(source, global_batch=8, seed=4)
+    for _ in range(5):
+        next(before)
+    position = json.loads(json.dumps(before.get_state()))
+    shares = [
+        batch_dataset(source, global_batch=16, seed=4, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    for share in shares:
+        share.set_state(position)
+    after = [np.concatenate([next(share) for share in shares]) for _ in range(3)]
+    np.testing.assert_array_equal(np.concatenate(after)[:40], uninterrupted[40:80])
+    assert shares[0].get_state()["examples"] == 40 + 3 * 16

@@ -140,3 +140,98 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(reference, t
     assert f"resumed from step {complete[-1]}" in resumed
     assert not [p for p in checkpoints.iterdir() if "tmp" in p.name]  # cleaned up
     assert losses(run_dir) == reference()
+
+
+# A process whose main thread sits in a call that never returns to Python (as in an XLA
+# compile): only the StopRequest's watcher thread can act on a signal there.
+STOP_SCRIPT = """
+import signal, sys, time
+from paisoar_jax.preemption import StopRequest
+
+stepping = sys.argv[1] == "stepping"
+with StopRequest(lambda: "last saved: step 7 in somewhere") as stop:
+    stop.stepping = stepping
+    print("ready", flush=True)
+    if not stepping:
+        time.sleep(120)  # the compile that will not be waited for
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not stop.requested:
+        time.sleep(0.01)
+    time.sleep(float(sys.argv[2]))  # the step and its save, while more signals come
+    print("stopping for", stop.signal_name, flush=True)
+"""
+
+
+def start_stop_script(tmp_path, *arguments):
+    (tmp_path / "stop.py").write_text(STOP_SCRIPT)
+    process = subprocess.Popen(
+        [PYTHON, str(tmp_path / "stop.py"), *arguments],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "ready\n", process.communicate()
+    return process
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_signal_before_the_first_step_ends_the_process_at_once(tmp_path, signal_number):
+    process = start_stop_script(tmp_path, "starting", "0")
+    sent = time.monotonic()
+    process.send_signal(signal_number)
+    stdout, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - sent < 5  # not the 120 s the main thread would still take
+    assert process.returncode == 128 + signal_number, stderr
+    name = signal.Signals(signal_number).name
+    assert stdout.strip() == (
+        f"paisoar_jax: {name} before the first step finished: nothing new to save "
+        "(last saved: step 7 in somewhere); exiting"
+    )
+
+
+def test_any_number_of_sigterms_in_any_rhythm_stop_once(tmp_path):
+    process = start_stop_script(tmp_path, "stepping", "1.5")
+    for pause in (0.3, 0.0, 0.05, 0.6, 0.3):  # a scheduler, a launcher, a script's trap ...
+        process.send_signal(signal.SIGTERM)
+        time.sleep(pause)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert stdout.splitlines() == [
+        "paisoar_jax: SIGTERM: saving after this step, then stopping",
+        "stopping for SIGTERM",
+    ]
+
+
+def test_two_ctrl_c_wait_for_the_save_and_a_third_aborts_naming_the_saved_step(tmp_path):
+    process = start_stop_script(tmp_path, "stepping", "1.6")
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.6)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)  # the same press (a terminal's group and a launcher)
+    time.sleep(0.3)
+    assert process.poll() is None  # two presses: it still saves
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr
+    assert stdout.splitlines() == [
+        "paisoar_jax: SIGINT: saving after this step, then stopping (Ctrl-C twice more aborts)",
+        "paisoar_jax: Ctrl-C pressed 3 times: aborting without saving this step "
+        "(last saved: step 7 in somewhere)",
+    ]
+
+
+def test_two_sigterms_during_training_save_the_step_reached_once(tmp_path):
+    """Before: the second SIGTERM restored the default handler and killed the run unsaved."""
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "checkpoint.every=100")
+    wait_for(logged_step(run_dir, 5), process)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    stdout = finish(process, status=0)
+    stopped = [line for line in stdout.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stopped) == 1, stdout
+    stopped_at = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped_at]

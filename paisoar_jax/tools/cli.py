@@ -17,6 +17,7 @@ from paisoar_jax.errors import (
     HangError,
     UserError,
 )
+from paisoar_jax.preemption import StopRequest
 from paisoar_jax.startup import start
 
 
@@ -52,7 +53,17 @@ def run(
         start(config, parser.prog)  # as fit starts (startup.py)
         return main(config)
 
-    return exit_status(parser.prog, work)
+    try:
+        # From here a signal ends the process at once (128 + its number) until a run's own
+        # StopRequest takes over at its start (preemption.py): no KeyboardInterrupt lost in
+        # a library's callback, no wait for a distributed start-up or a compile.
+        with StopRequest():
+            return exit_status(parser.prog, work)
+    except KeyboardInterrupt:  # Ctrl-C before a run caught it (preemption.py): nothing saved
+        output.error(
+            "interrupted (Ctrl-C) before the first step: nothing saved", program=parser.prog
+        )
+        return INTERRUPTED_EXIT_CODE
 
 
 def exit_status(program: str, work: Callable[[], object]) -> int:

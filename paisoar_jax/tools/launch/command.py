@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from paisoar_jax import distributed, heartbeat
+from paisoar_jax import distributed, heartbeat, preemption
 from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restarts
@@ -366,6 +366,7 @@ def _supervise(
 ) -> Ending:
     """Waits for the children: the first failure or stall stops them all; signals go on."""
     forwarded, deadline, logs_open, next_watch = 0, None, False, 0.0
+    presses, last_press, gap = 0, -float("inf"), preemption.PRESS_GAP_S  # Ctrl-C presses
     clean = {None, 0}  # the statuses of a rank still running or done as it should be
     while True:
         failed = next((child for child in children if child.process.poll() not in clean), None)
@@ -376,9 +377,10 @@ def _supervise(
                 return _report_stall(stalled, children, args, screen)
             return _fail(failed, children, args.grace, screen)
         running = [child for child in children if child.process.returncode is None]
-        if not running:  # a Ctrl-C that every rank saved for ends as theirs did: 130
-            statuses = {child.process.returncode for child in children}
-            return Ending(INTERRUPTED_EXIT_CODE if statuses - {0} else 0)
+        if not running:  # a stop every rank obeyed ends as theirs did: 0, 130 or 143
+            statuses = {child.process.returncode for child in children} - {0}
+            status = max((abs(status) % 128 + 128 for status in statuses), default=0)
+            return Ending(status)
         if time.monotonic() > next_watch:  # the beats, once a second
             next_watch = time.monotonic() + heartbeat.INTERVAL_S
             logs_open = logs_open or _open_logs(children, screen)
@@ -386,19 +388,28 @@ def _supervise(
             if stalled is not None:
                 return _report_stall(stalled, children, args, screen)
         if len(signals.received) > forwarded:
-            number = signals.received[forwarded]
+            number, at = signals.received[forwarded], signals.times[forwarded]
             forwarded += 1
             name = signal.Signals(number).name
-            if forwarded > 1:
-                _say(f"second {name}: killing the processes")
+            presses = presses + 1 if number == signal.SIGINT and at - last_press >= gap else presses
+            last_press = at if number == signal.SIGINT else last_press
+            if presses >= preemption.ABORT_PRESSES:  # a person insists: no more waiting
+                newest = heartbeat.newest_checkpoint(
+                    _checkpoint_dir([child.beat() or {} for child in children])
+                )
+                saved = f"last saved: step {newest}" if newest is not None else "no step saved"
+                _say(f"Ctrl-C pressed {presses} times: killing the processes ({saved})")
                 _stop(running, grace=0)
-                return Ending(128 + number, f"a second {name}")
-            _say(f"{name}: passed on to the processes (they save and exit); again to kill them")
-            if number == signal.SIGINT:  # a rank that saved for it exits 130, not a failure
-                clean |= {INTERRUPTED_EXIT_CODE, -signal.SIGINT}  # (a script: KeyboardInterrupt)
+                return Ending(INTERRUPTED_EXIT_CODE, "Ctrl-C pressed three times")
+            if forwarded == 1:
+                more = "; Ctrl-C three times kills them" if number == signal.SIGINT else ""
+                _say(f"{name}: passed on to the processes (they save and exit){more}")
+            # Every rank saves the step reached once and exits 0 (SIGTERM) or 130 (SIGINT);
+            # one still before its first step exits 128 + the signal. None is a failure.
+            clean |= {128 + number, -number}
             for child in running:
-                os.kill(child.process.pid, number)
-            deadline = time.monotonic() + args.stop_timeout
+                os.kill(child.process.pid, number)  # a repeat is harmless: they save once
+            deadline = deadline or time.monotonic() + args.stop_timeout
         if deadline is None and len(running) < len(children):  # one finished: the rest follow
             deadline = time.monotonic() + args.stop_timeout
         if deadline is not None and time.monotonic() > deadline:

@@ -116,6 +116,7 @@ class SignalLog:
 
     def __init__(self):
         self.received: list[int] = []
+        self.times: list[float] = []  # time.monotonic() of each, to tell presses apart
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> SignalLog:
@@ -128,6 +129,7 @@ class SignalLog:
             signal.signal(number, handler)
 
     def _record(self, number: int, frame) -> None:
+        self.times.append(time.monotonic())
         self.received.append(number)
 
 
