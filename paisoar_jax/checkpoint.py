@@ -18,6 +18,8 @@ manager removes the leftover. Restoring takes an abstract target whose leaves ca
 from __future__ import annotations
 
 import json
+import logging
+import os
 import pathlib
 import uuid
 from dataclasses import dataclass, fields
@@ -251,6 +253,20 @@ def warn(message: str) -> None:
         output.warning(message)
 
 
+class _SaveThreadErrors(logging.Filter):
+    """Drops Orbax's log of an async save that failed in its thread, with the traceback.
+
+    The same error reaches the loop at the next wait, which says it in one line and saves
+    again (a vanished directory, run_directory.py): the traceback would only repeat it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (f"{os.sep}orbax{os.sep}" in record.pathname and record.exc_info)
+
+
+_SAVE_THREAD_ERRORS = _SaveThreadErrors()
+
+
 class Checkpointer:
     """Saves and restores train state, data position and metadata with one CheckpointManager."""
 
@@ -263,22 +279,38 @@ class Checkpointer:
     ):
         self.directory = directory.absolute()
         check_writable(self.directory)
-        options = ocp.CheckpointManagerOptions(
+        logging.getLogger("absl").addFilter(_SAVE_THREAD_ERRORS)  # (once: a filter is a set)
+        self.options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             keep_period=keep_period or None,
             enable_async_checkpointing=async_save,
             create=True,
             cleanup_tmp_directories=True,  # what a killed save left behind
         )
-        self.manager = ocp.CheckpointManager(
+        self.manager = self._open_manager()
+
+    def _open_manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
             self.directory,
-            options=options,
+            options=self.options,
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "data": grain.checkpoint.CheckpointHandler(),
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
+
+    def reopen(self) -> None:
+        """A new manager over the directory, made anew after it vanished or a save failed.
+
+        The old manager's save in flight is dropped (the caller saves the step reached).
+        """
+        try:
+            self.manager.close()
+        except Exception:  # that save's failure is why we are here
+            pass
+        check_writable(self.directory)
+        self.manager = self._open_manager()
 
     def steps(self) -> list[int]:
         """The complete checkpoints, oldest first."""
@@ -455,9 +487,17 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the save in flight, then releases the manager.
+
+        Called on every way out of a run: a save that failed there was already reported
+        (the loop waits for its last save and handles a failure), so it is not raised again
+        over the error that is ending the run.
+        """
+        try:
+            self.manager.wait_until_finished()
+            self.manager.close()
+        except Exception as error:
+            warn(f"the checkpoint save in flight did not complete ({describe_failure(error)})")
 
 
 def _input_changes(meta: dict, input_signature: dict[str, Any] | None) -> dict[str, tuple]:

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output, run_records
-from paisoar_jax.checkpoint import checkpoint_directory
-from paisoar_jax.compilation import CompiledStep, one_step_at_a_time
+from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output, run_directory, run_records
+from paisoar_jax.checkpoint import checkpoint_directory, describe_failure
+from paisoar_jax.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
@@ -102,7 +102,7 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         newest = heartbeat.newest_checkpoint(str(checkpoint_dir) if checkpoint_dir else None)
         return f"last saved: step {newest} in {checkpoint_dir}" if newest else "no step saved"
 
-    with StopRequest(last_saved) as stop:
+    with StopRequest(last_saved, speaks=jax.process_index() == 0) as stop:
         return _run(config, workload, stop, checkpoint_dir)
 
 
@@ -138,7 +138,7 @@ def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoin
         cleanup.enter_context(watchdog)
         state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
         if is_main:  # only now: a run refused above must not overwrite the config it had
-            (run_dir / "config.yaml").write_text(task.config_note + dump_yaml(config))
+            (run_dir / "config.yaml").write_text(config_text(config, task))
             changed = restored and run.lr_schedule is not None and schedule_change(restored, config)
             if changed:  # (the config's schedule only: a user's optimizer keeps its own)
                 output.note(changed)
@@ -164,6 +164,11 @@ def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoin
     if is_main:
         run_records.print_summary(summary, task)
     return Finished(summary, state, compiled)
+
+
+def config_text(config: Config, task: Task) -> str:
+    """What the run writes to <run.dir>/config.yaml."""
+    return task.config_note + dump_yaml(config)
 
 
 def _open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
@@ -246,6 +251,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
         if is_log_step:
             watchdog.phase = "log"
             _check_input(batches, start_step, checkpointer)  # before the loss is judged
+            _keep_directories(parts, checkpointer, instruments, step, state, batches)
             record = run_records.log_record(parts, step, metrics, train_step, instruments, history)
             record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
             if due:  # after the timings: eval time is not step time
@@ -259,15 +265,15 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
                 _check_input(batches, start_step, checkpointer)
             watchdog.phase = "save"
             with watchdog.paused() if first_save else contextlib.nullcontext():  # it compiles
-                _timed_save(checkpointer, step, state, batches, parts, instruments.timer)
+                _timed_save(checkpointer, step, state, batches, parts, instruments)
             first_save = False
             watchdog.progressed(step)
         if stop_now:
             break
-    instruments.close(step)
     watchdog.phase = "save"
-    if checkpointer is not None:
-        checkpointer.wait()  # committed before we say it is saved
+    if checkpointer is not None:  # committed before we say it is saved
+        _commit_last_save(parts, checkpointer, instruments, step, state, batches)
+    instruments.close(step)
     if (
         stopped_by is None
         and stop.signal_name not in (None, HANG_STOP)
@@ -306,7 +312,7 @@ def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep
         )
     if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(config, layout, train_step.compiled, limit_bytes)
-    return train_step, jit_eval_step(layout, parts.task, mesh, options)
+    return train_step, readable_errors_of(jit_eval_step(layout, parts.task, mesh, options))
 
 
 def _next_batch(batches, ready, timer: IntervalTimer):
@@ -385,13 +391,70 @@ def _is_save_step(config: Config, step: int, stop_now: bool) -> bool:
     return bool(every and step % every == 0) or step == config.train.steps or stop_now
 
 
-def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, timer) -> None:
+def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, instruments) -> None:
     """Starts the save; the time the loop blocks on it is save time, not step time."""
     save_start = time.perf_counter()
-    checkpointer.wait()  # the save in flight first: what it writes takes room too
+    try:
+        checkpointer.wait()  # the save in flight first: what it writes takes room too
+    except Exception as error:  # its directory went away under it, most often
+        _say_save_failed(checkpointer, error, f"saving step {step} now instead")
+        _keep_directories(parts, checkpointer, instruments, step, state, batches)
+        run_directory.reopen(
+            checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
+        )
+    _keep_directories(parts, checkpointer, instruments, step, state, batches)
     estimate_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
     full_disk.check_room(parts.config.run_dir, checkpointer.directory, estimate_bytes)
     save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
     save_s = time.perf_counter() - save_start
-    timer.start_time += save_s
-    timer.save_s += save_s
+    instruments.timer.start_time += save_s
+    instruments.timer.save_s += save_s
+
+
+def _commit_last_save(parts: RunParts, checkpointer, instruments, step: int, state, batches):
+    """Waits for the last save; one that failed is made again, or rescued elsewhere."""
+    try:
+        checkpointer.wait()
+        return
+    except Exception as error:
+        _say_save_failed(checkpointer, error, f"saving step {step} again")
+    _keep_directories(parts, checkpointer, instruments, step, state, batches)
+    run_directory.reopen(
+        checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
+    )
+    try:
+        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+        checkpointer.wait()
+    except UserError:
+        raise
+    except Exception as error:
+        why = describe_failure(error)
+        run_directory.rescue(
+            checkpointer, step, _saver(parts, step, state, batches), why, parts.config.run_dir
+        )
+
+
+def _say_save_failed(checkpointer, error: Exception, then: str) -> None:
+    if jax.process_index() == 0:
+        output.warning(
+            f"a checkpoint save in {checkpointer.directory} failed ({describe_failure(error)}); "
+            f"{then}"
+        )
+
+
+def _saver(parts: RunParts, step: int, state, batches):
+    """save_to(checkpointer): saves the step reached there (for a rescue)."""
+    config, mesh, task = parts.config, parts.mesh, parts.task
+    return lambda checkpointer: save(checkpointer, step, state, batches, config, mesh, task)
+
+
+def _keep_directories(parts: RunParts, checkpointer, instruments, step: int, state, batches):
+    """A vanished run or checkpoint directory is made again (run_directory.py)."""
+    run_directory.keep_directories(
+        parts.config.run_dir,
+        checkpointer,
+        instruments.writer,
+        lambda: config_text(parts.config, parts.task),
+        step,
+        _saver(parts, step, state, batches),
+    )

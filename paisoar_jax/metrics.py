@@ -64,6 +64,7 @@ class MetricsWriter:
         self._file = None
         self._trackers = []
         self._logged_through = 0  # the trackers already hold the steps up to this one
+        self.run_dir = run_dir
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +108,22 @@ class MetricsWriter:
                     f"metrics.jsonl keeps them all"
                 )
                 self._trackers.remove(tracker)
+
+    def reopen(self) -> None:
+        """Opens metrics.jsonl and TensorBoard's events again: their directory was made anew.
+
+        (The files open before belong to the deleted directory: writes there are lost.)
+        """
+        if not self.enabled:
+            return
+        from paisoar_jax.trackers.tensorboard import TensorBoard
+
+        self._file.close()
+        self._file = (self.run_dir / "metrics.jsonl").open("a")
+        for index, tracker in enumerate(self._trackers):
+            if isinstance(tracker, TensorBoard):
+                tracker.close()
+                self._trackers[index] = TensorBoard(None, self.run_dir)
 
     def close(self) -> None:
         """Flushes and closes the file and the trackers."""

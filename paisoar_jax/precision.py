@@ -34,6 +34,32 @@ from flax import nnx
 from paisoar_jax.errors import UserError
 
 
+def allow_fp16_dots_on_cpu() -> None:
+    """Lets XLA:CPU run dot_general's F16_F16_F32 algorithm: fp16 operands, fp32 accumulation.
+
+    jax.nn.dot_product_attention (behind nnx.MultiHeadAttention and nnx.dot_product_attention)
+    asks for it on fp16 inputs, and jax's CPU lowering refuses it ("The precision
+    'F16_F16_F32' is not supported by dot_general on CPU"), at compile time, where jax's own
+    fallback to the default precision never runs. F32_F32_F32 is the same product: fp16
+    converts to fp32 exactly, the sum is fp32, the output keeps the dtype asked for. Other
+    platforms, and every other precision, lower as jax lowers them.
+    """
+    from jax._src.interpreters import mlir
+    from jax._src.lax import lax as lax_internal
+
+    lower = getattr(lax_internal, "_dot_general_lower", None)
+    if lower is None:  # another jax: its own lowering (compilation.py names the failure)
+        return
+    presets = jax.lax.DotAlgorithmPreset
+
+    def lower_on_cpu(ctx, *args, precision, **params):
+        if precision == presets.F16_F16_F32:
+            precision = presets.F32_F32_F32
+        return lower(ctx, *args, precision=precision, **params, platform="cpu")
+
+    mlir.register_lowering(jax.lax.dot_general_p, lower_on_cpu, platform="cpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Dtypes for parameter storage, compute and module outputs."""
@@ -116,6 +142,8 @@ def follow_policy(model: nnx.Module, policy: Policy) -> int:
     many layers were set (0 under fp32, where None already means fp32 for fp32 inputs).
     """
     policy_at = policy_lookup(model, policy)
+    if any(policy_at(path).compute_dtype == jnp.float16 for path, _ in nnx.iter_modules(model)):
+        allow_fp16_dots_on_cpu()  # stock attention asks CPU for an algorithm jax refuses there
     changed = 0
     for path, module in nnx.iter_modules(model):
         if not isinstance(module, POLICY_LAYERS) or not _dtype_left_unset(module):

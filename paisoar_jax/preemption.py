@@ -45,11 +45,12 @@ class StopRequest:
     """Context manager that turns SIGTERM and SIGINT into a flag the loop polls.
 
     `last_saved`: a function naming the newest saved checkpoint, for the line an early exit
-    or an abort prints (set by the loop once it has a checkpointer).
+    or an abort prints. `speaks`: whether this process prints what a signal will do.
     """
 
-    def __init__(self, last_saved: Callable[[], str] | None = None):
+    def __init__(self, last_saved: Callable[[], str] | None = None, speaks: bool = True):
         self.signal_name: str | None = None
+        self.speaks = speaks  # whether this process says what a signal does (process 0)
         self.stepping = False  # True once the first step has finished: a signal then saves
         self.last_saved = last_saved or (lambda: "no checkpoint saved")
         self._previous: dict[int, object] = {}
@@ -124,7 +125,8 @@ class StopRequest:
         if not self._told:
             self._told = True
             more = " (Ctrl-C twice more aborts)" if number == signal.SIGINT else ""
-            output.note(f"{number.name}: saving after this step, then stopping{more}")
+            if self.speaks:
+                output.note(f"{number.name}: saving after this step, then the run ends{more}")
 
     def _end(self, line: str, status: int) -> None:
         """Says `line` and ends the process now (the main thread may be deep in XLA)."""

@@ -306,3 +306,72 @@ def test_a_layer_forced_to_fp32_or_given_a_dtype_keeps_it():
     assert model.fc2.dtype == jnp.float32  # the user's own choice
     assert model.attention.dtype is None and model.attention.query.dtype is None  # forced fp32
     assert follow_policy(OwnMLP(nnx.Rngs(0)), get_policy("fp32")) == 0
+
+
+class OwnViT(nnx.Module):
+    """A vision transformer of one's own: stock flax layers only (nnx.MultiHeadAttention)."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(8, 32, rngs=rngs)
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+        self.head = nnx.Linear(32, 3, rngs=rngs)
+
+    def __call__(self, x_BxPx8):
+        h_BxPxD = self.embed(x_BxPx8)
+        h_BxPxD = h_BxPxD + self.attention(self.norm(h_BxPxD))
+        return self.head(h_BxPxD.mean(1))
+
+
+def vit_loss(model, batch, rng):
+    logits = model(batch["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+def test_an_own_transformer_trains_under_fp16_on_cpu_as_on_a_gpu(tmp_path):
+    """Before: jax.nn.dot_product_attention's F16_F16_F32 dots were refused by XLA:CPU, in a
+    traceback that dumped the step's jaxpr."""
+    import paisoar_jax
+
+    x = np.random.default_rng(0).normal(size=(32, 4, 8)).astype(np.float32)
+    data = {"x": x, "y": (x[:, 0, 0] > 0).astype(np.int32)}
+    overrides = ["precision.policy=fp16", "train.steps=2", "train.global_batch=16",
+                 "train.grad_accum=2", "train.eval_every=0", "run.progress=false",
+                 f"run.dir={tmp_path / 'run'}", "checkpoint.enabled=false"]  # fmt: skip
+    result = paisoar_jax.fit(
+        None, overrides, model=OwnViT, loss=vit_loss, optimizer=optax.adam(1e-3), data=data,
+        exit_on_error=False,
+    )  # fmt: skip
+    assert result["steps"] == 2 and np.isfinite(result["final_loss"])
+    # The product itself: fp16 operands, fp32 sums, as a GPU computes it.
+    q_BxTxHxK = jax.random.normal(jax.random.key(1), (2, 4, 2, 8), jnp.float16)
+    fp16 = jax.jit(jax.nn.dot_product_attention)(q_BxTxHxK, q_BxTxHxK, q_BxTxHxK)
+    fp32 = jax.nn.dot_product_attention(*(q_BxTxHxK.astype(jnp.float32),) * 3)
+    assert fp16.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(fp16, np.float32), fp32, atol=2e-3)
+
+
+def test_an_error_from_the_compiled_step_is_one_line_without_the_jaxpr():
+    from paisoar_jax.compilation import readable_step_errors
+    from paisoar_jax.errors import UserError
+
+    jaxpr = "{ lambda ; a:f16[2,4]. let b:f32[2,2] = dot_general a a in (b,) }"
+
+    def lowering_that_fails(error):  # as jax's lowering cache raises: inside its KeyError
+        try:
+            raise KeyError(("closed_call", jaxpr))
+        except KeyError:
+            raise error  # noqa: B904 (jax chains it implicitly)
+
+    with pytest.raises(UserError) as refused, readable_step_errors():
+        lowering_that_fails(
+            ValueError("The precision 'F16_F16_F32' is not supported by dot_general on CPU")
+        )
+    message = str(refused.value)
+    assert "\n" not in message and "{ lambda" not in message
+    assert "asks dot_general for precision F16_F16_F32, which XLA on CPU lacks" in message
+    assert "set precision.policy=bf16 or fp32" in message
+    # Any other error is raised as it was (a bug keeps its traceback), less the jaxpr.
+    with pytest.raises(RuntimeError) as kept, readable_step_errors():
+        lowering_that_fails(RuntimeError("a bug of ours"))
+    assert kept.value.__suppress_context__

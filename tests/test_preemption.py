@@ -198,7 +198,7 @@ def test_any_number_of_sigterms_in_any_rhythm_stop_once(tmp_path):
     stdout, stderr = process.communicate(timeout=30)
     assert process.returncode == 0, stderr
     assert stdout.splitlines() == [
-        "paisoar_jax: SIGTERM: saving after this step, then stopping",
+        "paisoar_jax: SIGTERM: saving after this step, then the run ends",
         "stopping for SIGTERM",
     ]
 
@@ -216,7 +216,7 @@ def test_two_ctrl_c_wait_for_the_save_and_a_third_aborts_naming_the_saved_step(t
     stdout, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr
     assert stdout.splitlines() == [
-        "paisoar_jax: SIGINT: saving after this step, then stopping (Ctrl-C twice more aborts)",
+        "paisoar_jax: SIGINT: saving after this step, then the run ends (Ctrl-C twice more aborts)",
         "paisoar_jax: Ctrl-C pressed 3 times: aborting without saving this step "
         "(last saved: step 7 in somewhere)",
     ]
