@@ -7,7 +7,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
                                            returns a FitResult: the summary and .model, the
                                            trained module
     Eval(data, every=STEPS)                an eval set of fit's eval_sets with its own cadence
-    load(run_dir_or_step, model=factory)   the trained module again, from disk
+    load(run_dir_or_step, model=factory)   the trained module again, from disk (a zoo
+                                           run or an import needs no factory)
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
     export_run(run_dir, output)            a run's weights, for checkpoint.init_from
     Generator(run_or_export)               a zoo or imported decoder's batched generation:

@@ -318,12 +318,18 @@ def fit(
 
 
 def load(
-    path: str | pathlib.Path, model: Callable, *, ema: bool = False, exit_on_error: bool = True
+    path: str | pathlib.Path,
+    model: Callable | None = None,
+    *,
+    ema: bool = False,
+    exit_on_error: bool = True,
 ) -> Any:
-    """The module `model` (rngs -> nnx.Module) builds, holding a run's trained weights.
+    """The module holding a run's trained weights: `model` (rngs -> nnx.Module) builds it.
 
-    `path`: a run directory (its newest checkpoint), a checkpoint step or an export. `ema`:
-    the moving average of the weights instead (a run with train.ema_decay > 0).
+    `path`: a run directory (its newest checkpoint), a checkpoint step or an export (an
+    hf-import's too). Without `model`, a zoo model is built from the run's own config.yaml
+    (model.name=custom needs its factory). `ema`: the moving average of the weights instead
+    (a run with train.ema_decay > 0).
     """
     from paisoar_jax import trained
     from paisoar_jax.weights import weights_source
@@ -331,9 +337,25 @@ def load(
     def work() -> Any:
         # As hf-export and generate find it; the run's config says which adapters it has.
         config, where, _ = weights_source(pathlib.Path(path))
-        return trained.load(where, as_factory(model), config, ema)
+        factory = as_factory(model) if model is not None else _zoo_factory(config, path)
+        return trained.load(where, factory, config, ema)
 
     return _run("paisoar_jax.load", work, exit_on_error)
+
+
+def _zoo_factory(config: Config, path: str | pathlib.Path) -> Callable:
+    """The factory of the zoo model `config` names, in the run's precision policy."""
+    from paisoar_jax.precision import get_policy
+    from paisoar_jax.zoo import build_model, check_model
+
+    if isinstance(config.model, CustomModelConfig):
+        raise UserError(
+            f"{path} holds a model of your own (model.name=custom): give its factory, "
+            f"paisoar_jax.load({str(path)!r}, model=MyModel)"
+        )
+    check_model(config)
+    policy = get_policy(config.precision.policy)
+    return lambda rngs: build_model(config.model, policy, "none", rngs)
 
 
 def plan_fit(

@@ -8,6 +8,7 @@ same from any run directory (its newest checkpoint), checkpoint step or export:
     model = paisoar_jax.load("runs/my_run", model=MyModel)
     model.eval()                                            # dropout off, BatchNorm's averages
     logits = model(x)
+    llama = paisoar_jax.load("imported")                    # a zoo run or import: no factory
 
 The module is the factory's, built afresh (so it computes as the factory wrote it: fp32
 unless a layer says otherwise; the training run's bf16/fp16 policy is not applied) and
@@ -70,8 +71,8 @@ def load(
         model_state=jax.tree.map(place, nnx.to_pure_dict(abstract_rest)),
     )
     params, model_state = weights.load_weights(where, target, ema)
-    if model_state is None:  # saved without it (load_weights warned): a fresh one
-        model_state = nnx.to_pure_dict(nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
+    if model_state is None:  # none saved (load_weights warned, or the model has none)
+        model_state = _fresh_state(model) if jax.tree.leaves(abstract_rest) else {}
     return model_with(model, params, model_state)
 
 
@@ -86,6 +87,16 @@ def _as_run_built(factory: Callable, config: Config | None) -> Callable:
         return model
 
     return with_adapters
+
+
+def _fresh_state(factory: Callable[[nnx.Rngs], nnx.Module]) -> Any:
+    """A newly built module's model state (BatchNorm's, fp8 scales), placed on no mesh.
+
+    Built with eager sharding off: a factory whose params are annotated with logical axis
+    names (every zoo model's) would otherwise need a mesh and its axis rules.
+    """
+    with nnx.use_eager_sharding(False):
+        return nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(0)), nnx.Param, ...)[2])
 
 
 def _abstract(factory: Callable[[nnx.Rngs], nnx.Module]):

@@ -141,11 +141,16 @@ class ChatTemplate:
             if name.endswith("_token") and _token_text(value) is not None
         }
 
-    def render(self, messages: list, add_generation_prompt: bool) -> str:
-        """The template's text of `messages`."""
-        return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
-        )
+    def render(self, messages: list, add_generation_prompt: bool, where: str = "the chat") -> str:
+        """The template's text of `messages`; a template that fails on them is a UserError."""
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
+            )
+        except UserError:
+            raise
+        except Exception as error:
+            raise UserError(f"{where}: the chat template fails on it: {error}") from None
 
     def pieces(self, record: Any, messages_field: str, where: str) -> list[Piece]:
         """The chat cut into context and learned (assistant) pieces, turn by turn."""
@@ -161,8 +166,8 @@ class ChatTemplate:
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render(messages[:index], True, where)
-            through = self._render(messages[: index + 1], False, where)
+            prompt = self.render(messages[:index], True, where)
+            through = self.render(messages[: index + 1], False, where)
             for before, after in ((done, prompt), (prompt, through)):
                 if not after.startswith(before):
                     raise UserError(
@@ -171,20 +176,12 @@ class ChatTemplate:
                     )
             pieces += [(prompt[len(done) :], False), (through[len(prompt) :], True)]
             done = through
-        whole = self._render(messages, False, where)
+        whole = self.render(messages, False, where)
         if not any(learned for _, learned in pieces):
             raise UserError(f"{where}: the chat has no assistant turn to learn")
         if not whole.startswith(done):
             raise UserError(f"{where}: the chat template renders the whole chat differently")
         return [*pieces, (whole[len(done) :], False)]
-
-    def _render(self, messages: list, add_generation_prompt: bool, where: str) -> str:
-        try:
-            return self.render(messages, add_generation_prompt)
-        except UserError:
-            raise
-        except Exception as error:
-            raise UserError(f"{where}: the chat template fails on it: {error}") from None
 
 
 def _generation_tags(jinja2) -> type:

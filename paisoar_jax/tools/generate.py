@@ -131,16 +131,24 @@ class Generator:
         self._text: Text | None = None
         self._compiled: dict[tuple, Callable] = {}
 
-    def complete(self, prompts: Sequence[str], max_new: int = 64, **settings) -> list[str]:
+    def complete(
+        self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings
+    ) -> list[str]:
         """The text each prompt continues with, up to its end-of-sequence token (left out).
 
+        A prompt is text (tokenized as transformers' `tokenizer(text)`, with the tokenizer's
+        own markers: Llama's BOS, once) or a chat, a list of {role, content} messages (its
+        tokens are `apply_chat_template(chat, add_generation_prompt=True, tokenize=True)`'s).
         `settings` are `generate`'s (greedy, temperature, ..., batch_size); stop_at defaults
         to the model's end-of-sequence ids.
         """
         if self._text is None:
             self._text = Text(self.tokenizer_file, self.config.model.vocab_size)
         settings.setdefault("stop_at", self.end_ids)
-        encoded = [self._text.encode(prompt) for prompt in prompts]
+        encoded = [
+            self._text.encode(prompt) if isinstance(prompt, str) else self._text.encode_chat(prompt)
+            for prompt in prompts
+        ]
         continued = self.generate(encoded, max_new, **settings)
         stops = set(settings["stop_at"])
         return [
@@ -272,6 +280,8 @@ class Text:
 
     def __init__(self, found: pathlib.Path | None, vocab_size: int):
         self.model = None
+        self.found = found
+        self._template = None
         if found is not None:
             try:
                 import tokenizers
@@ -286,10 +296,42 @@ class Text:
             )
 
     def encode(self, text: str) -> list[int]:
-        """The token ids of `text`, with the tokenizer's own markers (Llama's BOS)."""
+        """The token ids of `text`, with the tokenizer's own markers (Llama's BOS) once.
+
+        A text that already begins with them (a chat template's rendering starts with
+        {{ bos_token }}) is not given them twice: transformers' apply_chat_template encodes
+        its rendered text with add_special_tokens=False.
+        """
         if self.model is None:
             return list(text.encode("utf-8"))
-        return self.model.encode(text, add_special_tokens=True).ids
+        marked = self.model.encode(text, add_special_tokens=True).ids
+        plain = self.model.encode(text, add_special_tokens=False).ids
+        added = len(marked) - len(plain)  # the markers the post-processor put in front
+        if added > 0 and marked[added:] == plain and plain[:added] == marked[:added]:
+            return plain
+        return marked
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids of a chat and the assistant's generation prompt.
+
+        As transformers' apply_chat_template(messages, add_generation_prompt=True,
+        tokenize=True) gives them: the template's text (with its own BOS, if it has one)
+        tokenized without adding special tokens.
+        """
+        if self.model is None:
+            raise UserError("a chat needs a tokenizer with a chat template, not bytes")
+        if self._template is None:
+            from paisoar_jax.data.conversations import ChatTemplate
+
+            try:
+                self._template = ChatTemplate(self.found)
+            except UserError:  # worded for convert's --format chat
+                raise UserError(
+                    f"{self.found.parent} has no chat template (no chat_template.jinja, none in "
+                    f"tokenizer_config.json): give the prompt as text"
+                ) from None
+        text = self._template.render(list(messages), add_generation_prompt=True)
+        return self.model.encode(text, add_special_tokens=False).ids
 
     def decode(self, tokens: list[int]) -> str:
         """The text of `tokens`."""
@@ -312,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="text to continue (needs a tokenizer)")
     given.add_argument("--tokens", help="token ids to continue, comma-separated")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompt is a user turn, rendered with the model's chat template",
+    )
     parser.add_argument("--max-new", type=int, default=64, help="new tokens (default 64)")
     parser.add_argument("--greedy", action="store_true", help="always the likeliest token")
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -338,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = None
         if args.prompt is not None:
             text = Text(model.tokenizer_file, model.config.model.vocab_size)
-            prompt = text.encode(args.prompt)
+            chat = [{"role": "user", "content": args.prompt}]
+            prompt = text.encode_chat(chat) if args.chat else text.encode(args.prompt)
         else:
             prompt = _token_list(args.tokens)
         positions = model.config.model.positions
