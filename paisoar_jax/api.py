@@ -19,6 +19,8 @@ raises paisoar_jax.UserError instead). With no model, the config's zoo model is 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -218,7 +220,38 @@ def as_factory(model: Any) -> Callable:
             f"model must be an nnx.Module or a function rngs -> nnx.Module, got "
             f"{type(model).__name__}"
         )
-    return model
+    return _called_with_rngs(model)
+
+
+def _called_with_rngs(model: Callable) -> Callable:
+    """`model` as a function of one argument, rngs; one that cannot be called so is refused.
+
+    A factory taking rngs as a keyword only (`def make(*, rngs)`) is called with rngs=.
+    """
+    try:
+        if isinstance(model, type):  # a class: its __init__ (flax's metaclass hides it)
+            signature = inspect.signature(model.__init__)
+            after_self = list(signature.parameters.values())[1:]
+            signature = signature.replace(parameters=after_self)
+        else:
+            signature = inspect.signature(model)
+    except (TypeError, ValueError):  # a builtin: nothing to check
+        return model
+    try:
+        signature.bind(None)
+        return model
+    except TypeError as positional:
+        try:
+            signature.bind(rngs=None)
+        except TypeError:
+            name = getattr(model, "__name__", type(model).__name__)
+            example = "MyModel" if name == "<lambda>" else name
+            raise UserError(
+                f"model={name} cannot be called as model(rngs) ({positional}): give an "
+                f"nnx.Module, or a function of one argument, rngs, that builds one "
+                f"(model=lambda rngs: {example}(..., rngs=rngs))"
+            ) from None
+    return functools.wraps(model)(lambda rngs: model(rngs=rngs))
 
 
 def _program_name(model: Callable) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import uuid
 from dataclasses import dataclass, fields
@@ -34,6 +33,13 @@ from jax.experimental import multihost_utils
 from paisoar_jax import output
 from paisoar_jax.config import CheckpointConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.orbax_errors import (
+    SAVE_THREAD_ERRORS,
+    describe_damage,
+    describe_failure,
+    quiet_orbax_leftovers,
+)
+from paisoar_jax.saved_trees import _leaf_names, _saved_tree, check_compatible
 
 
 class IteratorState:
@@ -75,12 +81,6 @@ def checkpoint_directory(settings: CheckpointConfig, run_dir: pathlib.Path) -> p
     return pathlib.Path(settings.dir) if settings.dir else run_dir / "checkpoints"
 
 
-def describe_failure(error: Exception) -> str:
-    """`Type: first line of the message` (200 characters at most), for one-line reports."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
-
-
 def check_writable(directory: pathlib.Path) -> None:
     """Fails before training when `directory` cannot hold checkpoints (not after an hour)."""
     probe = directory / f".write-probe-{uuid.uuid4().hex}"
@@ -92,18 +92,6 @@ def check_writable(directory: pathlib.Path) -> None:
         raise UserError(
             f"checkpoint directory {directory} is not writable ({error.strerror or error})"
         ) from None
-
-
-def _leaf_names(tree: Any) -> dict[str, tuple[int, ...]]:
-    """Dotted leaf names (as Orbax names them, `opt_state.0.mu.w`) -> shapes."""
-    names = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = []
-        for key in path:
-            part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
-            parts.append(str(part))
-        names[".".join(parts)] = tuple(leaf.shape)
-    return names
 
 
 def _is_key(leaf: Any) -> bool:
@@ -165,54 +153,6 @@ def _verify(state: Any, saved: list[int] | None, step_dir: pathlib.Path) -> None
             raise ValueError(f"{step_dir}: {name} does not match its checksum (corrupted data)")
 
 
-def tree_metadata(item: pathlib.Path) -> Any:
-    """The tree of array metadata of a saved item (a step's state, an export's params).
-
-    Read by the handler: a Checkpointer would also look for step metadata, which a step's
-    item directory does not hold, and log a warning a user cannot act on.
-    """
-    return _saved_tree(ocp.PyTreeCheckpointHandler().metadata(item))
-
-
-def _saved_tree(metadata: Any) -> Any:
-    """The tree of array metadata inside whatever wrapper this Orbax version returns."""
-    metadata = getattr(metadata, "item_metadata", metadata)
-    return getattr(metadata, "tree", metadata)
-
-
-def check_compatible(saved_tree: Any, target: Any, directory: pathlib.Path) -> None:
-    """One line naming the first parameter whose saved shape differs from the model's."""
-    saved = {
-        name: shape
-        for name, shape in _leaf_names(saved_tree).items()
-        if shape is not None  # empty optimizer states are stored as None
-        # per-device exchange state (see _comm_target); the weights' average, kept or not
-        and not name.startswith(("comm.", "ema."))
-    }
-    wanted = {
-        name: shape
-        for name, shape in _leaf_names(target).items()
-        if not name.startswith(("comm.", "ema."))
-    }
-    for name, shape in wanted.items():
-        if name not in saved:
-            raise UserError(
-                f"checkpoint {directory} does not fit this model: it has no {name} "
-                f"(shape {shape}); was it written by another model or optimizer?"
-            )
-        if saved[name] != shape:
-            raise UserError(
-                f"checkpoint {directory} does not fit this model: {name} has shape "
-                f"{saved[name]} there and {shape} here"
-            )
-    extra = sorted(set(saved) - set(wanted))
-    if extra:
-        raise UserError(
-            f"checkpoint {directory} does not fit this model: it has {extra[0]} "
-            f"(shape {saved[extra[0]]}) that this model lacks"
-        )
-
-
 def _comm_target(saved_tree: Any, target: Any) -> Any:
     """What to restore TrainState.comm onto: the target's, or None where it starts afresh.
 
@@ -253,20 +193,6 @@ def warn(message: str) -> None:
         output.warning(message)
 
 
-class _SaveThreadErrors(logging.Filter):
-    """Drops Orbax's log of an async save that failed in its thread, with the traceback.
-
-    The same error reaches the loop at the next wait, which says it in one line and saves
-    again (a vanished directory, run_directory.py): the traceback would only repeat it.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (f"{os.sep}orbax{os.sep}" in record.pathname and record.exc_info)
-
-
-_SAVE_THREAD_ERRORS = _SaveThreadErrors()
-
-
 class Checkpointer:
     """Saves and restores train state, data position and metadata with one CheckpointManager."""
 
@@ -279,7 +205,8 @@ class Checkpointer:
     ):
         self.directory = directory.absolute()
         check_writable(self.directory)
-        logging.getLogger("absl").addFilter(_SAVE_THREAD_ERRORS)  # (once: a filter is a set)
+        logging.getLogger("absl").addFilter(SAVE_THREAD_ERRORS)  # (once: a filter is a set)
+        quiet_orbax_leftovers()  # a damaged step is skipped in one line (restore_latest)
         self.options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             keep_period=keep_period or None,
@@ -445,7 +372,7 @@ class Checkpointer:
                 fallback = f"falling back to step {older}" if older else "no older one left"
                 warn(
                     f"checkpoint step {step} in {self.directory} is unreadable "
-                    f"({describe_failure(error)}); {fallback}"
+                    f"({describe_damage(error)}); {fallback}"
                 )
                 broken.append(step)
                 continue

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paisoar_jax import full_disk, gpu_flags, heartbeat, oom, output, run_directory, run_records
-from paisoar_jax.checkpoint import checkpoint_directory, describe_failure
+from paisoar_jax.checkpoint import checkpoint_directory
 from paisoar_jax.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.config import Config, dump_yaml
 from paisoar_jax.data.mixture import examples_by_source
@@ -27,6 +27,7 @@ from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.errors import HangError, UserError
 from paisoar_jax.evaluation import EvalSet, check_metric_names, evaluate
 from paisoar_jax.monitor import IntervalTimer
+from paisoar_jax.orbax_errors import describe_failure
 from paisoar_jax.parallel import sharding
 from paisoar_jax.preemption import StopRequest
 from paisoar_jax.resume import (
@@ -238,6 +239,9 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
         batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
         watchdog.phase = "step"
         state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
+        if is_first:  # before any update: a nan comes from the batch or the loss
+            _check_input(batches, start_step, checkpointer)  # (names the batch's values)
+            run_records.check_first_step(parts, step, metrics, instruments.writer)
         stop.stepping = True  # a signal from now on saves the step reached
         in_flight.append(metrics["loss"])
         if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one

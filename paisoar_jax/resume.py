@@ -20,13 +20,13 @@ from paisoar_jax.checkpoint import (
     Checkpointer,
     Restored,
     checkpoint_directory,
-    describe_failure,
 )
 from paisoar_jax.config import Config, to_dict
 from paisoar_jax.data.mixture import MixtureBatches
 from paisoar_jax.data.pipeline import GlobalBatches, resume_position
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.loss_scale import all_finite
+from paisoar_jax.orbax_errors import describe_damage
 from paisoar_jax.state import StateLayout, init_state
 from paisoar_jax.weights import abstract_weights, load_weights
 from paisoar_jax.workload import Task
@@ -65,7 +65,7 @@ def starting_point(
             except Exception as error:  # asked for by name: no silent fallback to another
                 raise UserError(
                     f"checkpoint.resume={resume}: step {resume} in {checkpointer.directory} is "
-                    f"unreadable ({describe_failure(error)})"
+                    f"unreadable ({describe_damage(error)})"
                 ) from None
             checkpointer.set_aside_after(int(resume))  # only once the older step restored
         if restored is not None:

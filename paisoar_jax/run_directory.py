@@ -21,8 +21,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paisoar_jax import output
-from paisoar_jax.checkpoint import Checkpointer, describe_failure
+from paisoar_jax.checkpoint import Checkpointer
 from paisoar_jax.errors import UserError
+from paisoar_jax.orbax_errors import describe_failure
 
 CONFIG_NAME = "config.yaml"
 

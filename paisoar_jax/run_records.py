@@ -9,12 +9,13 @@ loop's RunParts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 
 from paisoar_jax import loss_scale, output
-from paisoar_jax.errors import DivergenceError
+from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.parallel import sharding
@@ -153,6 +154,34 @@ def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -
     postfix = {"loss": f"{record['loss']:.3f}", task.rate_name: rate}
     instruments.progress.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace
     instruments.timer.restart(record["step"])
+
+
+def check_first_step(parts: Any, step: int, metrics: Any, writer: MetricsWriter) -> None:
+    """The first step of a run, before any update: a loss that is not finite, or no gradient.
+
+    The weights were finite (fresh, or a checkpoint save checked them), so a loss that is
+    nan or inf here comes from the batch or the loss, not from the learning rate: the run
+    stops in one line saying so (its record marked `before_update` for the doctor). A
+    gradient of exactly zero reaches no parameter: one line names the usual causes.
+    """
+    values = jax.device_get({name: metrics[name] for name in ("loss", "grad_norm")})
+    loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+    if not math.isfinite(loss):
+        writer.write({"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True})
+        fp16 = (
+            ", or activations beyond fp16's range" if "16" in parts.config.precision.policy else ""
+        )
+        raise UserError(
+            f"the loss is {loss} at step {step}, before any update: the inputs or labels are "
+            f"the likely cause, not the learning rate (labels outside [0, classes), a log or "
+            f"division of 0 in the loss, non-finite values in the data{fp16})"
+        )
+    if grad_norm == 0.0 and jax.process_index() == 0:
+        output.warning(
+            f"the gradient is exactly 0 at step {step}: no parameter receives one, so nothing "
+            f"trains (a model output cast to an integer dtype, jax.lax.stop_gradient, or a loss "
+            f"that does not use the model's output)"
+        )
 
 
 def say_stopped(stopped_by: str | None, step: int, checkpointer: Any) -> None:

@@ -10,24 +10,42 @@ export and hf-export all find their weights here.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import types
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+import yaml
 
-from paisoar_jax.checkpoint import (
-    check_compatible,
-    checkpoint_directory,
-    live,
-    storable,
-    storable_target,
-    tree_metadata,
-    warn,
-)
-from paisoar_jax.config import load_config
+from paisoar_jax.checkpoint import checkpoint_directory, live, storable, storable_target, warn
+from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.orbax_errors import describe_damage, quiet_orbax_leftovers
+from paisoar_jax.saved_trees import check_compatible, tree_metadata
+from paisoar_jax.user_files import read_text
+
+
+def run_config(path: pathlib.Path) -> Config:
+    """The config.yaml a run or an export wrote, checked whole (every section is written).
+
+    A file cut at a line boundary still parses: its missing sections would read as the
+    defaults, another model, so a file without all of them is refused as truncated.
+    """
+    try:
+        raw = yaml.safe_load(read_text(path, "a YAML config")) if path.is_file() else None
+    except yaml.YAMLError:
+        return load_config(str(path))  # which names the line and the problem
+    sections = [field.name for field in dataclasses.fields(Config)]
+    missing = [name for name in sections if not isinstance(raw, dict) or name not in raw]
+    if missing and isinstance(raw, dict) and raw:
+        raise UserError(
+            f"{path} lacks the section(s) {', '.join(missing)} that a run writes: the file is "
+            f"truncated or was edited; write them back (python -m paisoar_jax.train --help "
+            f"lists the keys)"
+        )
+    return load_config(str(path))
 
 
 def checkpoint_step(run_dir: pathlib.Path, step: int | None = None):
@@ -35,7 +53,7 @@ def checkpoint_step(run_dir: pathlib.Path, step: int | None = None):
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(str(config_path))
+    config = run_config(config_path)
     checkpoints = checkpoint_directory(config.checkpoint, run_dir)
     # Complete steps only: a save killed half-way leaves `<step>.orbax-checkpoint-tmp-*`.
     steps = sorted(int(path.name) for path in checkpoints.glob("[0-9]*") if path.name.isdigit())
@@ -52,11 +70,11 @@ def weights_source(source: pathlib.Path):
     `source` is a params export, a checkpoint step directory (`runs/x/checkpoints/400`) or
     a run directory (its newest step).
     """
-    run_config = source.parent.parent / "config.yaml"
-    if (source / "state").is_dir() and run_config.is_file():
-        return load_config(str(run_config)), source, f"checkpoint {source}"
+    config_path = source.parent.parent / "config.yaml"
+    if (source / "state").is_dir() and config_path.is_file():
+        return run_config(config_path), source, f"checkpoint {source}"
     if (source / "params").is_dir() and (source / "config.yaml").is_file():
-        return load_config(str(source / "config.yaml")), source, f"export {source}"
+        return run_config(source / "config.yaml"), source, f"export {source}"
     if not source.is_dir():
         raise UserError(f"{source}: no such run, checkpoint step or export directory")
     config, path, step = checkpoint_step(source)
@@ -134,14 +152,21 @@ def load_weights(
             warn(f"{item} has no model state (BatchNorm statistics, fp8 scales): they start afresh")
     typed_target, target = target, storable_target(target)  # keys as stored: raw uint32
     check_compatible({name: saved_tree[name] for name in target}, target, item)
-    restored = checkpointer.restore(
-        item,
-        args=ocp.args.PyTreeRestore(
-            target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True,
-        ),
-    )
+    quiet_orbax_leftovers()
+    try:
+        restored = checkpointer.restore(
+            item,
+            args=ocp.args.PyTreeRestore(
+                target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            ),
+        )
+    except Exception as error:  # a file of it truncated, emptied or overwritten
+        raise UserError(
+            f"{item} cannot be read ({describe_damage(error)}): the export or checkpoint is "
+            f"damaged (a file truncated, empty or overwritten); export it again from its run"
+        ) from None
     restored = live({name: restored[name] for name in target}, typed_target)
     params = restored["ema"]["params"] if ema else restored["params"]
     return params, restored.get("model_state")

@@ -123,6 +123,13 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
                 model = workload.model(nnx.Rngs(params=seed))
             else:
                 model = workload.model(nnx.Rngs(seed))
+                if not isinstance(model, nnx.Module):
+                    name = getattr(workload.model, "__name__", "the factory")
+                    raise UserError(
+                        f"model={name} returned {_kind_of(model)}, not an nnx.Module: the "
+                        f"factory must build the module (model=lambda rngs: MyModel(..., "
+                        f"rngs=rngs))"
+                    )
                 remat.remat_blocks(model, config.remat.blocks, policy_name)
                 # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
                 precision.follow_policy(model, precision.get_policy(config.precision.policy))
@@ -183,3 +190,12 @@ def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | No
         layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
         workload.task.prepare(layout, config.train.global_batch)
     return Setup(config, mesh, layout, lr_schedule, workload.task, given)
+
+
+def _kind_of(value: Any) -> str:
+    """`None`, `the class Linear` or `a function`: what a factory returned, in words."""
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return f"the class {value.__name__} (not an instance of it)"
+    return f"a {type(value).__name__}"

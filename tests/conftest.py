@@ -344,12 +344,10 @@ CHAT_TEMPLATE = (
 WORDS = "the cat sat on a mat dog ran far what is two plus three five hello how are you".split()
 
 
-@pytest.fixture(scope="session")
-def chat_tokenizer(tmp_path_factory):
-    """A byte-level BPE tokenizer with ChatML's special tokens and template, as HF saves it."""
+def trained_bpe(special_tokens: list[str]):
+    """A byte-level BPE tokenizer of 300 ids trained on WORDS, special tokens first."""
     import numpy as np
     import tokenizers
-    import transformers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     rng = np.random.default_rng(0)
@@ -359,10 +357,19 @@ def chat_tokenizer(tmp_path_factory):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer with ChatML's special tokens and template, as HF saves it."""
+    import transformers
+
+    tokenizer = trained_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )

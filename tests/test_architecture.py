@@ -17,8 +17,15 @@ TOOLS = {"hlo", "bench", "overhead", "convert", "export", "cli", "generate"}
 TOOLS |= {"gpu_target", "gpu_kernels"}
 TOOL_PACKAGES = {
     "plan": {"core", "command", "table", "reports", "variants", "fit_search", "context_split"},
-    "doctor": {"command", "findings", "memory_findings", "moe_findings", "scale_findings"},
-    "launch": {"command", "rank_output", "restarts"},
+    "doctor": {
+        "command",
+        "findings",
+        "gradient_findings",
+        "memory_findings",
+        "moe_findings",
+        "scale_findings",
+    },
+    "launch": {"arguments", "command", "rank_output", "restarts"},
     "hf": {"checkpoints", "layouts", "peft"},
 }
 COMMANDS = {

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import TINY, run_module
+from conftest import TINY, run_module, trained_bpe
 from flax import nnx
 from test_hf import llama
 
@@ -23,27 +23,14 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
 )
-WORDS = "the cat sat on a mat dog ran far what is two plus three five hello how are you".split()
 
 
 def llama3_tokenizer(directory):
     """A byte-level BPE with Llama 3's special tokens, BOS post-processor and template."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, 12)) for _ in range(300)]
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
-    specials += ["<|end_header_id|>", "<|eot_id|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = trained_bpe([*specials, "<|end_header_id|>", "<|eot_id|>"])
     tokenizer.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),
@@ -138,37 +125,12 @@ def test_chats_and_rendered_chats_get_apply_chat_templates_tokens(chat_models, d
 
 def test_the_cli_chat_flag_renders_the_prompt_with_the_template(chat_models, tmp_path):
     _, tokenizer, ours = chat_models["llama3"]
-    result = run_module(
-        "generate",
-        ours,
-        "--prompt",
-        "hello how are you",
-        "--chat",
-        "--max-new",
-        "3",
-        "--greedy",
-        "--json",
-        "--ignore-eos",
-        cwd=tmp_path,
-    )
+    generate = ["generate", ours, "--max-new", "3", "--greedy", "--json", "--ignore-eos"]
+    result = run_module(*generate, "--prompt", "hello how are you", "--chat", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello how are you"}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    plain = run_module(
-        "generate",
-        ours,
-        "--prompt",
-        rendered,
-        "--max-new",
-        "3",
-        "--greedy",
-        "--json",
-        "--ignore-eos",
-        cwd=tmp_path,
-    )
+    chat = [{"role": "user", "content": "hello how are you"}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    plain = run_module(*generate, "--prompt", rendered, cwd=tmp_path)
     assert plain.stdout.splitlines()[-1] == result.stdout.splitlines()[-1]
 
 

@@ -144,7 +144,8 @@ def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys
 
 
 def test_a_checksum_mismatch_names_the_array(saved):
-    from paisoar_jax.checkpoint import _checksums, _leaf_names, _verify
+    from paisoar_jax.checkpoint import _checksums, _verify
+    from paisoar_jax.saved_trees import _leaf_names
 
     directory, state = saved
     checksums = [int(value) for value in jax.device_get(_checksums(state))]

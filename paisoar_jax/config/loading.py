@@ -202,7 +202,18 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     if path is None:
         return config_from_dict({}, overrides)
     config_path = resolve_config_path(path)
-    text = config_path.read_text()
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{config_path}: not a YAML config (byte {error.start} is not UTF-8 text)"
+        ) from None
+    except OSError as error:
+        raise UserError(f"{config_path}: cannot be read ({error.strerror or error})") from None
+    if not text.strip():
+        raise UserError(
+            f"{config_path} is empty: a YAML config holds sections (model:, train: ...)"
+        )
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:

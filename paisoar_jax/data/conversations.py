@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
+from paisoar_jax.user_files import read_json, read_text
 
 FORMATS = ("text", "instruction", "chat")
 Piece = tuple[str, bool]  # (text, learned: whether the loss counts its tokens)
@@ -42,12 +43,16 @@ def json_rows(path: pathlib.Path) -> Iterator[tuple[Any, str]]:
         data = path.read_bytes()
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror}") from None
+    if not data.strip():
+        raise UserError(f"{path} is empty: no JSON lines in it")
     for number, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             yield json.loads(line), where
+        except UnicodeDecodeError as error:
+            raise UserError(f"{where}: not UTF-8 text (byte {error.start} of the line)") from None
         except json.JSONDecodeError as error:
             raise UserError(f"{where}: not a JSON object ({error.msg})") from None
 
@@ -104,13 +109,13 @@ class ChatTemplate:
     def __init__(self, tokenizer_path: pathlib.Path, names: SettingNames = FLAG_NAMES):
         self.names = names  # how errors name the format and messages_field settings
         config_path = tokenizer_path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_json(config_path) if config_path.is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # several named templates: the default one
             template = next((t["template"] for t in template if t["name"] == "default"), None)
         template_path = tokenizer_path.parent / "chat_template.jinja"  # newer transformers
         if template_path.is_file():
-            template = template_path.read_text()
+            template = read_text(template_path, "a Jinja template")
         if not isinstance(template, str):
             raise UserError(
                 f"{names('format', 'chat')} needs a chat template, and {tokenizer_path.parent} "

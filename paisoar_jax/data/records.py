@@ -244,9 +244,14 @@ class TokenRecords(ShardedRecords):
             )
         path = self.directory / entry["path"]
         try:
-            starts = np.load(path)
-        except (OSError, ValueError) as error:
-            raise UserError(f"{path} is not a readable document index: {error}") from None
+            starts = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as error:
+            what = "is empty" if path.is_file() and path.stat().st_size == 0 else "is damaged"
+            detail = (str(error).splitlines() or [type(error).__name__])[0][:120]
+            raise UserError(
+                f"{path} {what}: not a readable document index (.npy), convert the text again "
+                f"({detail})"
+            ) from None
         last = starts[-1] if len(starts) else self.token_count
         if len(starts) != entry["documents"] or starts[0] != 0 or last >= self.token_count:
             raise UserError(f"{path} does not match the manifest: convert the text again")

@@ -11,7 +11,6 @@ the first of EOS_NAMES it has. `python -m paisoar_jax.convert text` and `generat
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from paisoar_jax.data import records
 from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
+from paisoar_jax.user_files import open_tokenizer, read_json
 
 # The last resort for a tokenizer whose directory declares no end-of-sequence token.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
@@ -61,15 +61,12 @@ def load_tokenizer(
             f"Hugging Face model directory)"
         )
     try:
-        import tokenizers
+        import tokenizers  # noqa: F401 (here only: is it installed?)
     except ImportError:
         raise UserError(
             f"{names('tokenizer', spec)} needs the tokenizers package: pip install tokenizers"
         ) from None
-    try:
-        model = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as error:
-        raise UserError(f"{path} is not a tokenizers JSON file: {error}") from None
+    model = open_tokenizer(path)
     if eos:
         eos_id = model.token_to_id(eos)
         if eos_id is None:
@@ -101,10 +98,7 @@ def declared_end_id(model: Any, directory: pathlib.Path) -> int | None:
     """
     for name in records.EOS_DECLARING_FILES:
         path = directory / name
-        try:
-            settings = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            continue  # an unreadable file declares nothing; the next one may
+        settings = read_json(path) if path.is_file() else {}  # a broken one: one line
         token = settings.get("eos_token") if name == records.EOS_DECLARING_FILES[0] else None
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str) and model.token_to_id(token) is not None:

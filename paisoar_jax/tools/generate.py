@@ -42,6 +42,7 @@ from paisoar_jax.parallel import sharding
 from paisoar_jax.precision import get_policy
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.hf import TOKEN_IDS_FILE, kept_file
+from paisoar_jax.user_files import open_tokenizer, read_json
 from paisoar_jax.weights import load_weights, weights_source
 from paisoar_jax.workload import setup
 from paisoar_jax.zoo import zoo_workload
@@ -87,16 +88,16 @@ def end_of_sequence_ids(
     """
     for name in ("generation_config.json", TOKEN_IDS_FILE):
         found = kept_file(name, config, *directories)
-        value = json.loads(found.read_text()).get("eos_token_id") if found else None
+        value = read_json(found).get("eos_token_id") if found else None
         if value is not None:
             return tuple(value) if isinstance(value, list) else (int(value),)
     try:
-        import tokenizers
+        import tokenizers  # noqa: F401 (here only: is it installed?)
     except ImportError:  # then --prompt is refused anyway; --tokens runs to --max-new
         return ()
     if tokenizer_file is None:
         return ()
-    model = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    model = open_tokenizer(tokenizer_file)
     end = end_of_text_id(model, tokenizer_file.parent)
     return () if end is None else (end,)
 
@@ -284,11 +285,11 @@ class Text:
         self._template = None
         if found is not None:
             try:
-                import tokenizers
+                import tokenizers  # noqa: F401 (here only: is it installed?)
             except ImportError:
                 message = f"{found} needs the tokenizers package: pip install tokenizers"
                 raise UserError(message) from None
-            self.model = tokenizers.Tokenizer.from_file(str(found))
+            self.model = open_tokenizer(found)
         elif vocab_size != 256:
             raise UserError(
                 "no tokenizer is known for this model (no tokenizer.json beside its weights, and "

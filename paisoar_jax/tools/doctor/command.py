@@ -43,7 +43,7 @@ from paisoar_jax import output
 from paisoar_jax.config import FIT_CONFIG_MARK, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.doctor import findings, moe_findings, scale_findings
+from paisoar_jax.tools.doctor import findings, gradient_findings, moe_findings, scale_findings
 from paisoar_jax.tools.doctor.findings import Finding, Run
 from paisoar_jax.tools.doctor.memory_findings import memory_headroom
 from paisoar_jax.tools.plan import context_split
@@ -56,6 +56,8 @@ CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     findings.low_mfu,
     scale_findings.loss_scale_collapse,
     scale_findings.skipped_steps,
+    gradient_findings.bad_inputs,  # before diverging: it says the cause of that nan
+    gradient_findings.no_gradient,
     findings.diverging,
     memory_headroom,
     findings.recompiles,

@@ -25,6 +25,7 @@ import pathlib
 import shutil
 
 import numpy as np
+from safetensors import safe_open
 
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.data.tokenizing import EOS_NAMES
@@ -39,6 +40,7 @@ from paisoar_jax.tools.hf.layouts import (
     model_config_from_hf,
     tensors_of,
 )
+from paisoar_jax.user_files import read_json, safetensors_errors
 
 __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
@@ -64,14 +66,17 @@ class SafetensorsReader:
     def __init__(self, directory: pathlib.Path):
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{index} has no weight_map object: not a safetensors index")
             self.files = {name: directory / file for name, file in weight_map.items()}
+            for path in sorted(set(self.files.values())):  # each shard's header, read now
+                with safetensors_errors(path), safe_open(path, framework="numpy"):
+                    pass
         else:
-            from safetensors import safe_open
-
             self.files = {}
             for path in sorted(directory.glob("*.safetensors")):
-                with safe_open(path, framework="numpy") as handle:
+                with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
                     self.files |= {name: path for name in handle.keys()}  # noqa: SIM118
         if not self.files:
             raise UserError(f"{directory} holds no *.safetensors weights")
@@ -79,18 +84,17 @@ class SafetensorsReader:
     def read(self, name: str) -> np.ndarray:
         """One tensor as float32 (bf16 and fp16 are widened), in host memory."""
         import jax
-        from safetensors import safe_open
 
         # flax, for bf16 (numpy has none); on the host CPU, not an accelerator.
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            with safe_open(self.files[name], framework="flax") as handle:
+            path = self.files[name]
+            with safetensors_errors(path), safe_open(path, framework="flax") as handle:
                 return np.asarray(handle.get_tensor(name), dtype=np.float32)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, from the file's header (nothing is read)."""
-        from safetensors import safe_open
-
-        with safe_open(self.files[name], framework="numpy") as handle:
+        path = self.files[name]
+        with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
             return tuple(handle.get_slice(name).get_shape())
 
     def name_of(self, name: str) -> str | None:
@@ -122,7 +126,7 @@ def hf_import(
     if not config_path.is_file():
         raise UserError(f"{source} has no config.json: not a Hugging Face model directory")
     _check_empty(output)
-    hf_json = json.loads(config_path.read_text())
+    hf_json = read_json(config_path)
     model = model_config_from_hf(hf_json, config_path)
     reader = SafetensorsReader(source)
     shapes, shardings = placed_params(model)
@@ -216,7 +220,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     if form == "merged":
         flat = peft.merged(flat, config.lora)
     kept = kept_file(TOKEN_IDS_FILE, config, source)
-    token_ids = json.loads(kept.read_text()) if kept else {}
+    token_ids = read_json(kept) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     tensors = {}
     for tensor in tensors_of(model):
@@ -232,6 +236,10 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
                 continue
             for j, name in enumerate(names):  # a layer's experts, each its own tensor
                 tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[i, j], model))
+    for name in KEPT_FILES:  # a broken one is refused before anything is written
+        found = kept_file(name, config, source)
+        if found is not None and name.endswith(".json"):
+            read_json(found)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
@@ -251,7 +259,7 @@ def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, wh
     tensors, targets = peft.adapter_tensors(flat, config.model)
     # The Hugging Face model the run's import came from (AutoPeftModel loads it from here).
     kept = kept_file(SOURCE_FILE, config, source)
-    base = json.loads(kept.read_text())["path"] if kept else None
+    base = read_json(kept).get("path") if kept else None
     settings = peft.adapter_config(config.lora, config.model, targets, base)
     output.mkdir(parents=True, exist_ok=True)
     (output / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
@@ -272,8 +280,8 @@ def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
     pad falls back to eos (what fine-tuning scripts set, as no token of ours is padding).
     """
     path = output / "tokenizer_config.json"
-    settings = json.loads(path.read_text()) if path.is_file() else {}
-    tokenizer = json.loads((output / "tokenizer.json").read_text())
+    settings = read_json(path) if path.is_file() else {}
+    tokenizer = read_json(output / "tokenizer.json")
     vocabulary = dict(tokenizer.get("model", {}).get("vocab") or {})
     vocabulary |= {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
     names = {token_id: name for name, token_id in vocabulary.items()}

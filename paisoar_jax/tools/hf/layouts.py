@@ -248,8 +248,20 @@ def _rope_scaling(rope: dict, where: pathlib.Path) -> dict:
 def model_config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     """Our model section for the config.json of an architecture in ARCHITECTURES.
 
-    Any other is one line naming those that import.
+    Any other is one line naming those that import; one without a setting its architecture
+    has (a truncated or hand-made file) is one line naming the setting.
     """
+    try:
+        return _model_config(hf, where)
+    except KeyError as error:
+        raise UserError(
+            f"{where} has no {error.args[0]!r}, which a {hf.get('model_type')} config.json "
+            f"holds: not a whole transformers config (truncated or edited?)"
+        ) from None
+
+
+def _model_config(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
+    """model_config_from_hf, with the settings read as hf[key]."""
     model_type = hf.get("model_type")
     if model_type not in FAMILY:
         found = hf.get("architectures") or [model_type]

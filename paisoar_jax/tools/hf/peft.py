@@ -17,7 +17,6 @@ The library never imports peft, transformers or torch: the files are JSON and sa
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 
@@ -26,6 +25,7 @@ import numpy as np
 from paisoar_jax.config import LanguageModelConfig, LoraConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools.hf.layouts import hf_type, tensors_of
+from paisoar_jax.user_files import read_json, safetensors_errors
 
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own wrapping modules
 ADAPTER_SUFFIXES = ("_lora.a", "_lora.b")
@@ -126,11 +126,8 @@ def read_adapter(
     adapter whose modules or shapes the base does not have (an adapter for another base) is
     refused in one line that sets its layers, width and base model beside this one's.
     """
-    from safetensors.numpy import load_file
-
-    settings = _adapter_settings(directory)
-    stored = load_file(str(directory / "adapter_model.safetensors"))
-    stored = {key.replace(".default.", "."): value for key, value in stored.items()}
+    settings = read_adapter_settings(directory)
+    stored = read_adapter_tensors(directory)
     _check_base(directory, stored, model, base)
     from paisoar_jax.models.gpt import Block as GptBlock
     from paisoar_jax.models.llama import Block as LlamaBlock
@@ -190,7 +187,7 @@ def _check_base(
     width = max(set(inputs), key=inputs.count) if inputs else None
     if (layers, width) == (model.layers, model.width):
         return
-    settings = json.loads((directory / "adapter_config.json").read_text())
+    settings = read_json(directory / "adapter_config.json")
     named = settings.get("base_model_name_or_path") or "no base_model_name_or_path"
     raise UserError(
         f"{directory} is an adapter for another base model: {layers} layers of width {width} "
@@ -199,7 +196,17 @@ def _check_base(
     )
 
 
-def _adapter_settings(directory: pathlib.Path) -> LoraConfig:
+def read_adapter_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+    """adapter_model.safetensors' tensors, by their names without PEFT's `.default.`."""
+    from safetensors.numpy import load_file
+
+    path = directory / "adapter_model.safetensors"
+    with safetensors_errors(path):
+        stored = load_file(str(path))
+    return {key.replace(".default.", "."): value for key, value in stored.items()}
+
+
+def read_adapter_settings(directory: pathlib.Path) -> LoraConfig:
     """The rank, alpha and dropout of adapter_config.json (a LoRA adapter's only)."""
     path = directory / "adapter_config.json"
     if not path.is_file() or not (directory / "adapter_model.safetensors").is_file():
@@ -207,7 +214,7 @@ def _adapter_settings(directory: pathlib.Path) -> LoraConfig:
             f"{directory}: not a PEFT adapter (adapter_config.json and "
             f"adapter_model.safetensors expected)"
         )
-    found = json.loads(path.read_text())
+    found = read_json(path)
     if found.get("peft_type") != "LORA":
         raise UserError(f"{path}: peft_type {found.get('peft_type')} is not LORA")
     for key in ("use_dora", "use_rslora"):
@@ -215,4 +222,7 @@ def _adapter_settings(directory: pathlib.Path) -> LoraConfig:
             raise UserError(f"{path}: {key}=true is not a plain LoRA adapter, which this reads")
     if int(found.get("r", 0)) < 1:
         raise UserError(f"{path}: r={found.get('r')}: a LoRA adapter's rank is at least 1")
+    missing = [key for key in ("lora_alpha", "lora_dropout") if key not in found]
+    if missing:
+        raise UserError(f"{path} has no {' or '.join(missing)}: not a whole PEFT adapter config")
     return LoraConfig(int(found["r"]), float(found["lora_alpha"]), float(found["lora_dropout"]))

@@ -11,7 +11,8 @@ Every output line is prefixed with `[rank i] `. When a process fails (non-zero e
 signal) the others get SIGTERM, then SIGKILL after `--grace` seconds (a process whose peer
 died is stuck in a collective and cannot stop by itself), and the launcher exits with the
 failing rank's status after printing its last lines. SIGINT/SIGTERM to the launcher go to
-each process once (they save a checkpoint and exit 0); a second one kills them.
+every process (each saves the same step once and exits 0, or 130 for Ctrl-C); a third
+Ctrl-C press kills them, naming the last saved step.
 
 A stalled rank is named. Each rank beats every second (paisoar_jax/heartbeat.py) with the
 step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a frozen node)
@@ -47,85 +48,15 @@ from dataclasses import dataclass, field, replace
 
 from paisoar_jax import distributed, heartbeat, preemption
 from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.tools.launch.arguments import parse_arguments
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restarts
 from paisoar_jax.tools.launch.restarts import say as _say
 
-PROGRAM = "paisoar_jax.launch"
-USAGE = f"python -m {PROGRAM} --nproc N [options] -- [train arguments | python SCRIPT ARGS]"
-DESCRIPTION = "N processes of paisoar_jax.train, or of a script of your own, joined as one job."
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 USER_ERROR_WAIT_S = 3.0  # how long the others may take to report a bad input themselves
 STALE_S = 10.0  # beats missed this long mark a rank as the stalled one when a peer fails
-
-
-def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
-    """Launcher options before `--`, the child's arguments after it."""
-    argv = list(argv)
-    child_arguments = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog=PROGRAM, usage=USAGE, description=DESCRIPTION)
-    parser.add_argument("--nproc", type=int, required=True, help="processes on this node")
-    parser.add_argument(
-        "--devices-per-proc",
-        type=int,
-        default=None,
-        help="CPU: simulated devices per process (default: jax's); GPU: GPUs per process "
-        "(default: the node's GPUs / nproc)",
-    )
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    parser.add_argument(
-        "--coordinator",
-        default=None,
-        help="HOST:PORT on node 0 (needed with --nnodes > 1; default: a free port on 127.0.0.1)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=int,
-        default=300,
-        help="seconds the processes wait for each other: to join, and for a stalled rank",
-    )
-    parser.add_argument(
-        "--grace", type=float, default=10.0, help="after a failure: seconds from SIGTERM to SIGKILL"
-    )
-    parser.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=600.0,
-        help="seconds the others may run on after a signal or a first clean exit",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart the whole job from its newest checkpoint after a crash, a killed or "
-        "stalled rank or a hang, up to N times (never after a user error, status 2)",
-    )
-    parser.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=2.0,
-        help="seconds before the first restart, doubled for each next one (at most 60)",
-    )
-    parser.add_argument("--module", default="paisoar_jax.train", help="python -m MODULE to run")
-    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
-    parser.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
-    args = parser.parse_args(own)
-    args.arguments = args.arguments + child_arguments
-    for name in ("nproc", "nnodes", "timeout"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= args.node_rank < args.nnodes:
-        parser.error(f"--node-rank {args.node_rank} is not in 0 .. {args.nnodes - 1}")
-    if args.nnodes > 1 and not args.coordinator:
-        parser.error("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0)")
-    if args.devices_per_proc is not None and args.devices_per_proc < 1:
-        parser.error("--devices-per-proc must be >= 1")
-    if args.max_restarts < 0 or not 0 <= args.restart_backoff < float("inf"):
-        parser.error("--max-restarts and --restart-backoff must be >= 0")
-    return args
 
 
 def free_port(host: str = "127.0.0.1") -> int:
