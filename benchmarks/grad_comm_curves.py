@@ -16,7 +16,7 @@ import json
 import pathlib
 
 from paisoar_jax.config import load_config
-from paisoar_jax.loop import train
+from paisoar_jax.run.loop import train
 
 # The table's column -> (run directory name, overrides)
 SETTINGS = {

@@ -16,7 +16,7 @@ import argparse
 import jax
 
 from paisoar_jax.config import load_config
-from paisoar_jax.memory import format_bytes
+from paisoar_jax.engine.memory import format_bytes
 from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, LINKS
 from paisoar_jax.tools.plan.variants import compare_grad_comm
 

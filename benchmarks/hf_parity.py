@@ -19,11 +19,11 @@ import torch
 import transformers
 from flax import nnx
 
+from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
-from paisoar_jax.weights import load_weights
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import zoo_workload
 
 TOKENS = np.random.default_rng(0).integers(0, 512, (4, 64))
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}

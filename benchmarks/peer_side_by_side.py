@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from paisoar_jax.config import load_config  # noqa: E402
-from paisoar_jax.memory import step_total  # noqa: E402
+from paisoar_jax.engine.memory import step_total  # noqa: E402
 from paisoar_jax.tools import gpu_target  # noqa: E402
 from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, plan  # noqa: E402
 

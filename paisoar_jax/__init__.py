@@ -7,6 +7,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
                                            returns a FitResult: the summary and .model, the
                                            trained module
     Eval(data, every=STEPS)                an eval set of fit's eval_sets with its own cadence
+    prepare(config, overrides, *, model, ...)  fit's pieces for a loop of one's own: .state,
+                                           .batches(), .train_step, .eval_step, .save, .model
     load(run_dir_or_step, model=factory)   the trained module again, from disk (a zoo
                                            run or an import needs no factory)
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
@@ -60,6 +62,7 @@ _EXPORTS = {
     "FitResult": "paisoar_jax.api",
     "Eval": "paisoar_jax.api",
     "load": "paisoar_jax.api",
+    "prepare": "paisoar_jax.api",
     "plan_fit": "paisoar_jax.api",
     "bench_fit": "paisoar_jax.api",
     "initialize": "paisoar_jax.api",
@@ -67,12 +70,12 @@ _EXPORTS = {
     "Generator": "paisoar_jax.tools.generate",
     "load_config": "paisoar_jax.config",
     "Config": "paisoar_jax.config",
-    "remat_block": "paisoar_jax.remat",
+    "remat_block": "paisoar_jax.numerics.remat",
     "scan_layers": "paisoar_jax.parallel.pipeline",
     "input_slot": "paisoar_jax.parallel.sharding",
     "token_windows": "paisoar_jax.data.sources",
-    "force_policy": "paisoar_jax.precision",
-    "fp32_function": "paisoar_jax.precision",
+    "force_policy": "paisoar_jax.numerics.precision",
+    "fp32_function": "paisoar_jax.numerics.precision",
     "UserError": "paisoar_jax.errors",
 }
 __all__ = [*_EXPORTS, "__version__"]

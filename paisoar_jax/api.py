@@ -12,69 +12,48 @@
 Everything the command line has applies unchanged: the mesh and ZeRO stages, sharding rules,
 precision and loss scaling, remat, grad accumulation, eval, metrics.jsonl, TensorBoard, async
 checkpoints with exact resume, SIGTERM saves, the out-of-memory report and `doctor`. Bad
-input is one line on stderr and exit status 2, as on the command line (`exit_on_error=False`
-raises paisoar_jax.UserError instead). With no model, the config's zoo model is trained.
+input raises paisoar_jax.UserError (a ValueError) with a one-line message; uncaught in a
+script it is that line on stderr and exit status 2, as on the command line. With no model,
+the config's zoo model is trained. `prepare` hands over the same pieces for a loop of one's
+own (run/prepared.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import pathlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paisoar_jax import output
 from paisoar_jax.config import (
     Config,
     CustomModelConfig,
-    LanguageModelConfig,
-    RunConfig,
     config_from_dict,
     load_config,
     to_dict,
 )
-from paisoar_jax.errors import UserError
-from paisoar_jax.startup import start
+from paisoar_jax.errors import DivergenceError, HangError, UserError, end_uncaught
+from paisoar_jax.run.result import FitResult
+from paisoar_jax.run.startup import start
+from paisoar_jax.runtime import heartbeat
+from paisoar_jax.tasks.fit_parts import (
+    DataLike,
+    LossFunction,
+    ModelLike,
+    OptimizerLike,
+    as_factory,
+    build_workload,
+)
+from paisoar_jax.tasks.fit_parts import Eval as Eval  # public: paisoar_jax.Eval
+from paisoar_jax.tasks.fit_parts import _program_name as _program_name  # (tests read it)
 from paisoar_jax.tools import cli
 
+if TYPE_CHECKING:
+    from paisoar_jax.run.prepared import Prepared
+
 ConfigLike = Config | str | pathlib.Path | None
-
-
-class FitResult(dict):
-    """The run's summary (a dict: steps, final_loss, eval_loss, run_dir, ...) and `.model`.
-
-    `.model` is the trained module as the factory builds it, holding the trained weights
-    (`.ema_model` the same with their moving average, under train.ema_decay > 0),
-    for inference in plain Python (paisoar_jax/trained.py). It is built when first read,
-    gathering the weights whole onto one device (under several processes, every process
-    must read it); until then the result holds the sharded weights. None for a zoo model
-    (`python -m paisoar_jax.export` writes its weights).
-    """
-
-    _build: Callable[[], Any] | None = None
-    _model: Any = None
-    _build_ema: Callable[[], Any] | None = None
-    _ema_model: Any = None
-
-    @property
-    def model(self) -> Any:
-        """The trained module (built on first read)."""
-        if self._model is None and self._build is not None:
-            self._model, self._build = self._build(), None
-        return self._model
-
-    @property
-    def ema_model(self) -> Any:
-        """The module holding the weights' moving average (train.ema_decay > 0), or None.
-
-        Built on first read, as `.model`.
-        """
-        if self._ema_model is None and self._build_ema is not None:
-            self._ema_model, self._build_ema = self._build_ema(), None
-        return self._ema_model
 
 
 def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> Config:
@@ -83,7 +62,7 @@ def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> 
         raise UserError(
             f"overrides must be a list of section.key=value, got the string {overrides!r}"
         )
-    from paisoar_jax.zoo import check_model
+    from paisoar_jax.tasks.zoo import check_model
 
     if isinstance(config, Config):
         resolved = config_from_dict(to_dict(config), overrides) if overrides else config
@@ -107,187 +86,48 @@ def initialize(config: ConfigLike = None) -> None:
     start(resolve_config(config), "paisoar_jax")
 
 
-def build_workload(
-    config: Config,
-    *,
-    model: Any = None,
-    loss: Callable | None = None,
-    optimizer: Any = None,
-    data: Any = None,
-    eval_data: Any = None,
-    eval_sets: dict[str, Any] | None = None,
-    flops_per_example: float | None = None,
-) -> tuple[Config, Any]:
-    """(config with its model section filled, workload.Workload) for fit, plan and bench."""
-    from paisoar_jax.custom import CustomTask
-    from paisoar_jax.data.user_data import open_user_data
-    from paisoar_jax.precision import get_policy
-    from paisoar_jax.workload import Workload
-    from paisoar_jax.zoo import zoo_workload
+def _run(program: str, work: Callable[[], Any], exit_on_error: bool | None) -> Any:
+    """work(); bad input raises UserError (a ValueError) with its one-line message.
 
-    if model is None:
-        if loss is not None or data is not None or eval_data is not None:
-            raise UserError("loss and data go with a model of your own: pass model= too")
-        if eval_sets is not None:
-            raise UserError(
-                "eval_sets go with a model of your own; a zoo model's named eval sets are "
-                "data.eval_sets=[[source, every, name], ...]"
-            )
-        zoo = zoo_workload(config)
-        return config, Workload(zoo.model, zoo.task, optimizer, follows_policy=True)
-    model = as_factory(model)
-    if not callable(loss):
-        raise UserError("a model of your own needs loss=: (model, batch, rng) -> (loss, metrics)")
-    if data is None:
-        raise UserError("a model of your own needs data= (examples or batches, see the docs)")
-    if not isinstance(config.model, CustomModelConfig) and config.model != LanguageModelConfig():
-        raise UserError(
-            f"the config sets model.name={config.model.name} and fit got model= too: drop one"
-        )
-    name = f"{getattr(model, '__module__', '?')}.{getattr(model, '__qualname__', repr(model))}"
-    sections = to_dict(config)
-    sections["model"] = {"name": "custom", "factory": name}
-    if not config.run.dir and config.run.name == RunConfig().name:
-        # Each program its own runs/<name>: two scripts (or a script and the CLI's default
-        # run) never resume each other's checkpoints.
-        sections["run"]["name"] = _program_name(model)
-    config = config_from_dict(sections)
-    task = CustomTask(
-        loss,
-        open_user_data(data, "data"),
-        user_eval_sets(eval_data, {} if eval_sets is None else eval_sets, config.train.eval_every),
-        get_policy(config.precision.policy),
-        flops_per_example,
-        config.precision.cast_inputs,
-    )
-    return config, Workload(model, task, optimizer)
-
-
-@dataclasses.dataclass(frozen=True)
-class Eval:
-    """An eval set of fit's `eval_sets` with a cadence of its own: `Eval(data, every=500)`."""
-
-    data: Any  # what eval_data takes
-    every: int = 0  # steps between its evals (and the last step); 0: train.eval_every's
-
-
-def user_eval_sets(eval_data: Any, eval_sets: dict[str, Any], eval_every: int) -> tuple:
-    """The default eval set (eval_data) and the named ones, as evaluation.EvalSets, checked."""
-    from paisoar_jax.config.data import NAME, check_every
-    from paisoar_jax.data.user_data import open_user_data
-    from paisoar_jax.evaluation import EvalSet
-
-    sets = []
-    if isinstance(eval_data, Eval):
-        raise UserError("eval_data is data; Eval(data, every=STEPS) goes in eval_sets={name: ...}")
-    if eval_data is not None:
-        sets.append(EvalSet(open_user_data(eval_data, "eval_data"), eval_every))
-    if not isinstance(eval_sets, dict):
-        raise UserError(f"eval_sets is a dict of name: data (or Eval), got {type(eval_sets)}")
-    for name, given in eval_sets.items():
-        label = f"eval_sets[{name!r}]"
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise UserError(f"{label}: a name is made of letters, digits, _ . -")
-        every = check_every(label, given.every) if isinstance(given, Eval) else 0
-        if not (every or eval_every):
-            raise UserError(
-                f"{label} is evaluated every train.eval_every steps, and train.eval_every=0: "
-                f"give it Eval(data, every=STEPS)"
-            )
-        data = given.data if isinstance(given, Eval) else given
-        sets.append(EvalSet(open_user_data(data, label), every or eval_every, name))
-    return tuple(sets)
-
-
-def as_factory(model: Any) -> Callable:
-    """`model` as a function rngs -> nnx.Module: a factory as it is, an instance copied.
-
-    An instance's weights are the start of the run; the instance itself is not changed.
+    Left uncaught in a script, it ends the program as on the command line: that line on
+    stderr and exit status 2 (1 for a divergence, 3 for a hang), not a traceback
+    (`errors.end_uncaught`). `exit_on_error=True`, deprecated, turns it into SystemExit there.
     """
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
-
-        def copy(rngs: Any) -> Any:
-            return nnx.merge(graphdef, state)
-
-        copy.__name__ = copy.__qualname__ = type(model).__name__
-        copy.__module__ = type(model).__module__
-        return copy
-    if not callable(model):
-        raise UserError(
-            f"model must be an nnx.Module or a function rngs -> nnx.Module, got "
-            f"{type(model).__name__}"
+    if exit_on_error is not None:
+        warnings.warn(
+            "exit_on_error is deprecated: library calls raise paisoar_jax.UserError (a "
+            "ValueError); left uncaught in a script it is one line and exit status 2",
+            DeprecationWarning,
+            stacklevel=3,
         )
-    return _called_with_rngs(model)
-
-
-def _called_with_rngs(model: Callable) -> Callable:
-    """`model` as a function of one argument, rngs; one that cannot be called so is refused.
-
-    A factory taking rngs as a keyword only (`def make(*, rngs)`) is called with rngs=.
-    """
+    if exit_on_error:
+        result = []
+        status = cli.exit_status(program, lambda: result.append(work()))
+        if status:
+            sys.stderr.flush()
+            raise SystemExit(status)
+        return result[0]
     try:
-        if isinstance(model, type):  # a class: its __init__ (flax's metaclass hides it)
-            signature = inspect.signature(model.__init__)
-            after_self = list(signature.parameters.values())[1:]
-            signature = signature.replace(parameters=after_self)
-        else:
-            signature = inspect.signature(model)
-    except (TypeError, ValueError):  # a builtin: nothing to check
-        return model
-    try:
-        signature.bind(None)
-        return model
-    except TypeError as positional:
-        try:
-            signature.bind(rngs=None)
-        except TypeError:
-            name = getattr(model, "__name__", type(model).__name__)
-            example = "MyModel" if name == "<lambda>" else name
-            raise UserError(
-                f"model={name} cannot be called as model(rngs) ({positional}): give an "
-                f"nnx.Module, or a function of one argument, rngs, that builds one "
-                f"(model=lambda rngs: {example}(..., rngs=rngs))"
-            ) from None
-    return functools.wraps(model)(lambda rngs: model(rngs=rngs))
-
-
-def _program_name(model: Callable) -> str:
-    """The running script's name (`python my_run.py`: my_run), else the model's."""
-    script = pathlib.Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    runners = ("__main__", "ipykernel_launcher")  # python -m ..., a Jupyter kernel
-    if script is not None and script.suffix == ".py" and script.stem not in runners:
-        return script.stem
-    name = getattr(model, "__name__", type(model).__name__)
-    return name if name.isidentifier() else "fit"  # a lambda
-
-
-def _run(program: str, work: Callable[[], Any], exit_on_error: bool) -> Any:
-    """work(); bad input becomes one line and SystemExit(2) unless exit_on_error is False."""
-    if not exit_on_error:
         return work()
-    result = []
-    status = cli.exit_status(program, lambda: result.append(work()))
-    if status:
-        sys.stderr.flush()
-        raise SystemExit(status)
-    return result[0]
+    except (UserError, DivergenceError, HangError) as error:
+        heartbeat.record_failure(str(error), retryable=not isinstance(error, UserError))
+        if exit_on_error is None:
+            end_uncaught(program)
+        raise
 
 
 def fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: Any = None,
-    loss: Callable | None = None,
-    optimizer: Any = None,
-    data: Any = None,
-    eval_data: Any = None,
-    eval_sets: dict[str, Any] | None = None,
+    model: ModelLike | None = None,
+    loss: LossFunction | None = None,
+    optimizer: OptimizerLike | None = None,
+    data: DataLike | None = None,
+    eval_data: DataLike | None = None,
+    eval_sets: dict[str, DataLike | Eval] | None = None,
     flops_per_example: float | None = None,
-    exit_on_error: bool = True,
+    exit_on_error: bool | None = None,
     raise_on_interrupt: bool = True,
 ) -> FitResult:
     """Trains `model` on `data` with `loss` as the config says; the summary and the model.
@@ -312,8 +152,9 @@ def fit(
     """
 
     def work() -> FitResult:
-        from paisoar_jax import loop, trained
-        from paisoar_jax.preemption import StopRequest
+        from paisoar_jax.run import loop
+        from paisoar_jax.runtime.preemption import StopRequest
+        from paisoar_jax.tasks import trained
 
         with StopRequest():  # a signal before the first step ends the process at once
             return train(loop, trained)
@@ -334,20 +175,60 @@ def fit(
         finished = loop.run(resolved, run_workload)
         if raise_on_interrupt and finished.summary.get("stopped_by") == "SIGINT":
             raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")
-        result = FitResult(finished.summary)
-        if model is not None:
-            params, model_state = finished.state.params, finished.state.model_state
-            result._build = lambda: trained.model_with(
-                run_workload.model, params, model_state, resolved
-            )
-            if finished.state.ema:
-                average = finished.state.ema["params"]
-                result._build_ema = lambda: trained.model_with(
-                    run_workload.model, average, model_state, resolved
-                )
-        return result
+        if model is None:
+            return FitResult(finished.summary)
+        params, model_state = finished.state.params, finished.state.model_state
+
+        def build(weights: Any) -> Callable[[], Any]:
+            return lambda: trained.model_with(run_workload.model, weights, model_state, resolved)
+
+        average = finished.state.ema["params"] if finished.state.ema else None
+        return FitResult(
+            finished.summary, build(params), build(average) if average is not None else None
+        )
 
     return _run("paisoar_jax.fit", work, exit_on_error)
+
+
+def prepare(
+    config: ConfigLike = None,
+    overrides: Sequence[str] = (),
+    *,
+    model: ModelLike | None = None,
+    loss: LossFunction | None = None,
+    optimizer: OptimizerLike | None = None,
+    data: DataLike | None = None,
+    eval_data: DataLike | None = None,
+    eval_sets: dict[str, DataLike | Eval] | None = None,
+    flops_per_example: float | None = None,
+    exit_on_error: bool | None = None,
+) -> Prepared:
+    """The pieces `fit` trains with, for a loop of one's own (run/prepared.py's Prepared).
+
+    Takes what `fit` takes. Returns `.state` (sharded; restored when the run directory holds
+    a checkpoint), `.start_step`, `.batches()` (global batches on the mesh from the state's
+    step), `.train_step(state, batch) -> (state, metrics)` (fit's compiled step),
+    `.eval_step`, `.mesh`, `.save(state)` and `.model(state)` (the NNX module of a state).
+    """
+
+    def work() -> Prepared:
+        from paisoar_jax.run.prepared import prepare_run
+
+        resolved = resolve_config(config, overrides)
+        start(resolved, "paisoar_jax.prepare")
+        resolved, run_workload = build_workload(
+            resolved,
+            model=model,
+            loss=loss,
+            optimizer=optimizer,
+            data=data,
+            eval_data=eval_data,
+            eval_sets=eval_sets,
+            flops_per_example=flops_per_example,
+        )
+        return prepare_run(resolved, run_workload)
+
+    return _run("paisoar_jax.prepare", work, exit_on_error)
 
 
 def load(
@@ -355,7 +236,7 @@ def load(
     model: Callable | None = None,
     *,
     ema: bool = False,
-    exit_on_error: bool = True,
+    exit_on_error: bool | None = None,
 ) -> Any:
     """The module holding a run's trained weights: `model` (rngs -> nnx.Module) builds it.
 
@@ -364,8 +245,8 @@ def load(
     (model.name=custom needs its factory). `ema`: the moving average of the weights instead
     (a run with train.ema_decay > 0).
     """
-    from paisoar_jax import trained
-    from paisoar_jax.weights import weights_source
+    from paisoar_jax.checkpointing.weights import weights_source
+    from paisoar_jax.tasks import trained
 
     def work() -> Any:
         # As hf-export and generate find it; the run's config says which adapters it has.
@@ -378,8 +259,8 @@ def load(
 
 def _zoo_factory(config: Config, path: str | pathlib.Path) -> Callable:
     """The factory of the zoo model `config` names, in the run's precision policy."""
-    from paisoar_jax.precision import get_policy
-    from paisoar_jax.zoo import build_model, check_model
+    from paisoar_jax.numerics.precision import get_policy
+    from paisoar_jax.tasks.zoo import build_model, check_model
 
     if isinstance(config.model, CustomModelConfig):
         raise UserError(
@@ -395,17 +276,21 @@ def plan_fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
+    model: ModelLike | None = None,
+    loss: LossFunction | None = None,
+    optimizer: OptimizerLike | None = None,
+    data: DataLike | None = None,
+    flops_per_example: float | None = None,
     show: bool = True,
-    exit_on_error: bool = True,
     target: str | None = None,
     hosts: int = 1,
     devices_per_host: int = 8,
-    **parts: Any,
+    exit_on_error: bool | None = None,
 ) -> dict[str, Any]:
     """The plan of what `fit` would run (memory, each parameter's sharding, collectives).
 
-    `parts` are fit's model, loss, optimizer, data and flops_per_example; `show` prints
-    the table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU), or with
+    model, loss, optimizer, data, flops_per_example: as `fit` takes them. `show` prints the
+    table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU), or with
     `target` ("h200", "h100") `hosts` x `devices_per_host` of that GPU, compiled for
     without one (the gpu-aot extra; `python -m paisoar_jax.plan --target` says more).
     """
@@ -416,7 +301,11 @@ def plan_fit(
         from paisoar_jax.tools import gpu_target
         from paisoar_jax.tools import plan as planning
 
-        resolved, run_workload = build_workload(resolve_config(config, overrides), **parts)
+        parts = dict(model=model, loss=loss, optimizer=optimizer, data=data)
+        resolved = resolve_config(config, overrides)
+        resolved, run_workload = build_workload(
+            resolved, **parts, flops_per_example=flops_per_example
+        )
         devices = jax.devices()
         if target is not None:
             devices = gpu_target.target_devices(target, hosts, devices_per_host)
@@ -432,12 +321,16 @@ def bench_fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    exit_on_error: bool = True,
-    **parts: Any,
+    model: ModelLike | None = None,
+    loss: LossFunction | None = None,
+    optimizer: OptimizerLike | None = None,
+    data: DataLike | None = None,
+    flops_per_example: float | None = None,
+    exit_on_error: bool | None = None,
 ) -> dict[str, Any]:
     """The measured speed of what `fit` would run (no checkpoints, no eval), as `bench` does.
 
-    `parts` are fit's model, loss, optimizer, data and flops_per_example. Prints and
+    model, loss, optimizer, data, flops_per_example: as `fit` takes them. Prints and
     returns one JSON-ready dict: examples/s, step time, MFU, compile time, data wait.
     """
 
@@ -449,8 +342,10 @@ def bench_fit(
         resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
         if not resolved.run.dir:
             resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
-        timed = {key: value for key, value in parts.items() if key not in ("eval_sets",)}
-        resolved, run_workload = build_workload(resolved, **timed)  # eval_data: never due
+        parts = dict(model=model, loss=loss, optimizer=optimizer, data=data)
+        resolved, run_workload = build_workload(
+            resolved, **parts, flops_per_example=flops_per_example
+        )
         result = bench_train(resolved, run_workload)
         output.result(json.dumps(result))
         return result

@@ -1,9 +1,13 @@
 """The one exception type for bad user input, and how a setting is named in its line.
 
 Anything a user can get wrong (a config key, a mesh shape, a data path) raises `UserError`
-with one line naming the culprit. Entrypoints print that line and exit with status 2
-instead of a traceback; everything else is a bug and keeps its traceback.
+(a ValueError) with one line naming the culprit. The command line prints that line and
+exits with status 2 instead of a traceback, and so does a script that leaves one uncaught
+(`end_uncaught`); everything else is a bug and keeps its traceback.
 """
+
+import os
+import sys
 
 USER_ERROR_EXIT_CODE = 2
 # No step finished within train.hang_timeout_s (watchdog.py): `launch --max-restarts` retries
@@ -14,8 +18,8 @@ HANG_EXIT_CODE = 3
 INTERRUPTED_EXIT_CODE = 130
 
 
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+class UserError(ValueError):
+    """Bad input from the user: one line; exit status 2 on the command line (or uncaught)."""
 
 
 class DivergenceError(Exception):
@@ -53,3 +57,31 @@ class SettingNames:
 
 
 FLAG_NAMES = SettingNames()  # the command-line tools' own flags
+
+
+def end_uncaught(program: str) -> None:
+    """An uncaught UserError, DivergenceError or HangError ends the program as the CLI does.
+
+    Its one line goes to stderr and the exit status is 2, 1 or 3. A library call raises
+    them, to be caught like any exception; a script that lets one escape gets that line
+    instead of a traceback. Other exceptions keep Python's own hook.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "paisoar_jax", False):
+        return
+
+    def hook(kind, error, traceback) -> None:
+        statuses = {UserError: USER_ERROR_EXIT_CODE, DivergenceError: 1, HangError: HANG_EXIT_CODE}
+        status = next((code for known, code in statuses.items() if isinstance(error, known)), None)
+        if status is None:
+            previous(kind, error, traceback)
+            return
+        from paisoar_jax import output
+
+        sys.stdout.flush()
+        output.error(str(error), program=program)
+        sys.stderr.flush()
+        os._exit(status)  # (the process is ending: no atexit waits on peers that wait on us)
+
+    hook.paisoar_jax = True
+    sys.excepthook = hook

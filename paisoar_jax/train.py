@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(config: Config) -> object:
     # Imported once the config has loaded: `--help` and a bad key answer in a second, before
     # the model libraries (several seconds of imports) start up.
-    from paisoar_jax.loop import train
+    from paisoar_jax.run.loop import train
 
     return train(config)
 

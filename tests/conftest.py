@@ -208,8 +208,8 @@ def run_modules(commands, cwd, timeout=300):
 def plan_run(overrides, devices, base=TINY):
     """(config, mesh, layout, lr_schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax.config import load_config
-    from paisoar_jax.workload import setup
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     config = load_config(None, list(base) + list(overrides))
     run = setup(config, zoo_workload(config), devices)
@@ -218,9 +218,9 @@ def plan_run(overrides, devices, base=TINY):
 
 def build_run(overrides, devices, base=TINY):
     """(config, mesh, layout, state, train_step) for TINY + overrides on `devices`."""
-    from paisoar_jax.state import init_state
-    from paisoar_jax.step import jit_train_step
-    from paisoar_jax.zoo import task_for
+    from paisoar_jax.engine.state import init_state
+    from paisoar_jax.engine.step import jit_train_step
+    from paisoar_jax.tasks.zoo import task_for
 
     config, mesh, layout, schedule = plan_run(overrides, devices, base)
     with jax.set_mesh(mesh):
@@ -237,7 +237,7 @@ def resumable_run(run_dir, overrides, steps):
     and resumed to 6 follows the schedule of one run of 6.
     """
     from paisoar_jax.config import load_config
-    from paisoar_jax.loop import train
+    from paisoar_jax.run.loop import train
 
     settings = [*TINY, *overrides, f"train.steps={steps}", "train.log_every=1"]
     settings += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]

@@ -13,12 +13,12 @@ from flax import nnx
 import paisoar_jax
 from paisoar_jax import api
 from paisoar_jax.config import load_config
+from paisoar_jax.engine.state import init_state
+from paisoar_jax.engine.step import jit_eval_step, jit_train_step, loss_and_grads
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import rules, sharding
-from paisoar_jax.state import init_state
-from paisoar_jax.step import jit_eval_step, jit_train_step, loss_and_grads
+from paisoar_jax.tasks.workload import setup
 from paisoar_jax.tools.doctor import command as doctor
-from paisoar_jax.workload import setup
 
 BASE = FIT_BASE  # a model of one's own through fit: log each step, no eval
 RULES = (
@@ -326,20 +326,48 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_is_one_line_and_exit_2(case, capsys, tmp_path):
+def test_bad_input_raises_a_one_line_user_error(case, capsys, tmp_path):
     parts, overrides, message = BAD_INPUT[case]
     parts = {"model": Net, "loss": net_loss, "data": examples(), **parts}
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(UserError) as refused:  # a ValueError: caught as any bad value is
         paisoar_jax.fit(None, [*BASE, f"run.dir={tmp_path}", *overrides], **parts)
+    assert isinstance(refused.value, ValueError)
+    assert "\n" not in str(refused.value) and message in str(refused.value), str(refused.value)
+    assert not capsys.readouterr().err.strip()  # raised, not printed
+
+
+UNCAUGHT = """
+import paisoar_jax
+paisoar_jax.fit(None, ["train.stepz=3"])
+print("not reached")
+"""
+
+
+def test_an_uncaught_bad_input_in_a_script_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    (tmp_path / "script.py").write_text(UNCAUGHT)
+    result = subprocess.run(
+        [PYTHON, "script.py"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "paisoar_jax.fit: error: unknown config key train.stepz (known: ema_decay, eval_batches,"
+        " eval_every, global_batch, grad_accum, hang_timeout_s, log_every, memory_limit_gb, "
+        "peak_tflops, pipeline_microbatches, pipeline_repeats, profile_steps, sample_bytes, seed, "
+        "steps)"
+    ]
+    assert "not reached" not in result.stdout
+
+
+def test_exit_on_error_is_deprecated_and_still_exits_2(tmp_path, capsys):
+    with pytest.warns(DeprecationWarning, match="exit_on_error is deprecated"):
+        with pytest.raises(SystemExit) as exit_info:
+            paisoar_jax.fit(None, model=Net, data=examples(), exit_on_error=True)
     assert exit_info.value.code == 2
-    error_lines = capsys.readouterr().err.strip().splitlines()
-    assert len(error_lines) == 1 and error_lines[0].startswith("paisoar_jax.fit: error: ")
-    assert message in error_lines[0], error_lines[0]
-
-
-def test_exit_on_error_false_raises(tmp_path):
-    with pytest.raises(UserError, match="needs loss="):
-        paisoar_jax.fit(None, model=Net, data=examples(), exit_on_error=False)
+    assert "needs loss=" in capsys.readouterr().err
 
 
 def test_plan_fit_prints_every_parameter(devices, capsys):
@@ -408,7 +436,7 @@ def test_logical_axis_names_follow_the_rules_table(devices):
 
 
 def test_the_out_of_memory_fixes_name_the_blocks_of_a_model_of_ones_own():
-    from paisoar_jax.oom import memory_fixes
+    from paisoar_jax.run.oom import memory_fixes
 
     config, _ = api.build_workload(
         api.resolve_config(None, BASE), model=Net, loss=net_loss, data=examples()
@@ -463,11 +491,10 @@ def test_a_plain_iterable_says_its_input_restarts_on_resume(tmp_path, capsys):
     assert "it restarts from its first batch" in capsys.readouterr().out
 
 
-def test_remat_blocks_on_a_zoo_model_is_refused(capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        overrides = [*BASE, f"run.dir={tmp_path}", "remat.policy=full", "remat.blocks=[blocks]"]
+def test_remat_blocks_on_a_zoo_model_is_refused(tmp_path):
+    overrides = [*BASE, f"run.dir={tmp_path}", "remat.policy=full", "remat.blocks=[blocks]"]
+    with pytest.raises(UserError, match="remat.blocks is for a model of your own"):
         paisoar_jax.fit(None, overrides)
-    assert "remat.blocks is for a model of your own" in capsys.readouterr().err
 
 
 def test_fine_tuning_a_model_with_rng_streams_from_its_export(tmp_path):
@@ -558,10 +585,10 @@ def test_a_run_directory_of_another_model_says_what_to_do(tmp_path, capsys):
     way out named."""
     common = [*BASE, "train.steps=2", f"run.dir={tmp_path}"]
     paisoar_jax.fit(None, common, model=Net, loss=net_loss, data=examples())
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError) as refused:
         paisoar_jax.fit(None, common, model=Stateful, loss=net_loss, data=examples())
-    error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "does not fit this model" in error[0]
+    error = [str(refused.value)]
+    assert "\n" not in error[0] and "does not fit this model" in error[0]
     assert "run.name=..." in error[0] and "checkpoint.resume=never" in error[0]
     # Outside a script (here pytest's runner) the name comes from the model: a lambda's is fit.
     assert (api._program_name(Net), api._program_name(lambda rngs: Net(rngs))) == ("Net", "fit")
@@ -616,7 +643,6 @@ def test_fewer_rows_than_one_global_batch_are_refused(tmp_path):
             model=Net,
             loss=net_loss,
             data=examples(10),
-            exit_on_error=False,
         )
 
 
@@ -666,7 +692,7 @@ def test_the_moving_average_of_the_weights_resumes_exactly_and_loads(tmp_path, c
     plain = [*BASE, f"run.dir={tmp_path}/plain"]
     assert paisoar_jax.fit(None, [*plain, "train.steps=2"], **parts).ema_model is None
     with pytest.raises(UserError, match="holds no moving average of the weights"):
-        paisoar_jax.load(tmp_path / "plain", Net, ema=True, exit_on_error=False)
+        paisoar_jax.load(tmp_path / "plain", Net, ema=True)
     on_later = [*plain, "train.steps=3", f"train.ema_decay={decay}"]
     later = paisoar_jax.fit(None, on_later, **parts)
     assert "the average starts from its weights" in capsys.readouterr().err

@@ -8,6 +8,7 @@ the door to its tool.
 import ast
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -189,9 +190,9 @@ def test_every_task_has_every_member_the_task_protocol_declares():
     import inspect
     import typing
 
-    from paisoar_jax.custom import CustomTask
-    from paisoar_jax.tasks import ImageClassification, LanguageModelling
-    from paisoar_jax.workload import Task
+    from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling
+    from paisoar_jax.tasks.custom import CustomTask
+    from paisoar_jax.tasks.workload import Task
 
     declared = set(typing.get_type_hints(Task)) | {
         name for name, value in vars(Task).items() if inspect.isfunction(value)
@@ -239,5 +240,27 @@ def test_no_entry_point_prepares_hf_data_itself():
     """`data.source=hf:` is tokenized by the task that opens it (data/hf_sources.py), so a
     door that opens the data (train, fit, bench, overhead) cannot forget it."""
     for path in PACKAGE.rglob("*.py"):
-        if path.name not in ("hf_sources.py", "tasks.py"):
+        if path.name not in ("hf_sources.py", "builtin.py"):
             assert "hf_sources.prepare" not in path.read_text(), path
+
+
+def test_the_architecture_page_names_what_exists_and_every_wing():
+    """docs/architecture.md stays true: each module path it names exists, each wing (a
+    folder of the package with an __init__) is on it, its __init__ saying what it owns."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"\b((?:[a-z_]+/)+[a-z_]*(?:\.py)?)", page))
+    missing = [
+        path
+        for path in named
+        if not path.startswith(("tests/", "docs/", "paisoar_jax/"))
+        and (path.endswith(".py") or path.endswith("/"))
+        and not (PACKAGE / path).exists()
+    ]
+    assert not missing, missing
+    wings = [path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()]
+    for wing in wings:
+        assert f"      {wing}/" in page, wing
+        docstring = ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text()))
+        assert docstring, wing
+    top = [path.stem for path in PACKAGE.glob("*.py") if len(path.read_text().splitlines()) > 40]
+    assert sorted(top) == ["__init__", "api", "errors", "output"]  # the faces; doors are short

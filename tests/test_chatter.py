@@ -1,11 +1,11 @@
-"""The collectives' connection chatter kept out of a rank's stdout (paisoar_jax/chatter.py)."""
+"""The collectives' connection chatter kept out of a rank's stdout (runtime/chatter.py)."""
 
 import random
 import subprocess
 
 from conftest import PYTHON, subprocess_env
 
-from paisoar_jax.chatter import ChatterFilter
+from paisoar_jax.runtime.chatter import ChatterFilter
 
 ONE = b"[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
 
@@ -60,7 +60,7 @@ def test_every_interleaving_of_eight_threads_leaves_the_users_lines_and_nothing_
 
 FILTERED_PROCESS = """
 import os, sys
-from paisoar_jax import chatter
+from paisoar_jax.runtime import chatter
 chatter.filter_stdout()
 os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. ")  # from C++, in pieces
 print("paisoar_jax: compiled", flush=True)

@@ -9,13 +9,13 @@ import pytest
 from conftest import TINY, build_run, plan_run, token_batches
 from flax import struct
 
-from paisoar_jax.checkpoint import Checkpointer, check_writable
+from paisoar_jax.checkpointing.checkpoint import Checkpointer, check_writable
+from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.loop import train
 from paisoar_jax.parallel import sharding
+from paisoar_jax.run.loop import train
 from paisoar_jax.tools.export import export
-from paisoar_jax.weights import load_weights
 
 DATA_STATE = {"position": 7}
 
@@ -144,8 +144,8 @@ def test_flipped_bytes_are_caught_and_the_run_goes_on_past_them(tmp_path, capsys
 
 
 def test_a_checksum_mismatch_names_the_array(saved):
-    from paisoar_jax.checkpoint import _checksums, _verify
-    from paisoar_jax.saved_trees import _leaf_names
+    from paisoar_jax.checkpointing.checkpoint import _checksums, _verify
+    from paisoar_jax.checkpointing.saved_trees import _leaf_names
 
     directory, state = saved
     checksums = [int(value) for value in jax.device_get(_checksums(state))]

@@ -98,9 +98,9 @@ def test_model_loss_chunks_trains_a_decoder_as_the_logits_do(overrides):
     from flax import nnx
 
     from paisoar_jax.config import load_config
-    from paisoar_jax.precision import get_policy
-    from paisoar_jax.tasks import LanguageModelling
-    from paisoar_jax.zoo import build_model
+    from paisoar_jax.numerics.precision import get_policy
+    from paisoar_jax.tasks.builtin import LanguageModelling
+    from paisoar_jax.tasks.zoo import build_model
 
     batch = token_batches(1, batch=4)[0]
     results = []

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 from conftest import build_run, token_batches
 
-from paisoar_jax.compilation import CompiledStep, describe_change, signature
+from paisoar_jax.engine.compilation import CompiledStep, describe_change, signature
 from paisoar_jax.parallel import sharding
 
 

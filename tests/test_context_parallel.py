@@ -13,8 +13,8 @@ from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 from paisoar_jax.parallel.context import balanced_order
-from paisoar_jax.tasks import _token_losses
-from paisoar_jax.zoo import task_for
+from paisoar_jax.tasks.builtin import _token_losses
+from paisoar_jax.tasks.zoo import task_for
 
 LLAMA = ["model.name=llama", "model.kv_heads=2"]
 
@@ -236,7 +236,7 @@ def test_every_context_setting_trains_evaluates_and_samples(overrides, tmp_path)
     """A run through the training loop: steps, an eval and the closing sample, all split."""
     from conftest import TINY, run_records
 
-    from paisoar_jax.loop import train
+    from paisoar_jax.run.loop import train
 
     settings = [*TINY, "mesh.data=-1", "train.steps=4", "train.eval_every=2"]
     settings += ["train.sample_bytes=8", "train.log_every=1", f"run.dir={tmp_path}", *overrides]

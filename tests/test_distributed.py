@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from paisoar_jax import distributed
 from paisoar_jax.config import DistributedConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.runtime import distributed
 
 LAUNCHER = {
     "PAISOAR_COORDINATOR": "10.0.0.1:1234",

@@ -1,6 +1,6 @@
 """`python -m paisoar_jax.doctor`: each finding comes from a real run that has the problem.
 
-The runs are short trainings through `paisoar_jax.loop.train` in this process, on the 8
+The runs are short trainings through `paisoar_jax.run.loop.train` in this process, on the 8
 simulated CPU devices of conftest.py. Where a finding rests on numbers a CPU run cannot
 produce (MFU needs a known peak, device memory needs memory_stats, recompilations are not
 counted by the loop yet), the test takes a real run's files and edits only those fields;
@@ -20,9 +20,10 @@ import time
 import pytest
 from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env
 
-from paisoar_jax import loop, tasks
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
+from paisoar_jax.run import loop
+from paisoar_jax.tasks import builtin as tasks
 from paisoar_jax.tools.doctor import command as doctor
 from paisoar_jax.tools.doctor import findings
 from paisoar_jax.tools.plan import command as plan_command

@@ -15,10 +15,10 @@ import paisoar_jax
 from paisoar_jax.config import load_config
 from paisoar_jax.data.documents import plan_windows
 from paisoar_jax.errors import UserError
+from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
-from paisoar_jax.precision import get_policy
+from paisoar_jax.tasks.zoo import build_model, task_for
 from paisoar_jax.tools import convert
-from paisoar_jax.zoo import build_model, task_for
 
 
 def convert_instructions(directory, pairs):

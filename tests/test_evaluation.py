@@ -13,7 +13,7 @@ from conftest import FIT_BASE, run_records
 from flax import nnx
 
 import paisoar_jax
-from paisoar_jax.evaluation import EvalSet, check_metric_names, eval_batch_count
+from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, eval_batch_count
 
 
 def examples(count, seed=0):
@@ -149,7 +149,6 @@ def test_bad_eval_sets_are_one_line(tmp_path, eval_sets, eval_every, message):
             loss=loss,
             data=examples(64),
             eval_sets=eval_sets,
-            exit_on_error=False,
         )
 
 
@@ -169,7 +168,6 @@ def test_eval_sets_whose_metrics_share_a_name_are_refused_before_the_first_step(
             data=examples(64),
             eval_data=examples(64),
             eval_sets={"x": examples(64, seed=1)},
-            exit_on_error=False,
         )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

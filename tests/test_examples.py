@@ -131,10 +131,7 @@ def test_sigterm_then_resume_continues_bit_for_bit(tmp_path):
     assert got == want
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["own_mlp.py", "own_cnn.py", "own_transformer.py", "fine_tune.py", "own_grain_pipeline.py"],
-)
+@pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.py")))
 def test_every_example_has_a_docstring_with_its_command(name):
     text = (EXAMPLES / name).read_text()
     assert text.startswith('"""') and f"python examples/{name}" in text
@@ -190,3 +187,14 @@ def test_a_mixture_changes_weights_at_a_stage_and_on_resume(tmp_path):
     assert len(shares) == 3
     for share, weight in zip(shares, (10, 50, 80), strict=True):
         assert abs(share - weight) < 1, lines
+
+
+@pytest.mark.slow
+def test_own_loop_over_prepare_learns_and_resumes_from_its_last_save(tmp_path):
+    first = run_example("own_loop.py", "train.global_batch=64", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "step 300: loss" in first.stdout
+    assert float(first.stdout.split("held-out accuracy")[-1]) > 0.95
+    again = run_example("own_loop.py", cwd=tmp_path)  # resumes at step 300: nothing to train
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "step " not in again.stdout and "held-out accuracy" in again.stdout

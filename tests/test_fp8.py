@@ -9,10 +9,10 @@ from flax import nnx
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.fp8 import Fp8Dot
-from paisoar_jax.loop import train
+from paisoar_jax.numerics.fp8 import Fp8Dot
 from paisoar_jax.parallel import sharding
-from paisoar_jax.zoo import zoo_workload
+from paisoar_jax.run.loop import train
+from paisoar_jax.tasks.zoo import zoo_workload
 
 E4M3_MAX = 448.0
 
@@ -150,9 +150,9 @@ def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, ca
 def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
     """precision.force_policy on an fp8 model: the skipped matmuls' state is kept, not
     overwritten by a zero gradient (scales of 0 would make the next fp8 step NaN)."""
-    from paisoar_jax.precision import force_policy
-    from paisoar_jax.step import loss_and_grads
-    from paisoar_jax.zoo import task_for
+    from paisoar_jax.engine.step import loss_and_grads
+    from paisoar_jax.numerics.precision import force_policy
+    from paisoar_jax.tasks.zoo import task_for
 
     config, mesh, layout, state, _ = build_run(["precision.policy=fp8"], devices[:1])
     model = nnx.merge(layout.graphdef, state.params, state.model_state)
@@ -169,8 +169,8 @@ def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
 
 
 def test_fp8_matmul_refuses_an_equation_it_would_compute_wrongly():
-    from paisoar_jax.fp8 import matmul
-    from paisoar_jax.precision import get_policy
+    from paisoar_jax.numerics.fp8 import matmul
+    from paisoar_jax.numerics.precision import get_policy
 
     with nnx.use_eager_sharding(False):
         dots = nnx.Dict({"mlp": Fp8Dot(history=4)})

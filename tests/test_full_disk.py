@@ -1,4 +1,4 @@
-"""A full disk (paisoar_jax/full_disk.py): a real run on a 24 MB tmpfs, then room again.
+"""A full disk (paisoar_jax/runtime/full_disk.py): a real run on a 24 MB tmpfs, then room again.
 
 Mounting needs root, which CI has (as the SLURM tests do); elsewhere the run test is
 skipped, saying why. The error-chain check runs everywhere.
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, TINY, subprocess_env
 
-from paisoar_jax import full_disk
+from paisoar_jax.runtime import full_disk
 
 # 1.65M params: a save writes about 19 MB (params and Adam's two moments), so the first
 # fits on 24 MB and the second does not.

@@ -14,10 +14,10 @@ from test_hf import gpt2, llama, mixtral, qwen3_moe
 from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import empty_cache
-from paisoar_jax.precision import get_policy
+from paisoar_jax.numerics.precision import get_policy
+from paisoar_jax.tasks.zoo import build_model
 from paisoar_jax.tools import hf
 from paisoar_jax.tools.generate import Generator
-from paisoar_jax.zoo import build_model
 
 PROMPT = [5, 17, 3, 88, 41, 9]
 

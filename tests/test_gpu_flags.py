@@ -1,11 +1,11 @@
-"""The XLA flags set for GPU compiles (paisoar_jax/gpu_flags.py): only on GPUs, never over
+"""The XLA flags set for GPU compiles (paisoar_jax/runtime/gpu_flags.py): only on GPUs, never over
 the user's XLA_FLAGS. What they change in a GPU program is tests/test_gpu_target.py's."""
 
 import types
 
 import jax
 
-from paisoar_jax import gpu_flags
+from paisoar_jax.runtime import gpu_flags
 
 GPU = [types.SimpleNamespace(platform="gpu")]  # a device as the mesh holds it
 

@@ -260,7 +260,7 @@ def test_gpt_1b_on_one_h200_holds_less_than_the_peer_like_for_like():
     """gpt_1b as shipped, against the plain-JAX step compiled with the same donation: under
     0.8x its temporaries (0.77x) and under 0.87x its device memory in all (0.83x)."""
     from paisoar_jax.config import load_config
-    from paisoar_jax.memory import step_total
+    from paisoar_jax.engine.memory import step_total
     from paisoar_jax.tools import plan
 
     config = load_config(REPO / "configs" / "gpt_1b.yaml")

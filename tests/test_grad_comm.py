@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.loop import train
 from paisoar_jax.parallel import grad_comm
+from paisoar_jax.run.loop import train
 from paisoar_jax.tools import hlo
 
 

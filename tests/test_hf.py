@@ -15,12 +15,12 @@ import transformers
 from conftest import PYTHON, random_chats, subprocess_env
 from flax import nnx
 
+from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
-from paisoar_jax.weights import load_weights
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import zoo_workload
 
 ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 # Wavelengths below 64 / 4 are kept, above 64 / 1 slowed, between blended: all three occur.
@@ -291,7 +291,7 @@ def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     config = load_config(str(tmp_path / "straight" / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
     run = setup(config, zoo_workload(config), devices[:1])
-    from paisoar_jax.weights import checkpoint_step
+    from paisoar_jax.checkpointing.weights import checkpoint_step
 
     _, step_dir, _ = checkpoint_step(tmp_path / "straight")
     with jax.set_mesh(run.mesh):
@@ -358,8 +358,8 @@ def test_the_command_line_gives_one_line_and_exit_2(imported, tmp_path):
 
 
 def test_a_gpt_with_rotary_positions_has_no_gpt2_form(tmp_path):
+    from paisoar_jax.checkpointing.weights import export_weights
     from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
-    from paisoar_jax.weights import export_weights
 
     model = LanguageModelConfig(position="rotary", layers=1, width=32, heads=4, seq_len=16)
     shapes = hf.abstract_params(model)
@@ -493,7 +493,7 @@ def test_the_readme_fine_tuning_sequence_runs_as_written(tmp_path):
 def test_gpt2_with_256_positions_trains_on_32_and_exports_256(tmp_path):
     """Before: the learned table was sized by the window (an imported GPT-2 could not train
     on shorter windows), and the export wrote the window as the model's positions."""
-    from paisoar_jax.loop import train
+    from paisoar_jax.run.loop import train
 
     model = gpt2()
     model.config.n_positions = 256

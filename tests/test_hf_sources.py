@@ -13,7 +13,7 @@ from paisoar_jax.data import hf_sources
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import hf_cache_directory, open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.tasks import LanguageModelling
+from paisoar_jax.tasks.builtin import LanguageModelling
 from paisoar_jax.tools import convert
 
 ROWS = [{"text": f"def add_{i}(x):\n    return x + {i}\n" * (i % 3 + 1)} for i in range(300)]
@@ -125,7 +125,7 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     and data.source is trained on whole, not less data.eval_fraction."""
     from conftest import TINY, run_records
 
-    from paisoar_jax.loop import train
+    from paisoar_jax.run.loop import train
 
     splits = {"train": ROWS[:240], "validation": [{"text": "x = 'held out'\n" * 40}] * 20}
     splits = datasets.DatasetDict(

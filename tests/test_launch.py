@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from conftest import PYTHON, RESUMABLE, build_run, subprocess_env
 
-from paisoar_jax import heartbeat
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
+from paisoar_jax.runtime import heartbeat
 from paisoar_jax.tools import hlo
 from paisoar_jax.tools.launch import command as launch
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
@@ -341,7 +341,9 @@ def test_only_a_rank_whose_beats_stopped_is_judged(tmp_path):
 
 def test_an_exiting_process_says_so_in_its_last_beat(tmp_path):
     beat = tmp_path / "beat.json"
-    script = "from paisoar_jax import heartbeat; import time; heartbeat.start(); time.sleep(1.5)"
+    script = (
+        "from paisoar_jax.runtime import heartbeat; import time; heartbeat.start(); time.sleep(1.5)"
+    )
     env = {**subprocess_env(), heartbeat.HEARTBEAT_FILE: str(beat)}
     subprocess.run([PYTHON, "-c", script], env=env, check=True, timeout=60)
     last = heartbeat.read(beat)

@@ -9,7 +9,7 @@ from flax import nnx
 from paisoar_jax.config import LanguageModelConfig, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.llama import Llama
-from paisoar_jax.precision import get_policy
+from paisoar_jax.numerics.precision import get_policy
 
 LLAMA = ["model.name=llama", "model.kv_heads=2", "model.mlp_width=96"]
 

@@ -8,7 +8,7 @@ from conftest import TINY
 from jax._src import array as jax_array
 
 from paisoar_jax.config import load_config
-from paisoar_jax.loop import train
+from paisoar_jax.run.loop import train
 
 
 def test_no_host_sync_between_log_steps(tmp_path, monkeypatch):
@@ -56,9 +56,9 @@ def test_ready_batches_say_in_one_line_when_their_position_cannot_continue():
     import grain
     import numpy as np
 
-    from paisoar_jax.checkpoint import Restored
+    from paisoar_jax.checkpointing.checkpoint import Restored
     from paisoar_jax.data.user_data import open_user_data
-    from paisoar_jax.resume import resume_input
+    from paisoar_jax.run.resume import resume_input
 
     config = load_config(None, TINY)
     batches = [{"x": np.full((4, 2), i, np.float32)} for i in range(3)]

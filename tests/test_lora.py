@@ -1,4 +1,4 @@
-"""LoRA (paisoar_jax/lora.py): only the adapters train, sharded like one device, resumable."""
+"""LoRA (engine/lora.py): only the adapters train, sharded like one device, resumable."""
 
 import functools
 
@@ -13,11 +13,11 @@ from flax import nnx, traverse_util
 import paisoar_jax
 from paisoar_jax import api
 from paisoar_jax.config import load_config
+from paisoar_jax.engine.state import init_state
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
-from paisoar_jax.state import init_state
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import task_for
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import task_for
 
 LLAMA_LORA = ["model.name=llama", "model.kv_heads=2", "lora.rank=4", "lora.alpha=8"]
 ADAMW = ["optim.name=adamw", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.weight_decay=0.1"]
@@ -135,7 +135,7 @@ def test_dropout_draws_per_step_and_is_off_in_eval(devices):
         model = nnx.merge(layout.graphdef, state.params, state.model_state)
         key = jax.random.key(1)
         eval_losses = {float(task.eval_rows(model, batch)["loss"].mean()) for _ in range(2)}
-        from paisoar_jax import lora
+        from paisoar_jax.engine import lora
 
         with lora.dropout_key(jax.random.PRNGKey(3)):
             dropped = float(task.loss(model, batch, key)[0])
@@ -228,7 +228,7 @@ def test_a_model_of_ones_own_adapts_its_linear_layers(tmp_path):
 def test_bad_lora_settings_are_one_line(overrides, message, devices):
     with pytest.raises(UserError, match=None) as error:
         config = load_config(None, [*TINY, "model.name=llama", *overrides])
-        from paisoar_jax.zoo import zoo_workload
+        from paisoar_jax.tasks.zoo import zoo_workload
 
         setup(config, zoo_workload(config), devices[:1])
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -253,8 +253,8 @@ def test_lora_fine_tunes_from_exported_weights(tmp_path, devices):
     result = paisoar_jax.fit(None, [*tuned, "train.steps=2", f"run.dir={tmp_path / 'tuned'}"])
     assert result["steps"] == 2
     config = load_config(None, [*tuned, "mesh.data=1"])
-    from paisoar_jax.weights import checkpoint_step, load_weights
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.checkpointing.weights import checkpoint_step, load_weights
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     run = setup(config, zoo_workload(config), devices[:1])
     _, step_dir, _ = checkpoint_step(tmp_path / "tuned")
@@ -271,7 +271,7 @@ def test_lora_fine_tunes_from_exported_weights(tmp_path, devices):
 
 def lora_split_frozen(run):
     """The run's abstract state holding only the frozen params."""
-    from paisoar_jax import lora
+    from paisoar_jax.engine import lora
 
     abstract = run.layout.abstract_state
     return abstract.replace(params=lora.split(abstract.params, run.layout.trainable)[1])
@@ -286,9 +286,9 @@ def lora_split_frozen(run):
     ],
 )
 def test_peft_module_names_are_lora_targets(model, peft_names, ours):
-    from paisoar_jax import lora
-    from paisoar_jax.precision import get_policy
-    from paisoar_jax.zoo import build_model
+    from paisoar_jax.engine import lora
+    from paisoar_jax.numerics.precision import get_policy
+    from paisoar_jax.tasks.zoo import build_model
 
     overrides = [f"model.name={model}", "lora.rank=2", f"lora.targets={peft_names}"]
     config = load_config(None, [*TINY, *overrides])

@@ -7,9 +7,9 @@ import pytest
 from conftest import build_run, token_batches
 
 from paisoar_jax.config import OptimConfig, PrecisionConfig
+from paisoar_jax.engine.optim import build_optimizer
 from paisoar_jax.errors import UserError
-from paisoar_jax.loss_scale import LossScaleState, loss_scaled
-from paisoar_jax.optim import build_optimizer
+from paisoar_jax.numerics.loss_scale import LossScaleState, loss_scaled
 from paisoar_jax.parallel import sharding
 
 PARAMS = {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}

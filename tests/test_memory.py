@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 
-from paisoar_jax import memory
 from paisoar_jax.config import MeshConfig
+from paisoar_jax.engine import memory
 from paisoar_jax.parallel import sharding
 
 

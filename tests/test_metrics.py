@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from paisoar_jax.metrics import MetricsWriter, device_peak_tflops, mfu
+from paisoar_jax.observe.metrics import MetricsWriter, device_peak_tflops, mfu
 
 
 def test_mfu_against_the_peak_of_all_devices(devices):

@@ -7,8 +7,8 @@ from flax import nnx
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.gpt import GPT
-from paisoar_jax.precision import get_policy
-from paisoar_jax.zoo import build_model, model_class
+from paisoar_jax.numerics.precision import get_policy
+from paisoar_jax.tasks.zoo import build_model, model_class
 
 
 def make(overrides=(), policy="fp32"):
@@ -87,7 +87,7 @@ def test_bf16_policy_runs_matmuls_in_bf16_and_returns_fp32_logits():
 def test_logits_in_the_compute_dtype_give_the_same_loss_and_gradients():
     """model.fp32_logits=false: bf16 logits (half the bytes), the loss still in fp32."""
     from paisoar_jax.config import Config
-    from paisoar_jax.zoo import task_for
+    from paisoar_jax.tasks.zoo import task_for
 
     tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 256)
     results = {}

@@ -11,7 +11,7 @@ from flax import nnx
 
 from paisoar_jax.models import moe
 from paisoar_jax.models.moe import MoeFeedForward, MoeShape, balance_loss, route, seats, z_loss
-from paisoar_jax.precision import get_policy
+from paisoar_jax.numerics.precision import get_policy
 
 WIDTH, B, T = 8, 2, 6
 
@@ -149,8 +149,8 @@ def decoder(overrides):
     from conftest import TINY
 
     from paisoar_jax.config import load_config
-    from paisoar_jax.tasks import LanguageModelling
-    from paisoar_jax.zoo import build_model
+    from paisoar_jax.tasks.builtin import LanguageModelling
+    from paisoar_jax.tasks.zoo import build_model
 
     config = load_config(None, [*TINY, *MOE, *overrides])
     with nnx.use_eager_sharding(False):
@@ -390,5 +390,4 @@ def test_a_model_of_ones_own_trains_its_moe_layer_through_fit(devices, tmp_path)
             loss=loss,
             optimizer=optax.adam(3e-3),
             data=data,
-            exit_on_error=False,
         )

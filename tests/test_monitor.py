@@ -16,8 +16,8 @@ from flax import nnx
 import paisoar_jax
 from paisoar_jax.config import PrecisionConfig, load_config
 from paisoar_jax.errors import DivergenceError, UserError
-from paisoar_jax.loop import train
-from paisoar_jax.monitor import _skipped_in_a_row, check_health
+from paisoar_jax.observe.monitor import _skipped_in_a_row, check_health
+from paisoar_jax.run.loop import train
 from paisoar_jax.tools.doctor import command as doctor
 
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(policy="fp16")
@@ -99,9 +99,7 @@ def test_skipped_steps_count_from_the_start_of_the_run(tmp_path):
     overrides = [*FIT_BASE, "train.steps=40", "train.log_every=5", "precision.policy=fp16"]
     overrides += ["precision.loss_scale=static:1024", f"run.dir={tmp_path}/run"]
     with pytest.raises(DivergenceError, match="the last 20 steps .to step 20. were all skipped"):
-        paisoar_jax.fit(
-            None, overrides, model=Linear, loss=overflowing, data=batches(), exit_on_error=False
-        )
+        paisoar_jax.fit(None, overrides, model=Linear, loss=overflowing, data=batches())
 
 
 def test_a_run_records_its_step_time_breakdown_and_profiles_the_steps_asked_for(tmp_path, capfd):
@@ -170,7 +168,6 @@ def test_a_batch_holding_nan_stops_the_run_naming_its_step_and_the_data(policy, 
             loss=cross_entropy,
             data=batches(nan_at=2),
             optimizer=optax.adam(1e-2),
-            exit_on_error=False,
         )
     message = str(stopped.value)
     assert message.startswith(
@@ -188,9 +185,7 @@ def test_a_loss_that_masks_nan_may_turn_the_check_off(tmp_path):
         return cross_entropy(model, {**batch, "x": x}, rng)
 
     overrides = [*FIT_BASE, "train.steps=4", "data.check_finite=false", f"run.dir={tmp_path}"]
-    result = paisoar_jax.fit(
-        None, overrides, model=Linear, loss=masked, data=batches(nan_at=2), exit_on_error=False
-    )
+    result = paisoar_jax.fit(None, overrides, model=Linear, loss=masked, data=batches(nan_at=2))
     assert result["steps"] == 4 and np.isfinite(result["final_loss"])
 
 
@@ -212,7 +207,6 @@ def test_fp16_overflowing_at_the_scale_floor_stops_and_the_doctor_names_your_opt
             loss=overflowing,
             data=batches(),  # every value finite
             optimizer=optax.adam(1e-2),
-            exit_on_error=False,
         )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [record["skipped_steps"] for record in records] == [1, 2, 3]  # at 4, 2, then 1

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY, run_module
 
-from paisoar_jax import memory, oom
 from paisoar_jax.config import load_config
+from paisoar_jax.engine import memory
 from paisoar_jax.errors import UserError
+from paisoar_jax.run import oom
 from paisoar_jax.tools import cli, plan
 
 PEBIBYTE = 2**50

@@ -37,9 +37,7 @@ LABELS = (X[:, 0] > 0).astype(np.int32)
 def fit(tmp_path, model, labels=LABELS):
     overrides = ["train.steps=2", "train.global_batch=16", "train.eval_every=0",
                  "run.progress=false", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
-    return paisoar_jax.fit(
-        None, overrides, model=model, loss=loss, data=(X, labels), exit_on_error=False
-    )
+    return paisoar_jax.fit(None, overrides, model=model, loss=loss, data=(X, labels))
 
 
 @pytest.mark.parametrize(

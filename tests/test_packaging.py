@@ -23,7 +23,7 @@ def test_shipped_config_names_resolve_after_a_plain_install(tmp_path):
     probe = (
         "import paisoar_jax.config as c; "
         "print(c.resolve_config_path('gpt2_124m')); print(c.load_config('resnet50').model.name); "
-        "import paisoar_jax.loop"
+        "import paisoar_jax.run.loop"
     )
     result = subprocess.run(
         [PYTHON, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120

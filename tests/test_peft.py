@@ -17,13 +17,13 @@ import transformers
 from flax import nnx
 
 import paisoar_jax
+from paisoar_jax.checkpointing.weights import checkpoint_step, load_weights
 from paisoar_jax.config import LoraConfig, load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
 from paisoar_jax.tools.hf import peft as peft_format
-from paisoar_jax.weights import checkpoint_step, load_weights
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import zoo_workload
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 24))
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)

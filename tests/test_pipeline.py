@@ -21,17 +21,17 @@ from flax import nnx
 import paisoar_jax
 from paisoar_jax import api
 from paisoar_jax.config import config_from_dict, load_config, to_dict
+from paisoar_jax.engine.memory import per_device_bytes
+from paisoar_jax.engine.step import loss_and_grads
 from paisoar_jax.errors import UserError
-from paisoar_jax.loop import train
-from paisoar_jax.memory import per_device_bytes
-from paisoar_jax.oom import memory_fixes
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.parallel import rules as rules_table
-from paisoar_jax.step import loss_and_grads
+from paisoar_jax.run.loop import train
+from paisoar_jax.run.oom import memory_fixes
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import check_model, task_for
 from paisoar_jax.tools.doctor import findings
 from paisoar_jax.tools.generate import placement
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import check_model, task_for
 
 
 def three_steps(overrides, devices):
@@ -333,7 +333,7 @@ def own_model_losses(run_dir, model, overrides):
     settings = ["train.global_batch=16", "train.steps=3", "train.log_every=1"]
     settings += ["train.eval_every=0", "run.progress=false", "run.tensorboard=false"]
     settings += ["checkpoint.enabled=false", f"run.dir={run_dir}", *overrides]
-    paisoar_jax.fit(None, settings, model=model, loss=classify, data=data, exit_on_error=False)
+    paisoar_jax.fit(None, settings, model=model, loss=classify, data=data)
     return [record["loss"] for record in run_records(run_dir)]
 
 

@@ -24,7 +24,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, TINY, build_run, subprocess_env
 
-from paisoar_jax import memory
+from paisoar_jax.engine import memory
 from paisoar_jax.tools.plan import command as plan_command
 from paisoar_jax.tools.plan.table import _duration, format_table
 

@@ -12,9 +12,9 @@ from conftest import PYTHON, subprocess_env
 from flax import nnx
 
 from paisoar_jax.config import load_config
-from paisoar_jax.precision import float32_island, force_policy, fp32_function, get_policy
-from paisoar_jax.step import loss_fn
-from paisoar_jax.zoo import build_model, task_for
+from paisoar_jax.engine.step import loss_fn
+from paisoar_jax.numerics.precision import float32_island, force_policy, fp32_function, get_policy
+from paisoar_jax.tasks.zoo import build_model, task_for
 
 
 def equations(jaxpr):
@@ -240,8 +240,8 @@ TENSOR_RULES = {
 
 def own_step_jaxpr(kind, overrides):
     from paisoar_jax import api
-    from paisoar_jax.step import jit_train_step
-    from paisoar_jax.workload import setup
+    from paisoar_jax.engine.step import jit_train_step
+    from paisoar_jax.tasks.workload import setup
 
     rng = np.random.default_rng(0)
     data = {"x": OWN_DATA[kind](rng), "y": rng.integers(0, 10, 64).astype(np.int32)}
@@ -296,7 +296,7 @@ def _is_attention_score_backward(eqn) -> bool:
 
 
 def test_a_layer_forced_to_fp32_or_given_a_dtype_keeps_it():
-    from paisoar_jax.precision import follow_policy
+    from paisoar_jax.numerics.precision import follow_policy
 
     model = OwnTransformer(nnx.Rngs(0))
     model.fc2 = nnx.Linear(64, 16, dtype=jnp.float32, rngs=nnx.Rngs(1))
@@ -340,7 +340,6 @@ def test_an_own_transformer_trains_under_fp16_on_cpu_as_on_a_gpu(tmp_path):
                  f"run.dir={tmp_path / 'run'}", "checkpoint.enabled=false"]  # fmt: skip
     result = paisoar_jax.fit(
         None, overrides, model=OwnViT, loss=vit_loss, optimizer=optax.adam(1e-3), data=data,
-        exit_on_error=False,
     )  # fmt: skip
     assert result["steps"] == 2 and np.isfinite(result["final_loss"])
     # The product itself: fp16 operands, fp32 sums, as a GPU computes it.
@@ -352,7 +351,7 @@ def test_an_own_transformer_trains_under_fp16_on_cpu_as_on_a_gpu(tmp_path):
 
 
 def test_an_error_from_the_compiled_step_is_one_line_without_the_jaxpr():
-    from paisoar_jax.compilation import readable_step_errors
+    from paisoar_jax.engine.compilation import readable_step_errors
     from paisoar_jax.errors import UserError
 
     jaxpr = "{ lambda ; a:f16[2,4]. let b:f32[2,2] = dot_general a a in (b,) }"

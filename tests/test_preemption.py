@@ -146,7 +146,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(reference, t
 # compile): only the StopRequest's watcher thread can act on a signal there.
 STOP_SCRIPT = """
 import signal, sys, time
-from paisoar_jax.preemption import StopRequest
+from paisoar_jax.runtime.preemption import StopRequest
 
 stepping = sys.argv[1] == "stepping"
 with StopRequest(lambda: "last saved: step 7 in somewhere") as stop:

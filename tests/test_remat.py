@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import plan_run
 
+from paisoar_jax.engine.state import init_state
+from paisoar_jax.engine.step import jit_train_step, loss_and_grads
+from paisoar_jax.numerics.remat import POLICIES, recomputed_activation
 from paisoar_jax.parallel import sharding
-from paisoar_jax.remat import POLICIES, recomputed_activation
-from paisoar_jax.state import init_state
-from paisoar_jax.step import jit_train_step, loss_and_grads
-from paisoar_jax.zoo import task_for
+from paisoar_jax.tasks.zoo import task_for
 
 # Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
 TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]

@@ -1,10 +1,10 @@
-"""paisoar_jax/resume.py: what a resumed run says of what changed since its checkpoint."""
+"""paisoar_jax/run/resume.py: what a resumed run says of what changed since its checkpoint."""
 
 import pytest
 
-from paisoar_jax.checkpoint import Restored
+from paisoar_jax.checkpointing.checkpoint import Restored
 from paisoar_jax.config import load_config
-from paisoar_jax.resume import schedule_change
+from paisoar_jax.run.resume import schedule_change
 
 
 def restored_at(step, steps):

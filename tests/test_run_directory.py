@@ -1,4 +1,4 @@
-"""paisoar_jax/run_directory.py: a run directory deleted mid-run costs no training."""
+"""paisoar_jax/run/run_directory.py: a run directory deleted mid-run costs no training."""
 
 import json
 import re

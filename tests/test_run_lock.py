@@ -11,9 +11,9 @@ import time
 import pytest
 from conftest import PYTHON, TINY, run_module, subprocess_env
 
-from paisoar_jax import run_lock
 from paisoar_jax.errors import UserError
-from paisoar_jax.run_lock import RunLock
+from paisoar_jax.runtime import run_lock
+from paisoar_jax.runtime.run_lock import RunLock
 
 
 def test_a_held_run_directory_names_its_holder_and_frees_on_exit(tmp_path):

@@ -2,7 +2,7 @@
 
 import types
 
-from paisoar_jax import run_records
+from paisoar_jax.run import run_records
 
 TOKENS = types.SimpleNamespace(unit="tokens")
 

@@ -1,4 +1,4 @@
-"""The closing sample (paisoar_jax/sample.py): the cached decoder, window after window."""
+"""The closing sample (paisoar_jax/tasks/sample.py): the cached decoder, window after window."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 from conftest import build_run
 from flax import nnx
 
-from paisoar_jax.sample import generate
+from paisoar_jax.tasks.sample import generate
 
 
 def test_the_closing_sample_is_the_full_forwards_greedy_text_window_by_window(devices):

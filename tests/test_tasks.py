@@ -9,10 +9,10 @@ from flax import nnx
 from PIL import Image
 
 from paisoar_jax.config import load_config
-from paisoar_jax.loop import train
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tasks import ImageClassification, LanguageModelling
-from paisoar_jax.zoo import task_for
+from paisoar_jax.run.loop import train
+from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling
+from paisoar_jax.tasks.zoo import task_for
 
 
 def image_batch(batch=16, size=16, seed=0):
@@ -235,10 +235,10 @@ def test_an_image_folder_trains_with_unreadable_files_skipped(tmp_path, capfd):
 def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
     """The running statistics travel with the params: an export holds them and a run that
     starts from it (checkpoint.init_from) starts from them, not from fresh ones."""
-    from paisoar_jax.checkpoint import Checkpointer
-    from paisoar_jax.resume import starting_point
+    from paisoar_jax.checkpointing.checkpoint import Checkpointer
+    from paisoar_jax.checkpointing.weights import load_weights
+    from paisoar_jax.run.resume import starting_point
     from paisoar_jax.tools.export import export
-    from paisoar_jax.weights import load_weights
 
     common = [*TINY_RESNET, "train.steps=3", "train.eval_every=0", "checkpoint.every=3"]
     train(load_config(None, [*common, f"run.dir={tmp_path}/run"]))

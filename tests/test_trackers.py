@@ -1,4 +1,4 @@
-"""Trackers (paisoar_jax/trackers/): W&B offline and an MLflow file store hold what
+"""Trackers (paisoar_jax/observe/trackers/): W&B offline and an MLflow file store hold what
 metrics.jsonl holds; a resumed run continues the same tracker runs; bad input is one line."""
 
 import json
@@ -14,7 +14,7 @@ from wandb.proto.wandb_internal_pb2 import Record
 import paisoar_jax
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.trackers import numeric
+from paisoar_jax.observe.trackers import numeric
 
 SETTINGS = [*TINY, "model.layers=1", "train.log_every=1", "train.eval_every=2"]
 SETTINGS += ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2"]
@@ -133,7 +133,6 @@ def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
             None,
             [*TINY, "run.trackers=[mlflow]", "run.tracking_uri=http://127.0.0.1:9/"]
             + ["train.steps=1", f"run.dir={tmp_path / 'server'}"],
-            exit_on_error=False,
         )
     failures.append((str(error.value), "run.trackers=mlflow: MLflow at http://127.0.0.1:9/"))
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
@@ -141,7 +140,6 @@ def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
         paisoar_jax.fit(
             None,
             [*TINY, "run.trackers=[mlflow]", "train.steps=1", f"run.dir={tmp_path}"],
-            exit_on_error=False,
         )
     failures.append((str(error.value), 'pip install "paisoar-jax[mlflow]"'))
     for message, expected in failures:
@@ -150,7 +148,7 @@ def test_bad_trackers_are_one_line(tmp_path, monkeypatch):
 
 def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, capsys):
     """A tracker's server gone mid-run: one warning, training and metrics.jsonl go on."""
-    from paisoar_jax.metrics import MetricsWriter
+    from paisoar_jax.observe.metrics import MetricsWriter
 
     class Failing:
         def log(self, record):
@@ -172,7 +170,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, capsys
 def test_tensorboard_takes_a_skipped_steps_nan_without_a_warning(tmp_path, caplog):
     """Before: each fp16 step skipped for overflow (grad_norm NaN) printed tensorboardX's
     "NaN or Inf found in input tensor" on stderr; metrics.jsonl keeps the NaN."""
-    from paisoar_jax.metrics import MetricsWriter
+    from paisoar_jax.observe.metrics import MetricsWriter
 
     writer = MetricsWriter(tmp_path, tensorboard=True)
     writer.write({"step": 1, "loss": 2.0, "grad_norm": float("nan")})
@@ -186,7 +184,7 @@ def test_every_tracker_the_config_accepts_has_a_class_and_no_other():
     """config/run.py's TRACKERS (what run.trackers may name) and the registry agree, and each
     class is one a metrics writer can drive (log, close, replays)."""
     from paisoar_jax.config.run import TRACKERS as NAMES
-    from paisoar_jax.trackers import TRACKERS
+    from paisoar_jax.observe.trackers import TRACKERS
 
     assert tuple(TRACKERS) == NAMES
     for tracker in TRACKERS.values():

@@ -11,6 +11,7 @@ from conftest import FIT_BASE
 from flax import nnx
 
 import paisoar_jax
+from paisoar_jax.errors import UserError
 
 BASE = FIT_BASE  # a model of one's own through fit: log each step, no eval
 
@@ -78,11 +79,10 @@ def test_the_loss_rng_is_a_real_key_and_fit_hands_back_the_trained_model(tmp_pat
 
 
 def test_load_of_a_directory_without_weights_is_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(UserError) as refused:
         paisoar_jax.load(tmp_path, model=RandomNet)
-    assert exit_info.value.code == 2
     # The same finding as hf-export's and generate's (weights.weights_source).
-    assert f"{tmp_path} is not a run directory (no config.yaml)" in capsys.readouterr().err
+    assert f"{tmp_path} is not a run directory (no config.yaml)" in str(refused.value)
 
 
 def test_a_model_instance_is_its_own_start(tmp_path):

@@ -14,15 +14,15 @@ import yaml
 from conftest import TINY
 from safetensors.numpy import save_file
 
+from paisoar_jax.checkpointing.weights import export_weights, read_params, run_config
 from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.data.conversations import ChatTemplate, json_rows
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.errors import UserError
+from paisoar_jax.runtime.user_files import open_tokenizer
 from paisoar_jax.tools.generate import Text, end_of_sequence_ids
 from paisoar_jax.tools.hf.checkpoints import SafetensorsReader
 from paisoar_jax.tools.hf.peft import read_adapter_settings, read_adapter_tensors
-from paisoar_jax.user_files import open_tokenizer
-from paisoar_jax.weights import export_weights, read_params, run_config
 
 
 def hf_directory(tmp_path, sharded=False):
@@ -59,8 +59,8 @@ def index(tmp_path):
 def config_json(tmp_path):
     import transformers
 
+    from paisoar_jax.runtime.user_files import read_json
     from paisoar_jax.tools.hf.layouts import model_config_from_hf
-    from paisoar_jax.user_files import read_json
 
     small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, vocab_size=64)
     settings = transformers.LlamaConfig(num_attention_heads=2, **small).to_dict()

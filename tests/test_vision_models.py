@@ -13,8 +13,8 @@ from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import layers, resnet, vgg, vit
 from paisoar_jax.models.layers import VisionConfig
+from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
-from paisoar_jax.precision import get_policy
 
 CLASSES = {"resnet": resnet.ResNet, "vgg": vgg.VGG, "vit": vit.ViT}
 MACS = {"resnet": resnet.forward_macs, "vgg": vgg.forward_macs, "vit": vit.forward_macs}

@@ -1,4 +1,4 @@
-"""The hang watchdog (paisoar_jax/watchdog.py): its clock, and a run whose input stalls.
+"""The hang watchdog (paisoar_jax/runtime/watchdog.py): its clock, and a run whose input stalls.
 
 The other half, a process whose collective never returns and which the watchdog ends
 with status 3, is a real 2-process job in test_restarts.py.
@@ -9,9 +9,11 @@ import time
 import pytest
 from conftest import TINY
 
-from paisoar_jax import heartbeat, loop, tasks, watchdog
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import HangError, UserError
+from paisoar_jax.run import loop
+from paisoar_jax.runtime import heartbeat, watchdog
+from paisoar_jax.tasks import builtin as tasks
 
 
 def test_the_default_is_on_for_several_processes_only():

@@ -1,4 +1,4 @@
-"""The `lora` section: LoRA fine-tuning's settings (paisoar_jax/lora.py does the work)."""
+"""The `lora` section: LoRA fine-tuning's settings (paisoar_jax/engine/lora.py does the work)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from paisoar_jax.errors import UserError
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA fine-tuning (paisoar_jax/lora.py): low-rank adapters trained, the model frozen.
+    """LoRA fine-tuning (paisoar_jax/engine/lora.py): low-rank adapters trained, the model frozen.
 
     `rank` 0 (the default) trains every parameter. With a rank, each projection whose
     parameter path a `targets` regex is found in (re.search on dotted paths such as

@@ -138,7 +138,7 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class RematConfig:
-    """Activation checkpointing per block (policy names in paisoar_jax.remat)."""
+    """Activation checkpointing per block (policy names in paisoar_jax.numerics.remat)."""
 
     policy: Literal[
         "none",
@@ -264,7 +264,7 @@ class DistributedConfig:
     """Multi-process start-up (jax.distributed); what is left unset comes from the environment.
 
     Unset fields are read from the launcher's PAISOAR_* variables, SLURM, Open MPI or
-    torchrun's variables, in that order (paisoar_jax/distributed.py); with none of them the
+    torchrun's variables, in that order (paisoar_jax/runtime/distributed.py); with none of them the
     run is one process.
     """
 

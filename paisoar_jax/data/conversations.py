@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
-from paisoar_jax.user_files import read_json, read_text
+from paisoar_jax.runtime.user_files import read_json, read_text
 
 FORMATS = ("text", "instruction", "chat")
 Piece = tuple[str, bool]  # (text, learned: whether the loss counts its tokens)

@@ -18,7 +18,7 @@ import numpy as np
 
 from paisoar_jax.data import records
 from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
-from paisoar_jax.user_files import open_tokenizer, read_json
+from paisoar_jax.runtime.user_files import open_tokenizer, read_json
 
 # The last resort for a tokenizer whose directory declares no end-of-sequence token.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")

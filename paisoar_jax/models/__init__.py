@@ -1,6 +1,6 @@
 """The model zoo's modules: gpt and llama, and the image classifiers resnet, vgg and vit.
 
-paisoar_jax/zoo.py registers them by name (`model.name`); this package holds the modules
+paisoar_jax/tasks/zoo.py registers them by name (`model.name`); this package holds the modules
 and the resolution of an image model's variant into its shape.
 """
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from paisoar_jax import output
 from paisoar_jax.errors import UserError
-from paisoar_jax.platform import compile_platform, is_target_compile
-from paisoar_jax.precision import Policy, float32_island
+from paisoar_jax.numerics.precision import Policy, float32_island
+from paisoar_jax.runtime.platform import compile_platform, is_target_compile
 
 
 def rotary_tables(

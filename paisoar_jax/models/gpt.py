@@ -20,17 +20,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from paisoar_jax import fp8, lora
 from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.engine import lora
 from paisoar_jax.models.attention import apply_rotary, attention, resolve_attention, rotary_tables
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
+from paisoar_jax.numerics import fp8
+from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
+from paisoar_jax.numerics.remat import recomputed_activation, wrap_block_call
 from paisoar_jax.parallel.context import split_attention
 from paisoar_jax.parallel.pipeline import scan_layers
 from paisoar_jax.parallel.sharding import constrain, context_shards, sequence_whole
-from paisoar_jax.precision import Policy, matmul_fp32_out
-from paisoar_jax.remat import recomputed_activation, wrap_block_call
 
 
 def _layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:

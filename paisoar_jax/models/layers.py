@@ -33,8 +33,8 @@ from flax import nnx
 
 from paisoar_jax.config import VisionConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.precision import Policy, matmul_fp32_out
-from paisoar_jax.remat import wrap_block_call
+from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
+from paisoar_jax.numerics.remat import wrap_block_call
 
 # The running statistics' decay (flax convention: PyTorch's momentum 0.1) and epsilon.
 BATCH_NORM_MOMENTUM = 0.9

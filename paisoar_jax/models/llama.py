@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from paisoar_jax import fp8
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.attention import resolve_attention
@@ -31,9 +30,10 @@ from paisoar_jax.models.gpt import (
     mlp_width,
 )
 from paisoar_jax.models.layers import build_blocks, param
+from paisoar_jax.numerics import fp8
+from paisoar_jax.numerics.precision import Policy, float32_island
+from paisoar_jax.numerics.remat import recomputed_activation
 from paisoar_jax.parallel.sharding import constrain
-from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.remat import recomputed_activation
 
 MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
 ATTENTION_MATMULS = MATMULS[:4]  # with experts as the MLP: theirs run in bf16

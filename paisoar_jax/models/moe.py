@@ -53,9 +53,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paisoar_jax.models.layers import param
+from paisoar_jax.numerics.precision import Policy, float32_island
+from paisoar_jax.numerics.remat import recomputed_activation
 from paisoar_jax.parallel.sharding import constrain
-from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.remat import recomputed_activation
 
 # The expert buffers' layout: experts over `expert`, the rows over the other batch axes.
 BUFFERS = ("act_experts", "batch_within_expert", None, "act_embed")

@@ -28,8 +28,8 @@ from paisoar_jax.models.layers import (
     resolve_config,
     run_block,
 )
+from paisoar_jax.numerics.precision import Policy, float32_island
 from paisoar_jax.parallel.sharding import constrain
-from paisoar_jax.precision import Policy, float32_island
 
 # Depth -> (bottleneck blocks?, blocks per stage), as in the paper's Table 1.
 DEPTHS: dict[int, tuple[bool, tuple[int, ...]]] = {

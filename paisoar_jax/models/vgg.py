@@ -30,8 +30,8 @@ from paisoar_jax.models.layers import (
     resolve_config,
     run_block,
 )
+from paisoar_jax.numerics.precision import Policy
 from paisoar_jax.parallel.sharding import constrain
-from paisoar_jax.precision import Policy
 
 # Depth -> convs in each of the five stages (the paper's configurations A, B, D, E).
 DEPTHS: dict[int, tuple[int, ...]] = {

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from paisoar_jax import fp8
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.layers import (
     Conv,
@@ -33,11 +32,12 @@ from paisoar_jax.models.layers import (
     resolve_config,
     run_block,
 )
+from paisoar_jax.numerics import fp8
+from paisoar_jax.numerics.precision import Policy, float32_island
+from paisoar_jax.numerics.remat import recomputed_activation, wrap_block_call
 from paisoar_jax.parallel.pipeline import scan_layers
 from paisoar_jax.parallel.sharding import constrain
-from paisoar_jax.platform import compile_platform
-from paisoar_jax.precision import Policy, float32_island
-from paisoar_jax.remat import recomputed_activation, wrap_block_call
+from paisoar_jax.runtime.platform import compile_platform
 
 LAYER_NORM_EPSILON = 1e-6  # the ViT paper's (PyTorch's default is 1e-5)
 TOKEN_AXES = ("batch", "length", "act_embed")

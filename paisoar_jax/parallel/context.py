@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from paisoar_jax.numerics.precision import float32_island, matmul_fp32_out
 from paisoar_jax.parallel.sharding import activation_axes, constrain, in_batch_vmap
-from paisoar_jax.platform import compile_platform
-from paisoar_jax.precision import float32_island, matmul_fp32_out
+from paisoar_jax.runtime.platform import compile_platform
 
 
 def balanced_order(length: int, shards: int) -> np.ndarray:

@@ -44,7 +44,7 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
 
     from paisoar_jax.data.prefetch import DevicePrefetcher
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.zoo import task_for
+    from paisoar_jax.tasks.zoo import task_for
 
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
@@ -99,8 +99,8 @@ def bench_train(config: Config, workload: Any = None) -> dict[str, Any]:
     """
     import jax
 
-    from paisoar_jax.loop import run
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.run.loop import run
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task
@@ -182,7 +182,7 @@ def _estimate(
 def _attention(config: Config) -> str | None:
     """The attention implementation a language model ran (auto resolved); None for images."""
     from paisoar_jax.models.attention import resolve_attention
-    from paisoar_jax.precision import get_policy
+    from paisoar_jax.numerics.precision import get_policy
 
     model = config.model
     if not hasattr(model, "attention"):

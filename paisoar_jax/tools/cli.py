@@ -6,7 +6,7 @@ import argparse
 import traceback
 from collections.abc import Callable, Sequence
 
-from paisoar_jax import distributed, heartbeat, output
+from paisoar_jax import output
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.config.keys import keys_help
 from paisoar_jax.errors import (
@@ -17,8 +17,9 @@ from paisoar_jax.errors import (
     HangError,
     UserError,
 )
-from paisoar_jax.preemption import StopRequest
-from paisoar_jax.startup import start
+from paisoar_jax.run.startup import start
+from paisoar_jax.runtime import distributed, heartbeat
+from paisoar_jax.runtime.preemption import StopRequest
 
 
 def config_parser(program: str, description: str) -> argparse.ArgumentParser:

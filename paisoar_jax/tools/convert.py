@@ -113,8 +113,8 @@ def verify_dataset(args: argparse.Namespace) -> str:
 
 def _import_hf(args: argparse.Namespace) -> str:
     """hf-import, in every process of a launched run (each builds only its devices' shards)."""
-    from paisoar_jax import distributed
     from paisoar_jax.config import DistributedConfig
+    from paisoar_jax.runtime import distributed
 
     distributed.initialize(DistributedConfig(), program=PROGRAM)  # the launcher's, if any
     return hf.hf_import(args.input, args.output, args.adapter)

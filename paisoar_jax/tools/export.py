@@ -32,8 +32,8 @@ def export(
 
     import jax
 
+    from paisoar_jax.checkpointing.weights import checkpoint_step, export_weights, read_params
     from paisoar_jax.config import dump_yaml
-    from paisoar_jax.weights import checkpoint_step, export_weights, read_params
 
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output {output} exists and is not an empty directory")

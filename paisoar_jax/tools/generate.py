@@ -33,19 +33,19 @@ import jax
 import numpy as np
 
 from paisoar_jax import output
+from paisoar_jax.checkpointing.weights import load_weights, weights_source
 from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
 from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.data.tokenizing import end_of_text_id
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import generate_rows, pick_token
+from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
-from paisoar_jax.precision import get_policy
+from paisoar_jax.runtime.user_files import open_tokenizer, read_json
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.hf import TOKEN_IDS_FILE, kept_file
-from paisoar_jax.user_files import open_tokenizer, read_json
-from paisoar_jax.weights import load_weights, weights_source
-from paisoar_jax.workload import setup
-from paisoar_jax.zoo import zoo_workload
 
 PROGRAM = "paisoar_jax.generate"
 PROMPT_BUCKET = 16  # batched prompts of several lengths are padded to a multiple of this

@@ -217,9 +217,9 @@ def schedule_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def flag_lines(found: dict[str, Any]) -> list[str]:
     """The XLA flags of the GPU compile, and with --flag-effects what they change."""
-    from paisoar_jax.memory import format_bytes
+    from paisoar_jax.engine.memory import format_bytes
 
-    lines = ["XLA flags for the GPU (paisoar_jax/gpu_flags.py; XLA_FLAGS wins)"]
+    lines = ["XLA flags for the GPU (paisoar_jax/runtime/gpu_flags.py; XLA_FLAGS wins)"]
     for row in found.get("xla_flags", []):
         lines.append(f"  {row['flag']}={row['value']}  ({row['set_by']})")
     effects = found.get("flag_effects")
@@ -285,7 +285,7 @@ def step_estimate(
 
 def report_lines(found: dict[str, Any]) -> list[str]:
     """The target part of plan's table: whether the step fits, then its kernels."""
-    from paisoar_jax.memory import format_bytes
+    from paisoar_jax.engine.memory import format_bytes
 
     verdict = "fits" if found["fits"] else "does NOT fit"
     limit = found.get("limit_bytes", found["device_memory_bytes"])

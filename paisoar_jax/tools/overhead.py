@@ -56,13 +56,13 @@ def _per_call_ms(function, calls: int = CALLS) -> float:
 
 def bare_loop_ms(config: Config) -> float:
     """Milliseconds per step of the same jitted step fed a fresh host batch each step."""
-    from paisoar_jax import gpu_flags
-    from paisoar_jax.compilation import one_step_at_a_time
+    from paisoar_jax.engine.compilation import one_step_at_a_time
+    from paisoar_jax.engine.state import init_state
+    from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.state import init_state
-    from paisoar_jax.step import jit_train_step
-    from paisoar_jax.workload import setup
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.runtime import gpu_flags
+    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     run = setup(config, zoo_workload(config))
     shape = run.task.batch_shape(config.train.global_batch)
@@ -91,13 +91,13 @@ def pieces_ms(config: Config) -> dict[str, float]:
     """Each per-step piece of the library's loop, timed alone (see the module docstring)."""
     from tqdm import tqdm
 
-    from paisoar_jax.compilation import signature
     from paisoar_jax.data.prefetch import global_batch
-    from paisoar_jax.loop import stop_agreed
-    from paisoar_jax.metrics import MetricsWriter
+    from paisoar_jax.engine.compilation import signature
+    from paisoar_jax.observe.metrics import MetricsWriter
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.preemption import StopRequest
-    from paisoar_jax.zoo import task_for
+    from paisoar_jax.run.loop import stop_agreed
+    from paisoar_jax.runtime.preemption import StopRequest
+    from paisoar_jax.tasks.zoo import task_for
 
     task = task_for(config)
     source, _ = task.open_sources()

@@ -15,8 +15,8 @@ import statistics
 from typing import Any
 
 from paisoar_jax.config import Config, config_from_dict, to_dict
+from paisoar_jax.engine.memory import format_bytes  # the units plan prints
 from paisoar_jax.errors import UserError
-from paisoar_jax.memory import format_bytes  # the units plan prints
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.pipeline import from_config as pipeline_of
 
@@ -345,7 +345,7 @@ def low_mfu(run: Run) -> Finding | None:
 
 def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
     """Lower lr, clip, warm up longer, bf16 over fp16, go on from a checkpoint before it."""
-    from paisoar_jax.checkpoint import checkpoint_directory
+    from paisoar_jax.checkpointing.checkpoint import checkpoint_directory
 
     config = run.config
     optim = config.optim

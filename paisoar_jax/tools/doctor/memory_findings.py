@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from paisoar_jax.memory import format_bytes
-from paisoar_jax.oom import memory_fixes
+from paisoar_jax.engine.memory import format_bytes
+from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.tools.doctor.findings import Finding, Run, larger_batch, mesh_shape, percent
 
 MEMORY_ROOMY, MEMORY_TIGHT = 0.5, 0.9

@@ -7,7 +7,7 @@ loop judges it (monitor.scale_keeps_falling): only once the scale has settled.
 from __future__ import annotations
 
 from paisoar_jax.config import Config
-from paisoar_jax.monitor import FALLING_SCALE_LOGS, scale_keeps_falling
+from paisoar_jax.observe.monitor import FALLING_SCALE_LOGS, scale_keeps_falling
 from paisoar_jax.tools.doctor.findings import (
     Finding,
     Run,

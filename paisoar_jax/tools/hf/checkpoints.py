@@ -31,6 +31,7 @@ from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.data.tokenizing import EOS_NAMES
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params
+from paisoar_jax.runtime.user_files import read_json, safetensors_errors
 from paisoar_jax.tools.hf import peft
 from paisoar_jax.tools.hf.layouts import (
     ARCHITECTURES,
@@ -40,7 +41,6 @@ from paisoar_jax.tools.hf.layouts import (
     model_config_from_hf,
     tensors_of,
 )
-from paisoar_jax.user_files import read_json, safetensors_errors
 
 __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
@@ -120,7 +120,7 @@ def hf_import(
     import jax
     from jax.experimental import multihost_utils
 
-    from paisoar_jax.weights import export_weights
+    from paisoar_jax.checkpointing.weights import export_weights
 
     config_path = source / "config.json"
     if not config_path.is_file():
@@ -199,7 +199,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     """
     from safetensors.numpy import save_file
 
-    from paisoar_jax.weights import read_weights
+    from paisoar_jax.checkpointing.weights import read_weights
 
     config, params, where = read_weights(source)
     model = config.model
@@ -353,8 +353,8 @@ def _abstract_state(model: LanguageModelConfig):
     import jax
     from flax import nnx
 
-    from paisoar_jax.precision import get_policy
-    from paisoar_jax.zoo import build_model
+    from paisoar_jax.numerics.precision import get_policy
+    from paisoar_jax.tasks.zoo import build_model
 
     def create():
         built = build_model(model, get_policy("fp32"), "none", nnx.Rngs(params=0))

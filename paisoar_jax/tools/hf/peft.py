@@ -24,8 +24,8 @@ import numpy as np
 
 from paisoar_jax.config import LanguageModelConfig, LoraConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.runtime.user_files import read_json, safetensors_errors
 from paisoar_jax.tools.hf.layouts import hf_type, tensors_of
-from paisoar_jax.user_files import read_json, safetensors_errors
 
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own wrapping modules
 ADAPTER_SUFFIXES = ("_lora.a", "_lora.b")

@@ -3,7 +3,7 @@
 Starts N processes of `python -m paisoar_jax.train ARGS` on this machine (or of any script:
 `-- python my_script.py ARGS`, whose `paisoar_jax.fit` or `paisoar_jax.initialize()` joins
 them), joined by jax.distributed through the PAISOAR_* variables
-(paisoar_jax/distributed.py): a free port on 127.0.0.1 for one node, `--coordinator
+(paisoar_jax/runtime/distributed.py): a free port on 127.0.0.1 for one node, `--coordinator
 HOST:PORT` for several (`--nnodes`, `--node-rank`, one launcher per node). On CPU each
 process gets K simulated devices; on a GPU node, K GPUs (default: an equal share).
 
@@ -14,7 +14,7 @@ failing rank's status after printing its last lines. SIGINT/SIGTERM to the launc
 every process (each saves the same step once and exits 0, or 130 for Ctrl-C); a third
 Ctrl-C press kills them, naming the last saved step.
 
-A stalled rank is named. Each rank beats every second (paisoar_jax/heartbeat.py) with the
+A stalled rank is named. Each rank beats every second (paisoar_jax/runtime/heartbeat.py) with the
 step it last finished; a rank without beats for `--timeout` seconds (SIGSTOP, a frozen node)
 is reported in one line with its last step and the newest checkpoint, and every process is
 stopped (exit status 1). Once a rank has said where its run directory is, every rank's
@@ -46,8 +46,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from paisoar_jax import distributed, heartbeat, preemption
 from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from paisoar_jax.runtime import distributed, heartbeat, preemption
 from paisoar_jax.tools.launch.arguments import parse_arguments
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restarts

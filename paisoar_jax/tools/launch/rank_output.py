@@ -14,7 +14,7 @@ import re
 import threading
 
 from paisoar_jax import output as user_output
-from paisoar_jax.chatter import ChatterFilter
+from paisoar_jax.runtime.chatter import ChatterFilter
 
 LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
@@ -114,7 +114,7 @@ def copy_lines(
                 output.write(sink, log, b'{"rank": %s, ' % rank.encode() + text[1:] + end)
                 continue
             # The CPU collectives' connection chatter: for the log, not the screen or the
-            # last lines of a failed rank (paisoar_jax/chatter.py).
+            # last lines of a failed rank (paisoar_jax/runtime/chatter.py).
             kept = chatter_filter.line(text)
             if kept is None:
                 output.write(sink, log, prefix + text + end, screen=False)

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from paisoar_jax import heartbeat, output
+from paisoar_jax import output
+from paisoar_jax.runtime import heartbeat
 
 PROGRAM = "paisoar_jax.launch"
 MAX_BACKOFF_S = 60.0

@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from paisoar_jax import gpu_flags, output
+from paisoar_jax import output
 from paisoar_jax.config import Config
+from paisoar_jax.engine.memory import memory
 from paisoar_jax.errors import UserError
-from paisoar_jax.memory import memory
-from paisoar_jax.oom import memory_fixes
+from paisoar_jax.run.oom import memory_fixes
+from paisoar_jax.runtime import gpu_flags
 from paisoar_jax.tools import gpu_target, hlo
 from paisoar_jax.tools.plan import context_split, fit_search, reports
 
@@ -99,11 +100,11 @@ def compile_step(
     """
     import jax
 
+    from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.platform import compiling_for, is_target_compile_of
-    from paisoar_jax.step import jit_train_step
-    from paisoar_jax.workload import setup
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.runtime.platform import compiling_for, is_target_compile_of
+    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     train = config.train
     workload = zoo_workload(config) if workload is None else workload
@@ -141,7 +142,7 @@ def peak_tflops(config: Config, simulated: bool, target: str | None = None) -> t
     """The per-device peak and where it came from (config, target, device kind, or default)."""
     import jax
 
-    from paisoar_jax.metrics import device_peak_tflops
+    from paisoar_jax.observe.metrics import device_peak_tflops
 
     if config.train.peak_tflops > 0:
         return config.train.peak_tflops, "train.peak_tflops"
@@ -175,7 +176,7 @@ def plan(
 def plan_and_collectives(config, devices, link, efficiency, simulated, workload, target=None):
     """(plan, the step's collectives as hlo.Collective): see `plan`."""
     from paisoar_jax.parallel import rules
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
     task = workload.task

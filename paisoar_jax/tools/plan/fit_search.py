@@ -17,7 +17,7 @@ from typing import Any
 
 from paisoar_jax.config import Config, config_from_dict, to_dict
 from paisoar_jax.errors import UserError
-from paisoar_jax.oom import LESS_REMAT_MEMORY
+from paisoar_jax.run.oom import LESS_REMAT_MEMORY
 
 MAX_CHANGES = 3
 
@@ -116,7 +116,7 @@ def search(
 
 def fit_lines(found: dict[str, Any]) -> list[str]:
     """The plan table's lines for --fit: the change to add, or that nothing tried fits."""
-    from paisoar_jax.memory import format_bytes
+    from paisoar_jax.engine.memory import format_bytes
 
     limit = format_bytes(found["limit_bytes"])
     if found["fits"]:

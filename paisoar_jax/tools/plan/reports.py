@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from paisoar_jax.memory import per_device_bytes
+from paisoar_jax.engine.memory import per_device_bytes
 
 
 def pipeline_report(schedule, by_kind: dict[str, dict]) -> dict[str, Any] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paisoar_jax.memory import format_bytes
+from paisoar_jax.engine.memory import format_bytes
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.sharding import OPTIONAL_AXES
 from paisoar_jax.tools import gpu_target

@@ -25,7 +25,7 @@ def compare_grad_comm(
     """
     from dataclasses import replace
 
-    from paisoar_jax.zoo import zoo_workload
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     workload = zoo_workload(config) if workload is None else workload
     comparison: dict[str, Any] = {}

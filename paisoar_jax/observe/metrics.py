@@ -1,0 +1,137 @@
+"""Run metrics: metrics.jsonl, the trackers beside it and the MFU arithmetic.
+
+Only process 0 writes; trackers/ holds TensorBoard, Weights & Biases and MLflow. Each
+metrics.jsonl line is one JSON object with at least step, loss, lr, grad_norm, loss_scale,
+skipped_steps, step_time_s, tokens_per_s, mfu (null where the device's peak is unknown) and
+data_wait_frac.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import jax
+
+from paisoar_jax import output
+from paisoar_jax.config import Config
+from paisoar_jax.observe import trackers
+
+# Dense bf16 peak TFLOP/s per device, by jax device_kind prefix (datasheet figures).
+PEAK_TFLOPS = {
+    "NVIDIA H200": 989.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA A100": 312.0,
+    "NVIDIA L4": 121.0,
+}
+
+
+def device_peak_tflops(configured: float = 0.0) -> float | None:
+    """The per-device peak for MFU: the configured value, else the table's, else None."""
+    if configured > 0:
+        return configured
+    kind = jax.devices()[0].device_kind
+    return next((peak for prefix, peak in PEAK_TFLOPS.items() if kind.startswith(prefix)), None)
+
+
+def mfu(
+    tokens_per_s: float, flops_per_token: float | None, peak_tflops: float | None
+) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    if not peak_tflops or flops_per_token is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * jax.device_count())
+
+
+class MetricsWriter:
+    """Appends metric records to run_dir/metrics.jsonl and the trackers (process 0 only).
+
+    `config`: the run's, whose run.trackers receive every record; without it, TensorBoard
+    alone when `tensorboard`. `optimizer`: an optimizer given to fit, as the trackers record
+    it (optim.describe_given).
+    """
+
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        tensorboard: bool = True,
+        resume_step: int = 0,
+        config: Config | None = None,
+        optimizer: dict[str, Any] | None = None,
+    ):
+        self.enabled = jax.process_index() == 0
+        self._file = None
+        self._trackers = []
+        self._logged_through = 0  # the trackers already hold the steps up to this one
+        self.run_dir = run_dir
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "metrics.jsonl"
+        # A resumed run continues the file as if uninterrupted: records past the restored
+        # step (logged after the last checkpoint) are dropped, earlier ones kept.
+        if resume_step and path.exists():
+            lines = [
+                line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")
+            ]
+            steps = [json.loads(line)["step"] for line in lines]
+            kept = [line for line, step in zip(lines, steps, strict=True) if step <= resume_step]
+            self._logged_through = max(steps, default=0)
+            # Replaced in one rename: a kill right now leaves the old file or the new one.
+            temporary = path.with_suffix(".jsonl.tmp")
+            temporary.write_text("".join(kept))
+            os.replace(temporary, path)
+        elif path.exists():
+            path.unlink()  # a fresh run (no checkpoint to continue) starts a fresh file
+        if config is not None:
+            self._trackers = trackers.open_trackers(config, run_dir, resume_step, optimizer)
+        elif tensorboard:
+            self._trackers = [trackers.TensorBoard(None, run_dir)]
+        self._file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Writes one record (it must hold `step`); its numeric fields go to the trackers."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for tracker in list(self._trackers):
+            if record["step"] <= self._logged_through and not tracker.replays:
+                continue  # logged by the interrupted run, to the same values
+            try:
+                tracker.log(record)
+            except Exception as error:  # a tracker's server gone mid-run: training goes on
+                output.warning(
+                    f"{type(tracker).__name__} stopped taking metrics at step "
+                    f"{record['step']} ({type(error).__name__}: {str(error)[:200]}); "
+                    f"metrics.jsonl keeps them all"
+                )
+                self._trackers.remove(tracker)
+
+    def reopen(self) -> None:
+        """Opens metrics.jsonl and TensorBoard's events again: their directory was made anew.
+
+        (The files open before belong to the deleted directory: writes there are lost.)
+        """
+        if not self.enabled:
+            return
+        from paisoar_jax.observe.trackers.tensorboard import TensorBoard
+
+        self._file.close()
+        self._file = (self.run_dir / "metrics.jsonl").open("a")
+        for index, tracker in enumerate(self._trackers):
+            if isinstance(tracker, TensorBoard):
+                tracker.close()
+                self._trackers[index] = TensorBoard(None, self.run_dir)
+
+    def close(self) -> None:
+        """Flushes and closes the file and the trackers."""
+        if self._file is not None:
+            self._file.close()
+        for tracker in self._trackers:
+            try:
+                tracker.close()
+            except Exception as error:  # as in write: the run's own files are what count
+                output.warning(f"{type(tracker).__name__} did not close: {str(error)[:200]}")

@@ -1,0 +1,242 @@
+"""What a run records and says: metrics.jsonl, the progress bar and the lines a user reads.
+
+The loop (loop.py) calls these at its explicit points: `instruments` before the first step,
+`say_compiled` after compiling, `log_record` and `write_record` at each log step,
+`say_stopped` after a stop signal, `summary` and `print_summary` at the end. `parts` is the
+loop's RunParts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from paisoar_jax import output
+from paisoar_jax.errors import DivergenceError, UserError
+from paisoar_jax.numerics import loss_scale
+from paisoar_jax.observe.metrics import MetricsWriter, device_peak_tflops
+from paisoar_jax.observe.monitor import IntervalTimer, StepProfiler, check_health, device_memory
+from paisoar_jax.parallel import sharding
+from paisoar_jax.tasks.workload import Task
+
+
+@dataclasses.dataclass
+class History:
+    """What the loop has seen so far: the logged losses, the loss scales, each eval set's last."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    # (step, loss scale, skipped steps) of the log steps (unscaled: those with a finite loss)
+    scales: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
+    eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
+    eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
+
+
+def start_history(parts: Any, state: Any, start_step: int) -> History:
+    """An empty History; with a loss scaler, the scale and skipped steps at start_step.
+
+    So the first log interval counts towards the steps skipped in a row, as the later do.
+    """
+    history = History()
+    if parts.config.precision.loss_scale_mode()[0] != "none":
+        values = jax.device_get(loss_scale.scale_metrics(state.opt_state))
+        start = (start_step, float(values["loss_scale"]), int(values["skipped_steps"]))
+        history.scales.append(start)
+    return history
+
+
+@dataclasses.dataclass
+class Instruments:
+    """What measures and reports the run: timers, metrics.jsonl, the progress bar, profiler."""
+
+    timer: IntervalTimer
+    writer: MetricsWriter
+    progress: Any  # tqdm
+    profiler: StepProfiler
+
+    def close(self, step: int) -> None:
+        """Ends the bar, the trace and the metrics files."""
+        self.progress.close()
+        self.profiler.close(step)
+        self.writer.close()
+
+
+def instruments(parts: Any, start_step: int) -> Instruments:
+    """Timers in the task's unit, the metrics writer, the progress bar and the profiler."""
+    config, task = parts.config, parts.task
+    train_config, run_dir = config.train, config.run_dir
+    timer = IntervalTimer(
+        units_per_step=train_config.global_batch * task.units_per_example(),
+        flops_per_unit=task.flops_per_unit(parts.layout.flops_param_count),
+        peak_tflops=device_peak_tflops(train_config.peak_tflops),
+        unit=task.unit,
+    )
+    progress = output.progress_bar(
+        total=train_config.steps,
+        initial=start_step,
+        desc="train",
+        disable=not (config.run.progress and output.shows_progress() and jax.process_index() == 0),
+    )
+    return Instruments(
+        timer=timer,
+        writer=MetricsWriter(
+            run_dir, resume_step=start_step, config=config, optimizer=parts.given_optimizer
+        ),
+        progress=progress,
+        profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
+    )
+
+
+def say_compiled(parts: Any, compile_s: float, start_step: int) -> None:
+    """The line after compiling: model size, mesh, devices, compile time."""
+    if jax.process_index() != 0:
+        return
+    resumed = f", resumed from step {start_step}" if start_step else ""
+    output.note(
+        f"{parts.layout.describe_size()}, "
+        f"mesh {sharding.mesh_sizes(parts.mesh)}, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"compiled in {compile_s:.1f}s{resumed}"
+    )
+
+
+def log_record(
+    parts: Any, step: int, metrics: Any, train_step: Any, instruments: Instruments, history: History
+) -> dict[str, Any]:
+    """The metrics.jsonl record of a log step (the one host sync between logs), health-checked."""
+    values = jax.device_get(metrics)
+    timer = instruments.timer
+    record = {
+        "step": step,
+        "loss": float(values["loss"]),
+        **{name: float(values[name]) for name in parts.task.metric_names},
+        "lr": float(values["lr"]) if "lr" in values else None,
+        "grad_norm": float(values["grad_norm"]),
+        "loss_scale": float(values["loss_scale"]),
+        "skipped_steps": int(values["skipped_steps"]),
+        **timer.timings(step),
+        "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
+        **device_memory(),
+        "recompiles": train_step.recompiles,
+    }
+    if not history.losses:  # the first record also says what ran
+        platform = jax.devices()[0].platform
+        layout = parts.layout
+        record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
+        record["platform"] = platform
+        batch, resumed_batch = parts.config.train.global_batch, parts.resumed_batch
+        record["global_batch"] = batch
+        if resumed_batch is not None and resumed_batch != batch:  # said in a line at start
+            record["global_batch_changed"] = [resumed_batch, batch]
+        # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
+        record["lr_source"] = "config" if parts.lr_schedule is not None else "optimizer"
+        if record["lr"] is None and jax.process_index() == 0:
+            output.note(
+                "lr is not logged: your optimizer's learning rate cannot be read; build it "
+                "with optax.inject_hyperparams to log it"
+            )
+    # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
+    lower_lr = "lower optim.lr" if parts.lr_schedule is not None else "lower your optimizer's lr"
+    try:
+        check_health(record, parts.config.precision, history.scales, lower_lr)
+    except DivergenceError:
+        instruments.writer.write(record)  # the record that shows the divergence is kept
+        raise
+    history.losses.append(record["loss"])
+    return record
+
+
+def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -> None:
+    """Writes the record, shows its loss and rate on the bar, and starts the next interval."""
+    instruments.writer.write(record)
+    rate = f"{record[instruments.timer.throughput_key]:,.0f}"
+    postfix = {"loss": f"{record['loss']:.3f}", task.rate_name: rate}
+    instruments.progress.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace
+    instruments.timer.restart(record["step"])
+
+
+def check_first_step(parts: Any, step: int, metrics: Any, writer: MetricsWriter) -> None:
+    """The first step of a run, before any update: a loss that is not finite, or no gradient.
+
+    The weights were finite (fresh, or a checkpoint save checked them), so a loss that is
+    nan or inf here comes from the batch or the loss, not from the learning rate: the run
+    stops in one line saying so (its record marked `before_update` for the doctor). A
+    gradient of exactly zero reaches no parameter: one line names the usual causes.
+    """
+    values = jax.device_get({name: metrics[name] for name in ("loss", "grad_norm")})
+    loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+    if not math.isfinite(loss):
+        writer.write({"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True})
+        fp16 = (
+            ", or activations beyond fp16's range" if "16" in parts.config.precision.policy else ""
+        )
+        raise UserError(
+            f"the loss is {loss} at step {step}, before any update: the inputs or labels are "
+            f"the likely cause, not the learning rate (labels outside [0, classes), a log or "
+            f"division of 0 in the loss, non-finite values in the data{fp16})"
+        )
+    if grad_norm == 0.0 and jax.process_index() == 0:
+        output.warning(
+            f"the gradient is exactly 0 at step {step}: no parameter receives one, so nothing "
+            f"trains (a model output cast to an integer dtype, jax.lax.stop_gradient, or a loss "
+            f"that does not use the model's output)"
+        )
+
+
+def say_stopped(stopped_by: str | None, step: int, checkpointer: Any) -> None:
+    """After a stop signal: which step was saved, and where."""
+    if stopped_by and jax.process_index() == 0:
+        where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
+        output.note(f"stopped by {stopped_by} after step {step}; {where}")
+
+
+def summary(
+    parts: Any, history: History, timer: IntervalTimer, step: int, start_step: int, train_s: float
+) -> dict:
+    """The run's summary: losses, last eval, throughput in the task's unit, where it wrote."""
+    return {
+        "steps": step,
+        "first_loss": history.losses[0] if history.losses else None,
+        "final_loss": history.losses[-1] if history.losses else None,
+        "logged_losses": len(history.losses),  # log steps this process ran (1: first = final)
+        "eval_loss": history.eval_results.get("eval_loss"),  # None when no eval ran
+        **history.eval_results,
+        timer.throughput_key: timer.units_per_step
+        * (step - start_step)
+        / max(train_s - history.eval_s, 1e-9),
+        "train_s": train_s,
+        "eval_s": history.eval_s,
+        "run_dir": str(parts.config.run_dir),
+        "resumed_from": start_step,
+        "param_count": parts.layout.param_count,
+        "flops_param_count": parts.layout.flops_param_count,
+    }
+
+
+def print_summary(summary: dict[str, Any], task: Task) -> None:
+    """The sample, if any, then the one-line summary that closes every run."""
+    if "sample" in summary:
+        output.note(f"sample:\n{summary['sample']}\n", prefixed=False)
+    eval_loss, first_loss = summary["eval_loss"], summary["first_loss"]
+    eval_text = f", eval_loss {eval_loss:.4f}" if eval_loss is not None else ""
+    for key, value in summary.items():
+        if key.startswith("eval_") and key not in ("eval_loss", "eval_s"):
+            eval_text += f", {key} {value:.4f}"
+    eval_time = f" (eval {summary['eval_s']:.1f}s)" if summary["eval_s"] else ""
+    if first_loss is None:
+        loss_text = "no loss logged"
+    elif summary.get("logged_losses") == 1:  # not "3.5851 -> 3.5851", as if nothing trained
+        loss_text = f"loss {first_loss:.4f} (one log step: lower train.log_every for more)"
+    else:
+        loss_text = f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}"
+    steps, resumed_from = summary["steps"], summary["resumed_from"]
+    # This process's steps, apart from those a resumed checkpoint had done already.
+    ran = f" ({steps - resumed_from} this run, resumed from {resumed_from})" if resumed_from else ""
+    output.note(
+        f"done: {steps} steps{ran} in {summary['train_s']:.1f}s{eval_time}, "
+        f"{loss_text}{eval_text}, "
+        f"{summary[f'{task.unit}_per_s']:,.0f} {task.unit}/s, "
+        f"compile {summary['compile_s']:.1f}s, run dir {summary['run_dir']}"
+    )

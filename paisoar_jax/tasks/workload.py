@@ -1,0 +1,207 @@
+"""What is trained, and the one setup every run starts from.
+
+A `Workload` is the user's side of a run: a model factory (`rngs -> nnx.Module`), a `Task`
+(what a batch is, the loss, eval, the throughput unit) and optionally an optimizer. The zoo's
+models are workloads like any other (zoo.py), and `paisoar_jax.fit` makes one of a user's
+own model, loss and data (custom.py). `setup` turns a config and a workload into what the
+loop, plan, bench and export start from: the mesh, the optimizer chain and the state layout
+(every sharding, from abstract shapes only; nothing is built yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from paisoar_jax.config import Config
+from paisoar_jax.engine import lora
+from paisoar_jax.engine.evaluation import EvalSet
+from paisoar_jax.engine.optim import (
+    build_lr_schedule,
+    build_optimizer,
+    describe_given,
+    wrap_optimizer,
+)
+from paisoar_jax.engine.state import StateLayout, state_layout
+from paisoar_jax.errors import UserError
+from paisoar_jax.numerics import precision, remat
+from paisoar_jax.parallel import pipeline, sharding
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+# An optax transformation, or a factory that takes the config's learning-rate schedule.
+Optimizer = optax.GradientTransformation | Callable[[optax.Schedule], optax.GradientTransformation]
+
+
+class Task(Protocol):
+    """What a model learns from its batches: the step, loop, plan and bench ask the task."""
+
+    unit: str  # the throughput unit: "tokens" or "examples"
+    rate_name: str  # the progress bar's name for the rate: tok_s, img_s, ex_s
+    unit_of_data: str  # what a source holds, for messages: windows, images, examples
+    metric_names: tuple[str, ...]  # the fp32 scalars `loss` returns beside the loss
+    reports_perplexity: bool  # eval adds exp(eval_loss): a mean loss per token
+    config_note: str  # comment lines atop the run's config.yaml ("" for none)
+
+    def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
+        """The train source and the eval sets (the default one first; none: no eval)."""
+
+    def host_batches(
+        self, source: Any, *, global_batch: int, seed: int, train: bool, workers: int = 0
+    ) -> Iterator:
+        """The rows of endless global batches this process reads (get_state/set_state)."""
+
+    def batch_shape(self, global_batch: int) -> Any:
+        """The shapes and dtypes of one global batch (a ShapeDtypeStruct or a dict of them)."""
+
+    def units_per_example(self) -> int:
+        """Throughput units per example (tokens per sequence, or 1)."""
+
+    def flops_per_unit(self, param_count: int) -> float | None:
+        """Training FLOPs per unit, for MFU; None when unknown."""
+
+    def loss(self, model: nnx.Module, batch: Any, key: jax.Array) -> tuple[jax.Array, dict]:
+        """(fp32 scalar loss, {name: fp32 scalar}) of the model on one batch."""
+
+    def loss_weight(self, batch: Any) -> jax.Array | None:
+        """The targets a batch's loss is a mean over, when that count varies; else None.
+
+        The step weighs each micro-batch's (and data shard's) mean by it, so the step's loss
+        is the mean over the whole batch's targets (a masked language model's tokens).
+        """
+
+    def eval_rows(self, model: nnx.Module, batch: Any) -> dict[str, jax.Array]:
+        """{"loss", ...} on one held-out batch: fp32 arrays of one value per row, (B,)."""
+
+    def signature(self) -> dict[str, Any]:
+        """The input settings a saved data position depends on."""
+
+    def prepare(self, layout: StateLayout, global_batch: int) -> None:
+        """Called once by `setup` before anything compiles (checks against the model)."""
+
+    def closing_sample(self, layout: StateLayout, state: Any, mesh: Mesh) -> str | None:
+        """What the trained model makes of a prompt, shown at the end of a run; or None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model factory, its task and optionally an optimizer (default: the config's)."""
+
+    model: ModelFactory
+    task: Task
+    optimizer: Optimizer | None = None
+    # The zoo's modules cast to the precision policy and checkpoint their blocks themselves;
+    # for other models the step casts the weights and remat.blocks names the blocks.
+    follows_policy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run is built on: the mesh, the state layout, the learning-rate schedule, the task."""
+
+    config: Config
+    mesh: Mesh
+    layout: StateLayout
+    lr_schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
+    task: Task
+    given_optimizer: dict[str, Any] | None = None  # fit's optimizer as trackers record it
+
+
+def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module]:
+    """A zero-argument function that builds the model from the run's seed and remat settings."""
+    seed = config.train.seed
+    policy_name = config.remat.policy
+    if workload.follows_policy and config.remat.blocks:
+        raise UserError(
+            f"remat.blocks is for a model of your own: the {config.model.name} blocks are "
+            f"checkpointed by remat.policy alone"
+        )
+
+    def create() -> nnx.Module:
+        # Eager sharding off: shardings are given to jit, not attached at creation.
+        with nnx.use_eager_sharding(False), remat.building(policy_name) as built:
+            if workload.follows_policy:  # the zoo draws its init from a `params` stream
+                model = workload.model(nnx.Rngs(params=seed))
+            else:
+                model = workload.model(nnx.Rngs(seed))
+                if not isinstance(model, nnx.Module):
+                    name = getattr(workload.model, "__name__", "the factory")
+                    raise UserError(
+                        f"model={name} returned {_kind_of(model)}, not an nnx.Module: the "
+                        f"factory must build the module (model=lambda rngs: MyModel(..., "
+                        f"rngs=rngs))"
+                    )
+                remat.remat_blocks(model, config.remat.blocks, policy_name)
+                # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
+                precision.follow_policy(model, precision.get_policy(config.precision.policy))
+            if config.lora.enabled:
+                lora.add_adapters(model, config.lora, seed)
+            if workload.follows_policy:
+                return model
+        if policy_name != "none" and not (built.wrapped or config.remat.blocks):
+            raise UserError(
+                f"remat.policy={policy_name} applies to no block of this model: name them with "
+                f"remat.blocks=[<module path regex>] or wrap them with "
+                f"paisoar_jax.remat_block(block)"
+            )
+        return model
+
+    return create
+
+
+def optimizer_for(config: Config, given: Optimizer | None):
+    """(optimizer chain, learning-rate schedule, description): the config's chain, or the user's.
+
+    A user's runs as given: clipped only when optim.clip_norm is set (and loss-scaled under
+    fp16). Its description is what the trackers record of it (optim.describe_given); None
+    for the config's.
+    """
+    train = config.train
+    if given is None:
+        chain, lr_schedule = build_optimizer(
+            config.optim, train.steps, train.global_batch, config.precision
+        )
+        return chain, lr_schedule, None
+    lr_schedule = build_lr_schedule(config.optim, train.steps, train.global_batch)
+    if isinstance(given, optax.GradientTransformation):
+        inner, lr_schedule, factory = given, None, None  # its own learning rate: read if injected
+    elif callable(given):
+        inner, factory = given(lr_schedule), given
+        if not isinstance(inner, optax.GradientTransformation):
+            raise UserError(f"optimizer factory returned {type(inner).__name__}, not an optax one")
+    else:
+        raise UserError(
+            f"optimizer must be an optax GradientTransformation or a function of the schedule, "
+            f"got {type(given).__name__}"
+        )
+    clip_norm = config.optim.clipping(own_optimizer=True)
+    chain = wrap_optimizer(inner, clip_norm, config.precision)
+    return chain, lr_schedule, describe_given(inner, factory, clip_norm)
+
+
+def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Mesh, optimizer and state layout for `config` and `workload`; no arrays are built."""
+    mesh = sharding.build_mesh(config.mesh, devices)
+    pipeline_schedule = pipeline.from_config(config)
+    pipelined = pipeline_schedule.microbatches if pipeline_schedule else 1
+    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh, pipelined)
+    optimizer, lr_schedule, given = optimizer_for(config, workload.optimizer)
+    create_model = model_builder(config, workload)
+    with jax.set_mesh(mesh):
+        layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
+        workload.task.prepare(layout, config.train.global_batch)
+    return Setup(config, mesh, layout, lr_schedule, workload.task, given)
+
+
+def _kind_of(value: Any) -> str:
+    """`None`, `the class Linear` or `a function`: what a factory returned, in words."""
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return f"the class {value.__name__} (not an instance of it)"
+    return f"a {type(value).__name__}"
