@@ -67,7 +67,7 @@ _EXPORTS = {
     "bench_fit": "paisoar_jax.api",
     "initialize": "paisoar_jax.api",
     "export_run": "paisoar_jax.api",
-    "Generator": "paisoar_jax.tools.generate",
+    "Generator": "paisoar_jax.inference.generator",
     "load_config": "paisoar_jax.config",
     "Config": "paisoar_jax.config",
     "remat_block": "paisoar_jax.numerics.remat",

@@ -10,8 +10,8 @@ from flax import nnx
 from test_hf import llama
 
 import paisoar_jax
+from paisoar_jax.inference.generator import Generator
 from paisoar_jax.tools import hf
-from paisoar_jax.tools.generate import Generator
 
 # Meta-Llama-3-8B-Instruct's template: BOS from {{ bos_token }}, which the tokenizer's
 # post-processor would add again to the rendered text.

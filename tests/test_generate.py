@@ -13,11 +13,11 @@ from test_hf import gpt2, llama, mixtral, qwen3_moe
 
 from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.inference.generator import Generator
 from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.tasks.zoo import build_model
 from paisoar_jax.tools import hf
-from paisoar_jax.tools.generate import Generator
 
 PROMPT = [5, 17, 3, 88, 41, 9]
 
@@ -220,7 +220,7 @@ def test_bad_requests_get_one_line_and_exit_2(refused_requests, arguments, messa
 
 
 def test_a_run_over_more_devices_is_placed_whole_here():
-    from paisoar_jax.tools.generate import placement
+    from paisoar_jax.inference.generator import placement
 
     assert "mesh.fsdp=2" in placement(load_config(None, ["mesh.fsdp=2", "mesh.data=1"]), 8)
     for mesh in (["mesh.fsdp=-1", "mesh.data=1"], ["mesh.fsdp=8", "mesh.data=1"]):

@@ -24,6 +24,7 @@ from paisoar_jax.config import config_from_dict, load_config, to_dict
 from paisoar_jax.engine.memory import per_device_bytes
 from paisoar_jax.engine.step import loss_and_grads
 from paisoar_jax.errors import UserError
+from paisoar_jax.inference.generator import placement
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.parallel import rules as rules_table
 from paisoar_jax.run.loop import train
@@ -31,7 +32,6 @@ from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.tasks.workload import setup
 from paisoar_jax.tasks.zoo import check_model, task_for
 from paisoar_jax.tools.doctor import findings
-from paisoar_jax.tools.generate import placement
 
 
 def three_steps(overrides, devices):

@@ -19,8 +19,8 @@ from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.data.conversations import ChatTemplate, json_rows
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.errors import UserError
+from paisoar_jax.inference.generator import Text, end_of_sequence_ids
 from paisoar_jax.runtime.user_files import open_tokenizer
-from paisoar_jax.tools.generate import Text, end_of_sequence_ids
 from paisoar_jax.tools.hf.checkpoints import SafetensorsReader
 from paisoar_jax.tools.hf.peft import read_adapter_settings, read_adapter_tensors
 

@@ -32,6 +32,21 @@ from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.runtime.user_files import read_text
 
+# The special token ids of an imported model's config.json, kept beside its weights.
+TOKEN_IDS_FILE = "hf_token_ids.json"
+
+
+def kept_file(name: str, config: Config, *directories: pathlib.Path) -> pathlib.Path | None:
+    """A file an import keeps beside the weights (tokenizer.json, ...), or None.
+
+    Looked for in `directories`, then beside the import the run was fine-tuned from (its
+    checkpoint.init_from).
+    """
+    places = list(directories)
+    if config.checkpoint.init_from:
+        places.append(pathlib.Path(config.checkpoint.init_from))
+    return next((place / name for place in places if (place / name).is_file()), None)
+
 
 def run_config(path: pathlib.Path) -> Config:
     """The config.yaml a run or an export wrote, checked whole (every section is written).

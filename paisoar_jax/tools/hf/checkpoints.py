@@ -27,6 +27,7 @@ import shutil
 import numpy as np
 from safetensors import safe_open
 
+from paisoar_jax.checkpointing.weights import TOKEN_IDS_FILE, kept_file
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.data.tokenizing import EOS_NAMES
 from paisoar_jax.errors import UserError
@@ -46,7 +47,6 @@ __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
 # The special token ids HF keeps in config.json: carried through an import to the export.
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-TOKEN_IDS_FILE = "hf_token_ids.json"
 # Where an import came from: a PEFT adapter's base_model_name_or_path names it.
 SOURCE_FILE = "hf_source.json"
 # Files an import keeps beside the weights and an export writes back (the tokenizer as
@@ -300,18 +300,6 @@ def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
         if value is not None and not settings.get(key):
             settings[key] = value
     path.write_text(json.dumps(settings, indent=2) + "\n")
-
-
-def kept_file(name: str, config: Config, *directories: pathlib.Path) -> pathlib.Path | None:
-    """A file an import keeps beside the weights (tokenizer.json, ...), or None.
-
-    Looked for in `directories`, then beside the import the run was fine-tuned from (its
-    checkpoint.init_from).
-    """
-    places = list(directories)
-    if config.checkpoint.init_from:
-        places.append(pathlib.Path(config.checkpoint.init_from))
-    return next((place / name for place in places if (place / name).is_file()), None)
 
 
 def abstract_params(model: LanguageModelConfig) -> dict:

@@ -1,0 +1,333 @@
+"""Batched generation from a run, a checkpoint step or an export: `paisoar_jax.Generator`.
+
+    generator = paisoar_jax.Generator("runs/sft")           # a run, a step or an export
+    answers = generator.complete(questions, max_new=32)     # texts (or chats) in, texts out
+    tokens = generator.generate([[1, 2, 3], [4, 5]], max_new=8)
+
+The model is placed as its config says (fsdp and tensor kept, data filling the devices
+there are) and decodes with a key/value cache (models/decoding.py): prompts go in batches,
+left-padded, one compiled loop per batch shape. Text is tokenized as transformers
+tokenizes it (`Text`): the tokenizer.json beside the weights (an import's copy; a run
+fine-tuned from an import finds it through checkpoint.init_from), or bytes for a
+byte-level model. Generation stops after the model's end-of-sequence ids
+(generation_config.json, config.json or the tokenizer's). `python -m paisoar_jax.generate`
+is the command line over it (tools/generate.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from paisoar_jax.checkpointing.weights import (
+    TOKEN_IDS_FILE,
+    kept_file,
+    load_weights,
+    weights_source,
+)
+from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
+from paisoar_jax.config.mesh import DCN_NAMES
+from paisoar_jax.data.tokenizing import end_of_text_id
+from paisoar_jax.errors import UserError
+from paisoar_jax.models.decoding import generate_rows, pick_token
+from paisoar_jax.numerics.precision import get_policy
+from paisoar_jax.parallel import sharding
+from paisoar_jax.runtime.user_files import open_tokenizer, read_json
+from paisoar_jax.tasks.workload import setup
+from paisoar_jax.tasks.zoo import zoo_workload
+
+PROMPT_BUCKET = 16  # batched prompts of several lengths are padded to a multiple of this
+
+
+def weights_of(source: pathlib.Path):
+    """(config, the directory that holds the weights, its tokenizer.json or None)."""
+    config, path, _ = weights_source(source)
+    return config, path, kept_file("tokenizer.json", config, path, source)
+
+
+def placement(config, count: int) -> list[str]:
+    """Overrides that place the model on `count` devices as its config says, where it can.
+
+    fsdp and tensor are kept when they divide the devices (data takes the rest; pipeline
+    stages are not kept: decoding runs the stack whole); a run trained over more devices
+    than there are here (or with -1) is placed whole on each.
+    Decoding runs XLA's attention, so model.attention=cudnn becomes auto.
+    """
+    fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
+    if fsdp < 1 or tensor < 1 or count % (fsdp * tensor):
+        fsdp, tensor = 1, 1
+    overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
+    overrides += [f"mesh.{key}=1" for key in DCN_NAMES]  # one process
+    overrides += ["model.attention=auto", "mesh.expert=1"]  # each device all the experts
+    # Decoding does not pipeline: a pipelined run's stages are placed as FSDP is.
+    overrides += ["mesh.stage=1", "train.pipeline_microbatches=0"]
+    overrides += ["train.pipeline_repeats=1"]
+    return [*overrides, f"train.global_batch={count}", "train.grad_accum=1"]
+
+
+def end_of_sequence_ids(
+    config, directories: Sequence[pathlib.Path], tokenizer_file: pathlib.Path | None
+) -> tuple[int, ...]:
+    """The ids generation stops at, as transformers finds them.
+
+    generation_config.json's eos_token_id (an id or a list), else config.json's (the
+    import's hf_token_ids.json), both looked for in `directories` (and beside the import a
+    run started from), else the tokenizer's end-of-text token. None for a byte-level model.
+    """
+    for name in ("generation_config.json", TOKEN_IDS_FILE):
+        found = kept_file(name, config, *directories)
+        value = read_json(found).get("eos_token_id") if found else None
+        if value is not None:
+            return tuple(value) if isinstance(value, list) else (int(value),)
+    try:
+        import tokenizers  # noqa: F401 (here only: is it installed?)
+    except ImportError:  # then --prompt is refused anyway; --tokens runs to --max-new
+        return ()
+    if tokenizer_file is None:
+        return ()
+    model = open_tokenizer(tokenizer_file)
+    end = end_of_text_id(model, tokenizer_file.parent)
+    return () if end is None else (end,)
+
+
+class Generator:
+    """A decoder's weights on the devices, generating for many prompts at once.
+
+        generator = paisoar_jax.Generator("runs/sft")          # a run, a step or an export
+        answers = generator.complete(["2+2=", "3+5="], max_new=8)  # text in, text out
+        tokens = generator.generate([[1, 2, 3], [4, 5]], max_new=8)  # ids in, ids out
+
+    Prompts go in batches of up to `batch_size` rows (the longest prompts together), each
+    left-padded to its longest with the padding masked, decoded with a key/value cache in
+    one compiled loop that stops once every row has ended. One compile per batch shape
+    (rows, prompt length, max_new and the sampling settings), kept for the next call.
+    """
+
+    def __init__(self, source: str | pathlib.Path, devices=None):
+        source = pathlib.Path(source)
+        config, path, self.tokenizer_file = weights_of(source)
+        if not isinstance(config.model, LanguageModelConfig):
+            raise UserError(f"{source}: model.name={config.model.name} does not generate text")
+        devices = devices or jax.devices()
+        self.config = config_from_dict(to_dict(config), placement(config, len(devices)))
+        run = setup(self.config, zoo_workload(self.config), devices)
+        self.mesh, self.layout = run.mesh, run.layout
+        self.rows = sharding.batch_shards(self.mesh)  # rows come in multiples of this
+        with jax.set_mesh(self.mesh):
+            self.params, model_state = load_weights(path, self.layout.abstract_state)
+        self.model_state = model_state or {}
+        self.end_ids = end_of_sequence_ids(config, (path, source), self.tokenizer_file)
+        self._text: Text | None = None
+        self._compiled: dict[tuple, Callable] = {}
+
+    def complete(
+        self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings
+    ) -> list[str]:
+        """The text each prompt continues with, up to its end-of-sequence token (left out).
+
+        A prompt is text (tokenized as transformers' `tokenizer(text)`, with the tokenizer's
+        own markers: Llama's BOS, once) or a chat, a list of {role, content} messages (its
+        tokens are `apply_chat_template(chat, add_generation_prompt=True, tokenize=True)`'s).
+        `settings` are `generate`'s (greedy, temperature, ..., batch_size); stop_at defaults
+        to the model's end-of-sequence ids.
+        """
+        if self._text is None:
+            self._text = Text(self.tokenizer_file, self.config.model.vocab_size)
+        settings.setdefault("stop_at", self.end_ids)
+        encoded = [
+            self._text.encode(prompt) if isinstance(prompt, str) else self._text.encode_chat(prompt)
+            for prompt in prompts
+        ]
+        continued = self.generate(encoded, max_new, **settings)
+        stops = set(settings["stop_at"])
+        return [
+            self._text.decode(new[:-1] if new and new[-1] in stops else new) for new in continued
+        ]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new: int = 64,
+        *,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_at: Sequence[int] = (),
+        batch_size: int = 64,
+    ) -> list[list[int]]:
+        """The token ids that follow each prompt: `max_new` of them, or fewer.
+
+        Fewer when one of `stop_at` (end-of-sequence ids) comes first: it ends the list, as
+        in transformers' generate. Sampling (greedy=False) draws from `temperature`, the
+        `top_k` likeliest and the `top_p` nucleus; a prompt's draws depend on its batch.
+        """
+        prompts = [list(map(int, prompt)) for prompt in prompts]
+        if not prompts:
+            return []
+        for prompt in prompts:
+            self._check(prompt, max_new, top_k)
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or batch_size < 1:
+            raise UserError(
+                "temperature must be >= 0, top_k >= 0, top_p in (0, 1] and batch_size >= 1"
+            )
+        sampling = (greedy or temperature == 0, temperature, top_k, top_p)
+        decode = self._decoder(sampling, tuple(stop_at), max_new)
+        # The longest prompts together: the least padding. Rows: a multiple of the shards.
+        order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
+        rows = -(-min(batch_size, len(prompts)) // self.rows) * self.rows
+        results: list[list[int]] = [[] for _ in prompts]
+        key = jax.random.key(seed)
+        with jax.set_mesh(self.mesh):
+            for first in range(0, len(order), rows):
+                chosen = order[first : first + rows]
+                tokens_RxP, starts_R = _left_padded([prompts[index] for index in chosen], rows)
+                placed = jax.device_put((tokens_RxP, starts_R), sharding.batch_sharding(self.mesh))
+                new_RxN, made = jax.device_get(
+                    decode(self.params, self.model_state, *placed, jax.random.fold_in(key, first))
+                )
+                for row, index in enumerate(chosen):
+                    results[index] = _until_stop(new_RxN[row, :made].tolist(), stop_at)
+        return results
+
+    def _decoder(self, sampling: tuple, stop_at: tuple, max_new: int) -> Callable:
+        """The jitted generation loop for these settings (jit keeps a compile per shape)."""
+        settings = (sampling, stop_at, max_new)
+        if settings not in self._compiled:
+            greedy, temperature, top_k, top_p = sampling
+            pick = functools.partial(
+                pick_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+            )
+            self._compiled[settings] = jax.jit(
+                functools.partial(
+                    generate_rows,
+                    graphdef=self.layout.graphdef,
+                    model_config=self.config.model,
+                    dtype=get_policy(self.config.precision.policy).compute_dtype,
+                    pick=pick,
+                    stop_at=stop_at,
+                    max_new=max_new,
+                )
+            )
+        return self._compiled[settings]
+
+    def _check(self, prompt: list[int], max_new: int, top_k: int) -> None:
+        model = self.config.model
+        if not prompt:
+            raise UserError("the prompt is empty: give --prompt TEXT or --tokens 1,2,3")
+        if max_new < 1:
+            raise UserError(f"--max-new must be at least 1, got {max_new}")
+        bad = [token for token in prompt if not 0 <= token < model.vocab_size]
+        if bad:
+            vocabulary = f"0..{model.vocab_size - 1}"
+            raise UserError(f"token {bad[0]} is outside the vocabulary ({vocabulary})")
+        if len(prompt) > model.positions:
+            raise UserError(
+                f"the prompt has {len(prompt)} tokens, more than the model's {model.positions} "
+                f"positions (model.max_positions): shorten it, or --truncate-prompt keeps its "
+                f"last {model.positions}"
+            )
+        # The last new token is never fed back: the positions used are prompt + new - 1.
+        if model.position == "learned" and len(prompt) + max_new - 1 > model.positions:
+            raise UserError(
+                f"{len(prompt)} prompt + {max_new} new tokens need {len(prompt) + max_new - 1} "
+                f"positions, more than the model's {model.positions} learned ones "
+                f"(model.max_positions)"
+            )
+        if top_k > model.vocab_size:
+            raise UserError(f"--top-k {top_k} is more than the vocabulary's {model.vocab_size}")
+
+
+def _left_padded(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens R x P, each row's padding): prompts right-aligned at P, rows filled to R.
+
+    P is the longest prompt's length, rounded up to a multiple of PROMPT_BUCKET when they
+    differ (fewer shapes to compile); filler rows repeat the first prompt.
+    """
+    longest = max(map(len, prompts))
+    same = all(len(prompt) == longest for prompt in prompts)
+    length = longest if same else -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+    filled = prompts + [prompts[0]] * (rows - len(prompts))
+    tokens_RxP = np.zeros((rows, length), np.int32)
+    starts_R = np.array([length - len(prompt) for prompt in filled], np.int32)
+    for row, prompt in enumerate(filled):
+        tokens_RxP[row, starts_R[row] :] = prompt
+    return tokens_RxP, starts_R
+
+
+def _until_stop(tokens: list[int], stop_at: Sequence[int]) -> list[int]:
+    """`tokens` up to and with the first of `stop_at`."""
+    for position, token in enumerate(tokens):
+        if token in stop_at:
+            return tokens[: position + 1]
+    return tokens
+
+
+class Text:
+    """Text to token ids and back: a tokenizer.json, or bytes for a byte-level model."""
+
+    def __init__(self, found: pathlib.Path | None, vocab_size: int):
+        self.model = None
+        self.found = found
+        self._template = None
+        if found is not None:
+            try:
+                import tokenizers  # noqa: F401 (here only: is it installed?)
+            except ImportError:
+                message = f"{found} needs the tokenizers package: pip install tokenizers"
+                raise UserError(message) from None
+            self.model = open_tokenizer(found)
+        elif vocab_size != 256:
+            raise UserError(
+                "no tokenizer is known for this model (no tokenizer.json beside its weights, and "
+                f"its vocab of {vocab_size} is not bytes): give --tokens 1,2,3"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text`, with the tokenizer's own markers (Llama's BOS) once.
+
+        A text that already begins with them (a chat template's rendering starts with
+        {{ bos_token }}) is not given them twice: transformers' apply_chat_template encodes
+        its rendered text with add_special_tokens=False.
+        """
+        if self.model is None:
+            return list(text.encode("utf-8"))
+        marked = self.model.encode(text, add_special_tokens=True).ids
+        plain = self.model.encode(text, add_special_tokens=False).ids
+        added = len(marked) - len(plain)  # the markers the post-processor put in front
+        if added > 0 and marked[added:] == plain and plain[:added] == marked[:added]:
+            return plain
+        return marked
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids of a chat and the assistant's generation prompt.
+
+        As transformers' apply_chat_template(messages, add_generation_prompt=True,
+        tokenize=True) gives them: the template's text (with its own BOS, if it has one)
+        tokenized without adding special tokens.
+        """
+        if self.model is None:
+            raise UserError("a chat needs a tokenizer with a chat template, not bytes")
+        if self._template is None:
+            from paisoar_jax.data.conversations import ChatTemplate
+
+            try:
+                self._template = ChatTemplate(self.found)
+            except UserError:  # worded for convert's --format chat
+                raise UserError(
+                    f"{self.found.parent} has no chat template (no chat_template.jinja, none in "
+                    f"tokenizer_config.json): give the prompt as text"
+                ) from None
+        text = self._template.render(list(messages), add_generation_prompt=True)
+        return self.model.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        """The text of `tokens`."""
+        if self.model is None:
+            return bytes(token for token in tokens if token < 256).decode(errors="replace")
+        return self.model.decode(tokens)
