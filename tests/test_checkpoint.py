@@ -420,3 +420,13 @@ def test_a_global_batch_change_that_cannot_go_on_exactly_is_refused_untouched(tm
         "examples: resume with train.global_batch=16, or start a new run.dir"
     )
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4]
+
+
+def test_a_step_whose_array_metadata_is_gone_is_skipped_for_the_one_before(tmp_path, capsys):
+    """Before: a deleted state/_METADATA read as another model's checkpoint (exit 2)."""
+    run_dir = tmp_path / "run"
+    train(run_config(run_dir))  # saves steps 2 and 4
+    (run_dir / "checkpoints" / "4" / "state" / "_METADATA").unlink()
+    resumed = train(run_config(run_dir, "train.steps=6"))
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 6
+    assert "checkpoint step 4" in capsys.readouterr().err

@@ -235,3 +235,38 @@ def test_two_sigterms_during_training_save_the_step_reached_once(tmp_path):
     assert len(stopped) == 1, stdout
     stopped_at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped_at]
+
+
+AFTER_THE_SAVE = """
+import os, signal, time
+from paisoar_jax.runtime.preemption import StopRequest, stop_saved
+
+with StopRequest(speaks=False) as stop:
+    stop.stepping = True
+    os.kill(os.getpid(), signal.SIGTERM)
+    while not stop.requested:
+        time.sleep(0.01)
+    stop_saved(stop.signal_name)  # what the loop says once the stop's save committed
+print("after", flush=True)
+time.sleep(60)  # the summary, the interpreter's exit ...
+"""
+
+
+def test_a_signal_after_the_stop_was_saved_ends_with_that_stops_status(tmp_path):
+    """Before: the handlers went back to the defaults while the process was ending, so a
+    second SIGTERM 0.7 s after the first ended a run that had saved with 143, not 0."""
+    (tmp_path / "after.py").write_text(AFTER_THE_SAVE)
+    process = subprocess.Popen(
+        [PYTHON, str(tmp_path / "after.py")],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "after\n", process.communicate()
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert stdout.strip().splitlines()[-1] == (
+        "paisoar_jax: SIGTERM: the run already saved for SIGTERM; exiting"
+    )

@@ -296,6 +296,8 @@ class Checkpointer:
         typed_target, target = target, storable_target(target)
         meta = self.meta(step)
         saved_tree = _saved_tree(self.manager.item_metadata(step)["state"])
+        if not saved_tree:  # its metadata file is gone: unreadable, not another model's
+            raise FileNotFoundError(f"{step_dir}/state has no array metadata (_METADATA)")
         try:
             check_compatible(saved_tree, target, step_dir)
         except UserError as error:  # most often: another model's run in the same directory

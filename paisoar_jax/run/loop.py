@@ -27,7 +27,7 @@ from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, evaluate
 from paisoar_jax.engine.step import jit_eval_step, jit_train_step
-from paisoar_jax.errors import HangError, UserError
+from paisoar_jax.errors import DivergenceError, HangError, UserError
 from paisoar_jax.observe.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
 from paisoar_jax.run import oom, run_directory, run_records
@@ -40,7 +40,7 @@ from paisoar_jax.run.resume import (
     schedule_change,
     starting_point,
 )
-from paisoar_jax.runtime import full_disk, gpu_flags, heartbeat
+from paisoar_jax.runtime import full_disk, gpu_flags, heartbeat, preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.runtime.watchdog import Watchdog, timeout_for
@@ -279,12 +279,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     if checkpointer is not None:  # committed before we say it is saved
         _commit_last_save(parts, checkpointer, instruments, step, state, batches)
     instruments.close(step)
-    if (
-        stopped_by is None
-        and stop.signal_name not in (None, HANG_STOP)
-        and jax.process_count() == 1
-    ):
-        stopped_by = stop.signal_name  # came after the last step: saved, no closing sample
+    stopped_by = _stopped_by(stop, stopped_by)
     train_s = time.perf_counter() - train_start
     if stopped_by == HANG_STOP:  # the hang cleared in time for a save: still a failure
         where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
@@ -298,6 +293,19 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
             sample = parts.task.closing_sample(parts.layout, state, parts.mesh)
     summary = summary if sample is None else {**summary, "sample": sample}
     return summary, state, train_step.compiled
+
+
+def _stopped_by(stop: StopRequest, agreed: str | None) -> str | None:
+    """What stopped the run, its save committed: the agreed stop, or a signal after the last step.
+
+    (A late signal counts on one process; several agreed theirs in the loop.) From here on
+    more signals end the process with that stop's status (preemption.stop_saved).
+    """
+    late = stop.signal_name not in (None, HANG_STOP) and jax.process_count() == 1
+    stopped_by = agreed if agreed is not None or not late else stop.signal_name
+    if stopped_by is not None:
+        preemption.stop_saved(stopped_by)
+    return stopped_by
 
 
 def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep, Any]:
@@ -388,9 +396,8 @@ def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> No
             bad_step, what = int(steps[process]), f"in the rows process {process} reads"
     if not bad_step:
         return
-    kept = (
-        f"; the checkpoints before it are kept in {checkpointer.directory}" if checkpointer else ""
-    )
+    saved = checkpointer is not None and checkpointer.steps()
+    kept = f"; the checkpoints before it are kept in {checkpointer.directory}" if saved else ""
     raise UserError(
         f"the batch of step {bad_step} holds non-finite values ({what}): the data is the "
         f"cause, not the learning rate; drop or repair those examples (or set "
@@ -418,7 +425,17 @@ def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, instru
     _keep_directories(parts, checkpointer, instruments, step, state, batches)
     estimate_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
     full_disk.check_room(parts.config.run_dir, checkpointer.directory, estimate_bytes)
-    save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+    try:
+        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+    except (UserError, DivergenceError):
+        raise
+    except Exception as error:  # the directory went away again while the save started
+        _say_save_failed(checkpointer, error, f"saving step {step} again")
+        _keep_directories(parts, checkpointer, instruments, step, state, batches)
+        run_directory.reopen(
+            checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
+        )
+        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
     save_s = time.perf_counter() - save_start
     instruments.timer.start_time += save_s
     instruments.timer.save_s += save_s

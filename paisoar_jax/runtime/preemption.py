@@ -32,6 +32,7 @@ from types import FrameType
 from paisoar_jax import output
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SAVED_STOP: list[str] = []  # the signal whose stop this process has saved (then: any more end it)
 PRESS_GAP_S = 0.5  # SIGINTs closer than this are one press (a terminal's group + a launcher)
 ABORT_PRESSES = 3  # the Ctrl-C press that aborts without waiting for the save
 
@@ -74,6 +75,8 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if _SAVED_STOP:  # a stop was saved: a signal from here to the exit only ends it sooner
+            return
         if self._previous_wakeup_fd is not None:
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             self._previous_wakeup_fd = None
@@ -104,6 +107,12 @@ class StopRequest:
 
     def arrived(self, number: signal.Signals) -> None:
         """What one SIGTERM or SIGINT does now (the watcher calls it; tests may too)."""
+        if _SAVED_STOP:  # the run saved for a stop and is ending: end now, as it would
+            first = _SAVED_STOP[0]
+            self._end(
+                f"{number.name}: the run already saved for {first}; exiting",
+                0 if first == "SIGTERM" else exit_status("SIGINT"),
+            )
         self.signal_name = self.signal_name or number.name
         if not self.stepping:
             self._end(
@@ -143,3 +152,13 @@ class StopRequest:
     def requested(self) -> bool:
         """True once a stop signal arrived."""
         return self.signal_name is not None
+
+
+def stop_saved(signal_name: str) -> None:
+    """Marks the stop a signal asked for as saved: further signals end the process at once.
+
+    With the status that stop ends it with (0 after SIGTERM, 130 after SIGINT), never by a
+    default handler half-way through the exit (a scheduler and a launcher both repeat it).
+    """
+    if signal_name in ("SIGTERM", "SIGINT") and not _SAVED_STOP:
+        _SAVED_STOP.append(signal_name)
