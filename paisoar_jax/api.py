@@ -116,6 +116,15 @@ def _run(program: str, work: Callable[[], Any], exit_on_error: bool | None) -> A
         raise
 
 
+def _started(
+    program: str, config: ConfigLike, overrides: Sequence[str], parts: dict[str, Any]
+) -> tuple[Config, Any]:
+    """(config, workload) of fit's keywords `parts`, the process started as the CLI starts."""
+    resolved = resolve_config(config, overrides)
+    start(resolved, program)  # as the command line starts (run/startup.py)
+    return build_workload(resolved, **parts)
+
+
 def fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
@@ -150,6 +159,8 @@ def fit(
         fit (so a script stops there); False returns the result as for a finished run.
     Returns a FitResult: the summary fields, and `.model`, the trained module.
     """
+    parts = dict(model=model, loss=loss, optimizer=optimizer, data=data, eval_data=eval_data)
+    parts |= dict(eval_sets=eval_sets, flops_per_example=flops_per_example)
 
     def work() -> FitResult:
         from paisoar_jax.run import loop
@@ -157,22 +168,8 @@ def fit(
         from paisoar_jax.tasks import trained
 
         with StopRequest():  # a signal before the first step ends the process at once
-            return train(loop, trained)
-
-    def train(loop, trained) -> FitResult:
-        resolved = resolve_config(config, overrides)
-        start(resolved, "paisoar_jax.fit")  # as the command line starts (startup.py)
-        resolved, run_workload = build_workload(
-            resolved,
-            model=model,
-            loss=loss,
-            optimizer=optimizer,
-            data=data,
-            eval_data=eval_data,
-            eval_sets=eval_sets,
-            flops_per_example=flops_per_example,
-        )
-        finished = loop.run(resolved, run_workload)
+            resolved, run_workload = _started("paisoar_jax.fit", config, overrides, parts)
+            finished = loop.run(resolved, run_workload)
         if raise_on_interrupt and finished.summary.get("stopped_by") == "SIGINT":
             raise KeyboardInterrupt(f"fit stopped by Ctrl-C at step {finished.summary['steps']}")
         if model is None:
@@ -210,23 +207,13 @@ def prepare(
     step), `.train_step(state, batch) -> (state, metrics)` (fit's compiled step),
     `.eval_step`, `.mesh`, `.save(state)` and `.model(state)` (the NNX module of a state).
     """
+    parts = dict(model=model, loss=loss, optimizer=optimizer, data=data, eval_data=eval_data)
+    parts |= dict(eval_sets=eval_sets, flops_per_example=flops_per_example)
 
     def work() -> Prepared:
         from paisoar_jax.run.prepared import prepare_run
 
-        resolved = resolve_config(config, overrides)
-        start(resolved, "paisoar_jax.prepare")
-        resolved, run_workload = build_workload(
-            resolved,
-            model=model,
-            loss=loss,
-            optimizer=optimizer,
-            data=data,
-            eval_data=eval_data,
-            eval_sets=eval_sets,
-            flops_per_example=flops_per_example,
-        )
-        return prepare_run(resolved, run_workload)
+        return prepare_run(*_started("paisoar_jax.prepare", config, overrides, parts))
 
     return _run("paisoar_jax.prepare", work, exit_on_error)
 

@@ -214,8 +214,10 @@ def test_every_door_starts_a_run_through_startup_start():
     from paisoar_jax import api
     from paisoar_jax.tools import cli
 
-    for door in (cli.run, api.fit, api.initialize):
+    for door in (cli.run, api._started, api.initialize):
         assert "start(" in inspect.getsource(door), door.__qualname__
+    for door in (api.fit, api.prepare):  # the library's runs start through api._started
+        assert "_started(" in inspect.getsource(door), door.__qualname__
     for path in PACKAGE.rglob("*.py"):
         if path.name != "startup.py":
             assert "mark_as_parsed" not in path.read_text(), path
