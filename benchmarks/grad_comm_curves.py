@@ -16,7 +16,7 @@ import json
 import pathlib
 
 from paisoar_jax.config import load_config
-from paisoar_jax.run.loop import train
+from paisoar_jax.run.loop import run
 
 # The table's column -> (run directory name, overrides)
 SETTINGS = {
@@ -52,7 +52,7 @@ def main() -> None:
         overrides = ["mesh.data=8", f"train.steps={args.steps}", f"train.eval_every={args.every}"]
         overrides += ["train.sample_bytes=0", "run.progress=false", "run.tensorboard=false"]
         overrides += ["checkpoint.every=0", f"run.dir={run_dir}", *settings, *args.overrides]
-        train(load_config(None, overrides))
+        run(load_config(None, overrides))
         curves[name] = eval_curve(run_dir)
     steps = sorted(curves["fp32"])
     print("| step | " + " | ".join(curves) + " |")

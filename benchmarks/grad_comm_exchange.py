@@ -36,7 +36,7 @@ def exchange_function(setting: str, values: int):
     mesh = sharding.build_mesh(config.mesh)
     whole = NamedSharding(mesh, PartitionSpec())
     params = {"w": jax.ShapeDtypeStruct((values,), jnp.float32)}
-    exchange = grad_comm.plan(config, mesh, params, {"w": whole}, {"w": whole})
+    exchange = grad_comm.plan(config.mesh, mesh, params, {"w": whole}, {"w": whole})
     if exchange is None:  # fp32: the all-reduce XLA emits for a data-parallel gradient
 
         def mean(shards):

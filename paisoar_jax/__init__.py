@@ -27,35 +27,14 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     UserError                              bad input (one line, exit status 2 from the CLI)
 
 Names are imported on first use, so `python -m paisoar_jax.train --help` starts fast.
+Importing the package changes nothing of the process (no environment variable, no jax
+setting): the platform is chosen where a run starts (runtime/platform.py).
 """
 
 import importlib
-import importlib.util
-import os
 
 __version__ = "0.1.0"
 
-
-def _cpu_only_when_no_gpu_driver() -> None:
-    """JAX_PLATFORMS=cpu on a machine with jax's CUDA plugin but no NVIDIA driver.
-
-    The plugin (the gpu-aot extra: GPU-target plans on a CPU machine) would otherwise try
-    the driver at jax's start and print an error and a traceback in every run before
-    falling back to the CPU. A machine with a driver, or a JAX_PLATFORMS the user set, is
-    left as it is.
-    """
-    if "JAX_PLATFORMS" in os.environ or os.path.exists("/proc/driver/nvidia/version"):
-        return
-    plugins = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-    try:
-        installed = any(importlib.util.find_spec(name) for name in plugins)
-    except (ImportError, ValueError):
-        installed = False
-    if installed:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-_cpu_only_when_no_gpu_driver()
 
 _EXPORTS = {
     "fit": "paisoar_jax.api",

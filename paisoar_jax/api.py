@@ -38,6 +38,7 @@ from paisoar_jax.errors import DivergenceError, HangError, UserError, end_uncaug
 from paisoar_jax.run.result import FitResult
 from paisoar_jax.run.startup import start
 from paisoar_jax.runtime import heartbeat
+from paisoar_jax.runtime.platform import choose_platform
 from paisoar_jax.tasks.fit_parts import (
     DataLike,
     LossFunction,
@@ -72,7 +73,8 @@ def resolve_config(config: ConfigLike = None, overrides: Sequence[str] = ()) -> 
         )
     else:
         resolved = load_config(None if config is None else str(config), list(overrides))
-    check_model(resolved)  # an image variant's shape, fp8 blocks: before any device
+    # An image variant's shape, fp8 blocks: before any device.
+    check_model(resolved.model, resolved.mesh, resolved.train, resolved.precision.policy)
     return resolved
 
 
@@ -92,7 +94,9 @@ def _run(program: str, work: Callable[[], Any], exit_on_error: bool | None) -> A
     Left uncaught in a script, it ends the program as on the command line: that line on
     stderr and exit status 2 (1 for a divergence, 3 for a hang), not a traceback
     (`errors.end_uncaught`). `exit_on_error=True`, deprecated, turns it into SystemExit there.
+    The platform is chosen first, as the command line chooses it (runtime/platform.py).
     """
+    choose_platform()
     if exit_on_error is not None:
         warnings.warn(
             "exit_on_error is deprecated: library calls raise paisoar_jax.UserError (a "
@@ -177,7 +181,9 @@ def fit(
         params, model_state = finished.state.params, finished.state.model_state
 
         def build(weights: Any) -> Callable[[], Any]:
-            return lambda: trained.model_with(run_workload.model, weights, model_state, resolved)
+            return lambda: trained.model_with(
+                run_workload.model, weights, model_state, resolved.lora
+            )
 
         average = finished.state.ema["params"] if finished.state.ema else None
         return FitResult(
@@ -211,9 +217,13 @@ def prepare(
     parts |= dict(eval_sets=eval_sets, flops_per_example=flops_per_example)
 
     def work() -> Prepared:
+        from paisoar_jax.run.loop import open_sources
         from paisoar_jax.run.prepared import prepare_run
+        from paisoar_jax.tasks.workload import setup
 
-        return prepare_run(*_started("paisoar_jax.prepare", config, overrides, parts))
+        resolved, run_workload = _started("paisoar_jax.prepare", config, overrides, parts)
+        train_source, _ = open_sources(run_workload.task, resolved.train.global_batch)
+        return prepare_run(setup(resolved, run_workload), run_workload, train_source)
 
     return _run("paisoar_jax.prepare", work, exit_on_error)
 
@@ -239,7 +249,7 @@ def load(
         # As hf-export and generate find it; the run's config says which adapters it has.
         config, where, _ = weights_source(pathlib.Path(path))
         factory = as_factory(model) if model is not None else _zoo_factory(config, path)
-        return trained.load(where, factory, config, ema)
+        return trained.load(where, factory, config.lora, ema)
 
     return _run("paisoar_jax.load", work, exit_on_error)
 
@@ -254,7 +264,7 @@ def _zoo_factory(config: Config, path: str | pathlib.Path) -> Callable:
             f"{path} holds a model of your own (model.name=custom): give its factory, "
             f"paisoar_jax.load({str(path)!r}, model=MyModel)"
         )
-    check_model(config)
+    check_model(config.model, config.mesh, config.train, config.precision.policy)
     policy = get_policy(config.precision.policy)
     return lambda rngs: build_model(config.model, policy, "none", rngs)
 

@@ -22,9 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(config: Config) -> object:
     # Imported once the config has loaded: `--help` and a bad key answer in a second, before
     # the model libraries (several seconds of imports) start up.
-    from paisoar_jax.run.loop import train
+    from paisoar_jax.run.loop import run
 
-    return train(config)
+    return run(config).summary
 
 
 if __name__ == "__main__":

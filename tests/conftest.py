@@ -205,6 +205,20 @@ def run_modules(commands, cwd, timeout=300):
                 process.wait()
 
 
+def train(config, workload=None):
+    """The summary of a run of `config` in this process (the loop's `run`, as the CLI runs)."""
+    from paisoar_jax.run.loop import run
+
+    return run(config, workload).summary
+
+
+def task_for(config):
+    """The task of `config`'s zoo model."""
+    from paisoar_jax.tasks.zoo import zoo_workload
+
+    return zoo_workload(config).task
+
+
 def plan_run(overrides, devices, base=TINY):
     """(config, mesh, layout, lr_schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax.config import load_config
@@ -220,11 +234,10 @@ def build_run(overrides, devices, base=TINY):
     """(config, mesh, layout, state, train_step) for TINY + overrides on `devices`."""
     from paisoar_jax.engine.state import init_state
     from paisoar_jax.engine.step import jit_train_step
-    from paisoar_jax.tasks.zoo import task_for
 
     config, mesh, layout, schedule = plan_run(overrides, devices, base)
     with jax.set_mesh(mesh):
-        state = init_state(config, layout)
+        state = init_state(config.train.seed, layout)
         task = task_for(config)
         train_step = jit_train_step(layout, task, schedule, config.train.grad_accum, mesh)
     return config, mesh, layout, state, train_step
@@ -237,7 +250,6 @@ def resumable_run(run_dir, overrides, steps):
     and resumed to 6 follows the schedule of one run of 6.
     """
     from paisoar_jax.config import load_config
-    from paisoar_jax.run.loop import train
 
     settings = [*TINY, *overrides, f"train.steps={steps}", "train.log_every=1"]
     settings += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]

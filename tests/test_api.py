@@ -90,7 +90,7 @@ def three_steps(overrides, devices):
     config, run = prepared(overrides, devices, optimizer=optax.adam(1e-2))
     layout = run.layout
     with jax.set_mesh(run.mesh):
-        state = init_state(config, layout)
+        state = init_state(config.train.seed, layout)
         where = sharding.batch_sharding(run.mesh)
         placed = [jax.device_put(batch, where) for batch in batches(3)]
         gradients = gradient_function(layout, run.task)(state.params, state.model_state, placed[0])
@@ -189,7 +189,7 @@ def test_fp16_overflow_skips_the_step_bit_for_bit(devices):
     good, bad = batches(2)
     bad = {"x": bad["x"] * 1e6, "y": bad["y"]}  # beyond fp16's range once cast
     with jax.set_mesh(run.mesh):
-        state = init_state(config, run.layout)
+        state = init_state(config.train.seed, run.layout)
         step = jit_train_step(run.layout, run.task, run.lr_schedule, 1, run.mesh)
         state, _ = step(state, good)
         before = jax.device_get(state)
@@ -218,7 +218,7 @@ def test_batch_floats_reach_the_loss_in_their_dtype_and_weights_in_the_compute_d
     overrides = ["mesh.data=1", "precision.policy=bf16", f"precision.cast_inputs={cast_inputs}"]
     config, run = prepared(overrides, devices[:1], loss=spying_loss)
     with jax.set_mesh(run.mesh):
-        state = init_state(config, run.layout)
+        state = init_state(config.train.seed, run.layout)
         step = jit_train_step(run.layout, run.task, run.lr_schedule, 1, run.mesh)
         _, metrics = step(state, batches(1)[0])
     x_dtype = jax.numpy.bfloat16 if cast_inputs else np.float32
@@ -258,7 +258,7 @@ def test_remat_blocks_by_path_and_by_helper(devices):
         )
         layout = run.layout
         with jax.set_mesh(run.mesh):
-            state = init_state(config, layout)
+            state = init_state(config.train.seed, layout)
             grad_fn = gradient_function(layout, run.task)
             batch = batches(1)[0]
             grads = grad_fn(state.params, state.model_state, batch)
@@ -437,11 +437,15 @@ def test_logical_axis_names_follow_the_rules_table(devices):
 
 def test_the_out_of_memory_fixes_name_the_blocks_of_a_model_of_ones_own():
     from paisoar_jax.run.oom import memory_fixes
+    from paisoar_jax.tools.plan.core import memory_settings
 
     config, _ = api.build_workload(
         api.resolve_config(None, BASE), model=Net, loss=net_loss, data=examples()
     )
-    assert memory_fixes(config)[0][0] == "remat.policy=dots remat.blocks=[<block path regex>]"
+    assert (
+        memory_fixes(memory_settings(config))[0][0]
+        == "remat.policy=dots remat.blocks=[<block path regex>]"
+    )
 
 
 class Stateful(nnx.Module):

@@ -6,7 +6,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, build_run, plan_run, token_batches
+from conftest import TINY, build_run, plan_run, token_batches, train
 from flax import struct
 
 from paisoar_jax.checkpointing.checkpoint import Checkpointer, check_writable
@@ -14,7 +14,6 @@ from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
-from paisoar_jax.run.loop import train
 from paisoar_jax.tools.export import export
 
 DATA_STATE = {"position": 7}

@@ -94,12 +94,11 @@ def test_no_buffer_holds_the_whole_logits():
 )
 def test_model_loss_chunks_trains_a_decoder_as_the_logits_do(overrides):
     """model.loss_chunks: the zoo decoder's loss and gradients are the unfused ones."""
-    from conftest import TINY, token_batches
+    from conftest import TINY, task_for, token_batches
     from flax import nnx
 
     from paisoar_jax.config import load_config
     from paisoar_jax.numerics.precision import get_policy
-    from paisoar_jax.tasks.builtin import LanguageModelling
     from paisoar_jax.tasks.zoo import build_model
 
     batch = token_batches(1, batch=4)[0]
@@ -108,7 +107,7 @@ def test_model_loss_chunks_trains_a_decoder_as_the_logits_do(overrides):
         config = load_config(None, [*TINY, *overrides, f"model.loss_chunks={chunks}"])
         with nnx.use_eager_sharding(False):
             model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
-        task = LanguageModelling(config, type(model))
+        task = task_for(config)
         loss = lambda model, task=task: task.loss(model, batch, jax.random.PRNGKey(0))[0]
         value, gradients = nnx.value_and_grad(loss)(model)
         results.append((value, nnx.to_pure_dict(gradients)))

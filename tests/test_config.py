@@ -2,10 +2,10 @@ import dataclasses
 
 import pytest
 import yaml
+from conftest import task_for
 
 from paisoar_jax.config import CONFIG_DIR, Config, dump_yaml, load_config, resolve_config_path
 from paisoar_jax.errors import UserError
-from paisoar_jax.tasks.zoo import task_for
 
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import assert_steps_match, assert_trees_close, build_run, token_batches
+from conftest import assert_steps_match, assert_trees_close, build_run, task_for, token_batches
 from flax import nnx
 
 from paisoar_jax.config import load_config
@@ -14,7 +14,6 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 from paisoar_jax.parallel.context import balanced_order
 from paisoar_jax.tasks.builtin import _token_losses
-from paisoar_jax.tasks.zoo import task_for
 
 LLAMA = ["model.name=llama", "model.kv_heads=2"]
 
@@ -234,9 +233,7 @@ def test_a_run_resumes_exactly_on_another_context_split(tmp_path):
 )
 def test_every_context_setting_trains_evaluates_and_samples(overrides, tmp_path):
     """A run through the training loop: steps, an eval and the closing sample, all split."""
-    from conftest import TINY, run_records
-
-    from paisoar_jax.run.loop import train
+    from conftest import TINY, run_records, train
 
     settings = [*TINY, "mesh.data=-1", "train.steps=4", "train.eval_every=2"]
     settings += ["train.sample_bytes=8", "train.log_every=1", f"run.dir={tmp_path}", *overrides]

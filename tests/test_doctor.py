@@ -1,6 +1,6 @@
 """`python -m paisoar_jax.doctor`: each finding comes from a real run that has the problem.
 
-The runs are short trainings through `paisoar_jax.run.loop.train` in this process, on the 8
+The runs are short trainings through `paisoar_jax.run.loop.run` in this process, on the 8
 simulated CPU devices of conftest.py. Where a finding rests on numbers a CPU run cannot
 produce (MFU needs a known peak, device memory needs memory_stats, recompilations are not
 counted by the loop yet), the test takes a real run's files and edits only those fields;
@@ -18,11 +18,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env
+from conftest import PYTHON, TINY, TINY_RESNET, subprocess_env, train
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import DivergenceError
-from paisoar_jax.run import loop
 from paisoar_jax.tasks import builtin as tasks
 from paisoar_jax.tools.doctor import command as doctor
 from paisoar_jax.tools.doctor import findings
@@ -46,7 +45,7 @@ OVERRIDE = re.compile(r"`([a-z_]+\.[a-z_]+=[^`\s]+)`")
 
 def train_run(run_dir, *overrides):
     """Trains TINY + overrides into run_dir; returns the summary."""
-    return loop.train(load_config(None, [*TINY, *QUIET, f"run.dir={run_dir}", *overrides]))
+    return train(load_config(None, [*TINY, *QUIET, f"run.dir={run_dir}", *overrides]))
 
 
 def diagnose(run_dir, *arguments):
@@ -517,7 +516,7 @@ def test_an_image_model_run_with_its_plan_is_diagnosed(tmp_path, devices):
     run_dir = tmp_path / "run"
     # ResNet-18 at full width (11.2M params: over the 10M that has an MFU floor), 16 px.
     overrides = [*TINY_RESNET, *QUIET, "model.width=64", "train.steps=4", "train.log_every=2"]
-    loop.train(load_config(None, [*overrides, "train.peak_tflops=100", f"run.dir={run_dir}"]))
+    train(load_config(None, [*overrides, "train.peak_tflops=100", f"run.dir={run_dir}"]))
     with contextlib.redirect_stdout(io.StringIO()):
         output = ["--output", str(run_dir / "plan.json")]
         assert plan_command.main(["--devices", "8", *overrides, *output]) == 0

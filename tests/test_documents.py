@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FIT_BASE, TINY, build_run, run_records
+from conftest import FIT_BASE, TINY, build_run, run_records, task_for
 from flax import nnx
 
 import paisoar_jax
@@ -17,7 +17,7 @@ from paisoar_jax.data.documents import plan_windows
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tasks.zoo import build_model, task_for
+from paisoar_jax.tasks.zoo import build_model
 from paisoar_jax.tools import convert
 
 

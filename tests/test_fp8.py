@@ -4,14 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_RESNET, build_run, run_records, token_batches
+from conftest import TINY_RESNET, build_run, run_records, token_batches, train
 from flax import nnx
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics.fp8 import Fp8Dot
 from paisoar_jax.parallel import sharding
-from paisoar_jax.run.loop import train
 from paisoar_jax.tasks.zoo import zoo_workload
 
 E4M3_MAX = 448.0
@@ -150,9 +149,10 @@ def test_a_bf16_checkpoint_step_starts_an_fp8_run_with_fresh_scales(tmp_path, ca
 def test_a_block_forced_off_fp8_keeps_its_scaling_state(devices):
     """precision.force_policy on an fp8 model: the skipped matmuls' state is kept, not
     overwritten by a zero gradient (scales of 0 would make the next fp8 step NaN)."""
+    from conftest import task_for
+
     from paisoar_jax.engine.step import loss_and_grads
     from paisoar_jax.numerics.precision import force_policy
-    from paisoar_jax.tasks.zoo import task_for
 
     config, mesh, layout, state, _ = build_run(["precision.policy=fp8"], devices[:1])
     model = nnx.merge(layout.graphdef, state.params, state.model_state)

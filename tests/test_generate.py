@@ -222,9 +222,9 @@ def test_bad_requests_get_one_line_and_exit_2(refused_requests, arguments, messa
 def test_a_run_over_more_devices_is_placed_whole_here():
     from paisoar_jax.inference.generator import placement
 
-    assert "mesh.fsdp=2" in placement(load_config(None, ["mesh.fsdp=2", "mesh.data=1"]), 8)
+    assert "mesh.fsdp=2" in placement(load_config(None, ["mesh.fsdp=2", "mesh.data=1"]).mesh, 8)
     for mesh in (["mesh.fsdp=-1", "mesh.data=1"], ["mesh.fsdp=8", "mesh.data=1"]):
-        overrides = placement(load_config(None, mesh), 2)
+        overrides = placement(load_config(None, mesh).mesh, 2)
         assert {"mesh.fsdp=1", "mesh.tensor=1", "model.attention=auto"} <= set(overrides)
         load_config(None, [*mesh, *overrides])  # a valid config
 

@@ -195,6 +195,15 @@ def test_cpu_runs_never_initialise_the_cuda_plugin(tmp_path):
 
 
 @pytest.mark.gpu_aot
+def test_importing_the_package_with_the_plugin_installed_changes_nothing():
+    """The plugin there and no driver: importing sets no JAX_PLATFORMS and no jax platform;
+    the CPU is chosen where a run starts (the clean run above)."""
+    from test_packaging import import_changes
+
+    assert import_changes(PYTHON) == {"changed": [], "jax_platforms": None}
+
+
+@pytest.mark.gpu_aot
 def test_a_model_of_ones_own_plans_for_the_target():
     import jax.numpy as jnp
     import numpy as np

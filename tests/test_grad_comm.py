@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, build_run, resumable_run, run_records, token_batches
+from conftest import TINY, build_run, resumable_run, run_records, token_batches, train
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import grad_comm
-from paisoar_jax.run.loop import train
 from paisoar_jax.tools import hlo
 
 
@@ -92,7 +91,7 @@ def run_exchange(dtype, devices, hosts=8, zero=0, block=256, residual=False):
     split = {"w": NamedSharding(mesh, PartitionSpec("data")), "b": replicated}
     gradient_shardings = split if zero else {"w": replicated, "b": replicated}
     exchange = grad_comm.plan(
-        config, mesh, params, {"w": replicated, "b": replicated}, gradient_shardings
+        config.mesh, mesh, params, {"w": replicated, "b": replicated}, gradient_shardings
     )
     exchange = grad_comm.dataclasses.replace(exchange, hosts=hosts, error_feedback=residual)
     state = grad_comm.initial_comm_state(exchange, mesh)

@@ -493,7 +493,7 @@ def test_the_readme_fine_tuning_sequence_runs_as_written(tmp_path):
 def test_gpt2_with_256_positions_trains_on_32_and_exports_256(tmp_path):
     """Before: the learned table was sized by the window (an imported GPT-2 could not train
     on shorter windows), and the export wrote the window as the model's positions."""
-    from paisoar_jax.run.loop import train
+    from conftest import train
 
     model = gpt2()
     model.config.n_positions = 256

@@ -6,14 +6,13 @@ import shutil
 import datasets
 import numpy as np
 import pytest
-from conftest import resumable_run
+from conftest import resumable_run, task_for
 
 from paisoar_jax.config import load_config
 from paisoar_jax.data import hf_sources
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.sources import hf_cache_directory, open_source
 from paisoar_jax.errors import UserError
-from paisoar_jax.tasks.builtin import LanguageModelling
 from paisoar_jax.tools import convert
 
 ROWS = [{"text": f"def add_{i}(x):\n    return x + {i}\n" * (i % 3 + 1)} for i in range(300)]
@@ -35,7 +34,7 @@ def test_a_datasets_directory_trains_and_resumes_exactly(saved, tmp_path, capsys
     config = load_config(None, settings(saved, tmp_path / "cache"))
     with pytest.raises(UserError, match="is not tokenized yet: `python -m paisoar_jax.train`"):
         open_source(config.data, config.model, 0)
-    LanguageModelling(config, object).open_sources()  # the task tokenizes it when it opens it
+    task_for(config).open_sources()  # the task tokenizes it when it opens it
     directory = hf_cache_directory(config.data, str(saved))
     assert "tokenized once for this and later runs" in capsys.readouterr().out
     # the same tokens as `convert text --from-hf` writes
@@ -46,7 +45,7 @@ def test_a_datasets_directory_trains_and_resumes_exactly(saved, tmp_path, capsys
     assert np.array_equal(cached.read(0, cached.token_count), by_hand.read(0, by_hand.token_count))
     whole = resumable_run(tmp_path / "whole", settings(saved, tmp_path / "cache"), 6)
     resumable_run(tmp_path / "cut", settings(saved, tmp_path / "cache"), 3)
-    hf_sources.prepare(config)  # a second run reads the cache as it is
+    hf_sources.prepare(config.data)  # a second run reads the cache as it is
     assert capsys.readouterr().out.count("tokenized once") == 0
     assert resumable_run(tmp_path / "cut", settings(saved, tmp_path / "cache"), 6) == whole
 
@@ -56,14 +55,14 @@ def test_changed_data_is_tokenized_again_and_refused_on_resume(saved, tmp_path, 
     changed = tmp_path / "functions"
     shutil.copytree(saved, changed)
     first = load_config(None, settings(changed, tmp_path / "cache"))
-    hf_sources.prepare(first)
+    hf_sources.prepare(first.data)
     before = hf_cache_directory(first.data, str(changed))
     resumable_run(tmp_path / "run", settings(changed, tmp_path / "cache"), 3)
     shutil.rmtree(changed)
     datasets.Dataset.from_list(ROWS[:200]).save_to_disk(str(changed))
     again = load_config(None, settings(changed, tmp_path / "cache"))
     assert hf_cache_directory(again.data, str(changed)) != before
-    hf_sources.prepare(again)
+    hf_sources.prepare(again.data)
     with pytest.raises(UserError, match="the data now has .* data.on_change=restart"):
         resumable_run(tmp_path / "run", settings(changed, tmp_path / "cache"), 6)
 
@@ -76,7 +75,7 @@ def test_a_missing_dataset_is_one_line_naming_its_key(tmp_path):
         (r"data.eval_sets\[gone\]", f"data.eval_sets=[[hf:{nothing},2,gone]]"),
     ]:
         with pytest.raises(UserError, match=f"^{key}=hf:.*nothing: no such directory or file"):
-            hf_sources.prepare(load_config(None, [setting]))
+            hf_sources.prepare(load_config(None, [setting]).data)
 
 
 def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path):
@@ -103,7 +102,7 @@ def test_bad_datasets_and_settings_are_one_line_naming_the_keys(saved, tmp_path)
     for overrides, message in cases:
         config = load_config(None, [f"data.cache_dir={tmp_path / 'cache'}", *overrides])
         with pytest.raises(UserError, match=message) as error:
-            hf_sources.prepare(config)
+            hf_sources.prepare(config.data)
         assert "\n" not in str(error.value) and "--" not in str(error.value), error.value
 
 
@@ -113,7 +112,7 @@ def test_an_instruction_dataset_names_its_two_columns(tmp_path):
     overrides = [f"data.source=hf:{tmp_path / 'sums'}", f"data.cache_dir={tmp_path / 'cache'}"]
     overrides += ["data.hf_format=instruction", "data.hf_field=question,answer"]
     config = load_config(None, [*overrides, "data.loss_on=response"])
-    hf_sources.prepare(config)
+    hf_sources.prepare(config.data)
     records = TokenRecords(hf_cache_directory(config.data, str(tmp_path / "sums")))
     tokens, mask = records.read_with_mask(0, records.token_count)
     learned = bytes(tokens[mask.astype(bool)].astype(np.uint8)).decode()
@@ -123,9 +122,7 @@ def test_an_instruction_dataset_names_its_two_columns(tmp_path):
 def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     """data.eval_source: eval reads all of another split (here a DatasetDict's validation),
     and data.source is trained on whole, not less data.eval_fraction."""
-    from conftest import TINY, run_records
-
-    from paisoar_jax.run.loop import train
+    from conftest import TINY, run_records, train
 
     splits = {"train": ROWS[:240], "validation": [{"text": "x = 'held out'\n" * 40}] * 20}
     splits = datasets.DatasetDict(
@@ -136,9 +133,9 @@ def test_a_separate_eval_set_is_read_whole_from_its_own_split(tmp_path, capsys):
     overrides += [f"data.eval_source=hf:{tmp_path / 'splits'}", "data.eval_hf_split=validation"]
     overrides += [*TINY, "train.steps=2", "train.eval_every=2", f"run.dir={tmp_path / 'run'}"]
     config = load_config(None, overrides)
-    hf_sources.prepare(config)
+    hf_sources.prepare(config.data)
     assert "data.eval_source=hf:" in capsys.readouterr().out  # tokenized once, on its own
-    train_windows, (eval_set,) = LanguageModelling(config, object).open_sources()
+    train_windows, (eval_set,) = task_for(config).open_sources()
     eval_windows = eval_set.source
     apart = [
         TokenRecords(hf_cache_directory(data, str(tmp_path / "splits")))

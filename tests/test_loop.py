@@ -4,11 +4,10 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-from conftest import TINY
+from conftest import TINY, train
 from jax._src import array as jax_array
 
 from paisoar_jax.config import load_config
-from paisoar_jax.run.loop import train
 
 
 def test_no_host_sync_between_log_steps(tmp_path, monkeypatch):
@@ -65,15 +64,17 @@ def test_ready_batches_say_in_one_line_when_their_position_cannot_continue():
     data = open_user_data(grain.MapDataset.source(batches).to_iter_dataset(), "data")
     iterator = data.batches(4, seed=0, shuffle=True, workers=0)
     changed = Restored(4, None, None, {}, input_changes="process_count 2 -> 1")
-    note = resume_input(iterator, changed, config)
+    note = resume_input(iterator, changed, config.data, config.train)
     assert note == (
         "checkpoint step 4 holds no input position this run can continue (the input changed "
         "since: process_count 2 -> 1): the input restarts from its first batch"
     )
     global_position = Restored(4, None, {"sampler": "global", "examples": 64}, {})
-    assert "the input is now ready batches" in resume_input(iterator, global_position, config)
+    assert "the input is now ready batches" in resume_input(
+        iterator, global_position, config.data, config.train
+    )
     next(iterator)
     kept = Restored(4, None, iterator.get_state(), {})
     resumed = data.batches(4, seed=0, shuffle=True, workers=0)
-    assert resume_input(resumed, kept, config) is None
+    assert resume_input(resumed, kept, config.data, config.train) is None
     assert next(resumed)["x"][0, 0] == 1  # after the one batch read

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import TINY, assert_steps_match, build_run, resumable_run, token_batches
+from conftest import TINY, assert_steps_match, build_run, resumable_run, task_for, token_batches
 from flax import nnx, traverse_util
 
 import paisoar_jax
@@ -17,7 +17,6 @@ from paisoar_jax.engine.state import init_state
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 from paisoar_jax.tasks.workload import setup
-from paisoar_jax.tasks.zoo import task_for
 
 LLAMA_LORA = ["model.name=llama", "model.kv_heads=2", "lora.rank=4", "lora.alpha=8"]
 ADAMW = ["optim.name=adamw", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.weight_decay=0.1"]
@@ -200,7 +199,7 @@ def test_a_model_of_ones_own_adapts_its_linear_layers(tmp_path):
     loaded = nnx.state(paisoar_jax.load(tmp_path, Net), nnx.Param)  # as fit gave it back
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(loaded), nnx.to_pure_dict(params))
     with jax.set_mesh(run.mesh):
-        start = init_state(config, run.layout)
+        start = init_state(config.train.seed, run.layout)
     assert np.array_equal(
         np.asarray(params["up"]["kernel"][...]), np.asarray(start.params["up"]["kernel"])
     )

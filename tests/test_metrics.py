@@ -46,14 +46,16 @@ def tensorboard_events(directory):
 
 def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_path):
     """Before: steps logged after the checkpoint showed twice once the run resumed."""
-    from paisoar_jax.config import load_config
+    from paisoar_jax.config import load_config, to_dict
 
     config = load_config(None, ["run.trackers=[tensorboard]"])
-    first = MetricsWriter(tmp_path, config=config)
+    first = MetricsWriter(tmp_path, reporting=config.run, record=to_dict(config))
     for step in (1, 2, 3, 4):
         first.write({"step": step, "loss": float(step)})
     first.close()
-    resumed = MetricsWriter(tmp_path, resume_step=2, config=config)  # killed after step 4
+    resumed = MetricsWriter(  # killed after step 4
+        tmp_path, resume_step=2, reporting=config.run, record=to_dict(config)
+    )
     for step in (3, 4, 5):
         resumed.write({"step": step, "loss": float(step)})
     resumed.close()

@@ -86,8 +86,9 @@ def test_bf16_policy_runs_matmuls_in_bf16_and_returns_fp32_logits():
 @pytest.mark.slow
 def test_logits_in_the_compute_dtype_give_the_same_loss_and_gradients():
     """model.fp32_logits=false: bf16 logits (half the bytes), the loss still in fp32."""
+    from conftest import task_for
+
     from paisoar_jax.config import Config
-    from paisoar_jax.tasks.zoo import task_for
 
     tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 256)
     results = {}

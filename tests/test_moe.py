@@ -146,16 +146,15 @@ LLAMA = ["model.name=llama", "model.kv_heads=2"]
 
 def decoder(overrides):
     """(config, model, task) of TINY + MOE + overrides, built eagerly on one device."""
-    from conftest import TINY
+    from conftest import TINY, task_for
 
     from paisoar_jax.config import load_config
-    from paisoar_jax.tasks.builtin import LanguageModelling
     from paisoar_jax.tasks.zoo import build_model
 
     config = load_config(None, [*TINY, *MOE, *overrides])
     with nnx.use_eager_sharding(False):
         model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
-    return config, model, LanguageModelling(config, type(model))
+    return config, model, task_for(config)
 
 
 @pytest.mark.parametrize("family", [[], LLAMA], ids=["gpt", "llama"])

@@ -10,14 +10,13 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import FIT_BASE, TINY
+from conftest import FIT_BASE, TINY, train
 from flax import nnx
 
 import paisoar_jax
 from paisoar_jax.config import PrecisionConfig, load_config
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.observe.monitor import _skipped_in_a_row, check_health
-from paisoar_jax.run.loop import train
 from paisoar_jax.tools.doctor import command as doctor
 
 FP32, FP16 = PrecisionConfig(), PrecisionConfig(policy="fp16")

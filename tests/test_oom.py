@@ -18,6 +18,7 @@ from paisoar_jax.engine import memory
 from paisoar_jax.errors import UserError
 from paisoar_jax.run import oom
 from paisoar_jax.tools import cli, plan
+from paisoar_jax.tools.plan.core import memory_settings
 
 PEBIBYTE = 2**50
 
@@ -53,7 +54,7 @@ def fix_lines(report):
 def test_a_step_over_the_limit_gets_the_breakdown_and_fixes_that_make_it_fit(tiny, devices):
     config, layout, compiled, needed = tiny
     with pytest.raises(oom.OutOfMemoryError) as raised:
-        oom.check_fits(config, layout, compiled, needed - 1)
+        oom.check_fits(memory_settings(config), layout, compiled, needed - 1)
     report = str(raised.value)
     breakdown = memory.memory(layout, compiled)
     assert report.startswith(
@@ -81,15 +82,17 @@ def test_a_step_over_the_limit_gets_the_breakdown_and_fixes_that_make_it_fit(tin
     fixed_config, fixed_layout, fixed_compiled, fixed_needed = compile_tiny(devices, *overrides)
     assert fixed_needed < 0.6 * needed
     limit = (fixed_needed + needed) // 2
-    oom.check_fits(fixed_config, fixed_layout, fixed_compiled, limit)
+    oom.check_fits(memory_settings(fixed_config), fixed_layout, fixed_compiled, limit)
     with pytest.raises(oom.OutOfMemoryError):
-        oom.check_fits(config, layout, compiled, limit)
+        oom.check_fits(memory_settings(config), layout, compiled, limit)
 
 
 def test_a_step_that_fits_or_has_no_limit_passes(tiny):
     config, layout, compiled, needed = tiny
-    oom.check_fits(config, layout, compiled, needed)
-    oom.check_fits(config, layout, compiled, None)  # CPU: the device reports no limit
+    oom.check_fits(memory_settings(config), layout, compiled, needed)
+    oom.check_fits(
+        memory_settings(config), layout, compiled, None
+    )  # CPU: the device reports no limit
 
 
 def test_fixes_already_in_effect_are_left_out():
@@ -103,17 +106,20 @@ def test_fixes_already_in_effect_are_left_out():
             "precision.policy=bf16",
         ],
     )
-    assert oom.memory_fixes(done, {"data": 8, "fsdp": 1, "tensor": 1}) == []
+    assert oom.memory_fixes(memory_settings(done), {"data": 8, "fsdp": 1, "tensor": 1}) == []
     # One data device: ZeRO has nothing to shard over. dots_no_batch is the step after dots.
     single = load_config(None, [*TINY, "remat.policy=dots", "mesh.zero=1"])
-    overrides = [override for override, _ in oom.memory_fixes(single, {"data": 1, "fsdp": 1})]
+    overrides = [
+        override
+        for override, _ in oom.memory_fixes(memory_settings(single), {"data": 1, "fsdp": 1})
+    ]
     assert overrides == [
         "remat.policy=dots_no_batch",
         "train.grad_accum=2",
         "precision.policy=bf16",
     ]
     # Mesh unknown (the doctor without a plan, mesh.data=-1): ZeRO may help, so it is offered.
-    assert "mesh.zero=3" in [override for override, _ in oom.memory_fixes(single)]
+    assert "mesh.zero=3" in [override for override, _ in oom.memory_fixes(memory_settings(single))]
 
 
 def test_xlas_real_out_of_memory_error_is_recognised():
@@ -145,7 +151,7 @@ def test_other_errors_are_not_out_of_memory():
 def test_an_out_of_memory_inside_the_guard_becomes_the_report(tiny):
     config, layout, compiled, needed = tiny
     with pytest.raises(oom.OutOfMemoryError) as raised:
-        with oom.readable_out_of_memory(config, layout, None, compiled):
+        with oom.readable_out_of_memory(memory_settings(config), layout, None, compiled):
             allocate_a_pebibyte()
     report = str(raised.value)
     assert report.startswith(f"out of memory: the train step needs {memory.format_bytes(needed)}")
@@ -155,7 +161,7 @@ def test_an_out_of_memory_inside_the_guard_becomes_the_report(tiny):
     err = io.StringIO()
 
     def first_step():
-        with oom.readable_out_of_memory(config, layout, None, compiled):
+        with oom.readable_out_of_memory(memory_settings(config), layout, None, compiled):
             allocate_a_pebibyte()
 
     with contextlib.redirect_stderr(err):
@@ -164,14 +170,14 @@ def test_an_out_of_memory_inside_the_guard_becomes_the_report(tiny):
     assert err.getvalue().startswith("paisoar_jax.train: error: out of memory: the train step")
     # Any other error passes through as it was.
     with pytest.raises(ValueError, match="invalid literal"):
-        with oom.readable_out_of_memory(config, layout, None, compiled):
+        with oom.readable_out_of_memory(memory_settings(config), layout, None, compiled):
             int("many")
 
 
 def test_out_of_memory_while_compiling_reports_the_state(tiny):
     config, layout, _, _ = tiny
     with pytest.raises(oom.OutOfMemoryError) as raised:
-        with oom.readable_out_of_memory(config, layout, 2**20, compiled=None):
+        with oom.readable_out_of_memory(memory_settings(config), layout, 2**20, compiled=None):
             allocate_a_pebibyte()
     report = str(raised.value)
     assert report.startswith("out of memory: compiling the train step ran out of the 1 MiB limit")
@@ -205,14 +211,16 @@ def test_the_trainer_prints_the_report_for_a_step_over_its_memory_budget(tmp_pat
 def test_on_a_gpu_the_report_says_how_to_give_jax_more_memory(tiny, monkeypatch):
     """The GPU-only line, with the backend query answering "gpu" (the CPU has no fraction)."""
     config, layout, compiled, _ = tiny
-    assert oom.memory_fraction_hint(config) is None  # a CPU: jax holds no share of it
+    assert (
+        oom.memory_fraction_hint(config.train.memory_limit_gb) is None
+    )  # a CPU: jax holds no share of it
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    report = oom.memory_report(config, layout, compiled, 2**20)
+    report = oom.memory_report(memory_settings(config), layout, compiled, 2**20)
     assert "jax holds 75% of each GPU's memory" in report
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in report
     assert "jax" not in fix_lines(report)  # a note, not one of the overrides
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    assert oom.memory_fraction_hint(config) is None
+    assert oom.memory_fraction_hint(config.train.memory_limit_gb) is None
     budget = load_config(None, [*TINY, "train.memory_limit_gb=1"])
-    assert oom.memory_fraction_hint(budget) is None  # the user set the limit
+    assert oom.memory_fraction_hint(budget.train.memory_limit_gb) is None  # the user set the limit

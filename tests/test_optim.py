@@ -112,7 +112,9 @@ def test_clipping_wraps_a_users_optimizer_only_when_asked(overrides, own, expect
         ["optim.name=sgd", "optim.lr=1", "optim.warmup_steps=0", "optim.schedule=constant"]
         + ["optim.weight_decay=0", "optim.momentum=0", *overrides],
     )
-    optimizer, _, _ = optimizer_for(config, optax.sgd(1.0) if own else None)
+    optimizer, _, _ = optimizer_for(
+        optax.sgd(1.0) if own else None, config.optim, config.train, config.precision
+    )
     params = {"kernel": np.zeros(3, np.float32)}
     huge = {"kernel": np.full(3, 1e6, np.float32)}
     updates, _ = optimizer.update(huge, optimizer.init(params), params)

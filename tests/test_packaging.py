@@ -42,3 +42,35 @@ def test_the_hf_extra_holds_what_its_commands_need_and_a_pinned_torch():
     assert {"transformers", "tokenizers", "peft", "torch"} <= set(names)
     # peft asks for torch: unpinned, pip would fetch a CUDA build of several GB.
     assert names["torch"] == "torch==2.13.0" and names["torch"] in extras["test"]
+
+
+# Imports the package and every public name (each loads its module), then says what changed
+# in the environment and in jax's platform setting: nothing may (issue 60).
+IMPORT_PROBE = """
+import json, os
+before = dict(os.environ)
+import paisoar_jax
+for name in paisoar_jax.__all__:
+    getattr(paisoar_jax, name)
+import jax
+after = dict(os.environ)
+changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+print(json.dumps({"changed": changed, "jax_platforms": jax.config.jax_platforms}))
+"""
+
+
+def import_changes(python: str) -> dict:
+    """What importing paisoar_jax with `python` changed, JAX_PLATFORMS unset beforehand."""
+    import json
+
+    env = {key: value for key, value in subprocess_env().items() if key != "JAX_PLATFORMS"}
+    result = subprocess.run(
+        [python, "-c", IMPORT_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_changes_no_environment_variable():
+    """Not JAX_PLATFORMS, not jax's platform: they are chosen where a run starts."""
+    assert import_changes(PYTHON) == {"changed": [], "jax_platforms": None}

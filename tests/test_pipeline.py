@@ -14,7 +14,9 @@ from conftest import (
     plan_run,
     resumable_run,
     run_records,
+    task_for,
     token_batches,
+    train,
 )
 from flax import nnx
 
@@ -27,11 +29,16 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.inference.generator import placement
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.parallel import rules as rules_table
-from paisoar_jax.run.loop import train
 from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.tasks.workload import setup
-from paisoar_jax.tasks.zoo import check_model, task_for
+from paisoar_jax.tasks.zoo import check_model
 from paisoar_jax.tools.doctor import findings
+from paisoar_jax.tools.plan.core import memory_settings
+
+
+def check_zoo_model(config):
+    """zoo.check_model on `config`'s sections, as the command line checks them at start."""
+    check_model(config.model, config.mesh, config.train, config.precision.policy)
 
 
 def three_steps(overrides, devices):
@@ -233,13 +240,13 @@ def test_a_checkpoint_resumes_with_or_without_stages(first, second, tmp_path):
 )
 def test_bad_pipelines_are_refused_in_one_line(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
-        check_model(load_config(None, ["model.layers=4", *overrides]))
+        check_zoo_model(load_config(None, ["model.layers=4", *overrides]))
 
 
 def test_a_model_without_a_stack_is_refused_by_name():
     config = load_config(None, ["model.name=resnet", "model.variant=resnet18", "mesh.stage=2"])
     with pytest.raises(UserError, match="model.name=resnet has none: set mesh.stage=1"):
-        check_model(config)
+        check_zoo_model(config)
 
 
 def test_micro_batches_must_split_over_the_batch_shards(devices):
@@ -285,9 +292,9 @@ def test_a_pipelined_vit_trains_as_one_device_does(tmp_path):
     assert len(pipelined) == 3
     np.testing.assert_allclose(pipelined, flat, rtol=1e-5)
     with pytest.raises(UserError, match="set model.scan_layers=true"):
-        check_model(load_config(None, [*VIT, "model.scan_layers=false", "mesh.stage=2"]))
+        check_zoo_model(load_config(None, [*VIT, "model.scan_layers=false", "mesh.stage=2"]))
     with pytest.raises(UserError, match=r"model.depth \(vit_tiny\)=4 does not split"):
-        check_model(load_config(None, [*VIT, "mesh.stage=3", "train.pipeline_microbatches=4"]))
+        check_zoo_model(load_config(None, [*VIT, "mesh.stage=3", "train.pipeline_microbatches=4"]))
 
 
 class StackedNet(nnx.Module):
@@ -374,7 +381,7 @@ def test_generate_places_a_pipelined_run_without_stages():
     config = load_config(
         None, [*TINY, "model.layers=4", "mesh.stage=2", "train.pipeline_repeats=2"]
     )
-    placed = config_from_dict(to_dict(config), placement(config, 8))
+    placed = config_from_dict(to_dict(config), placement(config.mesh, 8))
     assert (placed.mesh.stages, placed.train.pipeline_repeats) == (1, 1)
 
 
@@ -386,5 +393,7 @@ def test_out_of_memory_fixes_keep_the_micro_batches_splittable(global_batch, sug
         None, [*TINY, "mesh.data=4", "mesh.stage=2", f"train.global_batch={global_batch}"]
     )
     mesh = {"data": 4, "stage": 2, "fsdp": 1, "tensor": 1}
-    accumulations = [fix for fix, _ in memory_fixes(config, mesh) if "grad_accum" in fix]
+    accumulations = [
+        fix for fix, _ in memory_fixes(memory_settings(config), mesh) if "grad_accum" in fix
+    ]
     assert accumulations == ([suggested] if suggested else [])

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import PYTHON, subprocess_env
+from conftest import PYTHON, subprocess_env, task_for
 from flax import nnx
 
 from paisoar_jax.config import load_config
 from paisoar_jax.engine.step import loss_fn
 from paisoar_jax.numerics.precision import float32_island, force_policy, fp32_function, get_policy
-from paisoar_jax.tasks.zoo import build_model, task_for
+from paisoar_jax.tasks.zoo import build_model
 
 
 def equations(jaxpr):

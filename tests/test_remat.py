@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import plan_run
+from conftest import plan_run, task_for
 
 from paisoar_jax.engine.state import init_state
 from paisoar_jax.engine.step import jit_train_step, loss_and_grads
 from paisoar_jax.numerics.remat import POLICIES, recomputed_activation
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tasks.zoo import task_for
 
 # Twelve layers, as GPT-2 small, at a width that compiles in seconds on a CPU.
 TWELVE_LAYERS = ["model.layers=12", "model.width=64", "model.seq_len=256"]
@@ -48,7 +47,7 @@ def gradients(devices, policy):
     config, layout, mesh = layout_for(devices, policy)
     tokens = np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32)
     with jax.set_mesh(mesh):
-        params, task = init_state(config, layout).params, task_for(config)
+        params, task = init_state(config.train.seed, layout).params, task_for(config)
         grad_fn = jax.jit(lambda p, t: loss_and_grads(p, {}, layout.graphdef, t, task)[1])
         return grad_fn(params, tokens)
 

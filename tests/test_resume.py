@@ -22,7 +22,8 @@ def restored_at(step, steps):
     ],
 )
 def test_a_schedule_that_follows_train_steps_is_said_to_change(overrides, saved_steps, said):
-    line = schedule_change(restored_at(20, saved_steps), load_config(None, overrides))
+    config = load_config(None, overrides)
+    line = schedule_change(restored_at(20, saved_steps), config.train, config.optim)
     assert bool(line) == said
     if said:
         assert line.startswith(

@@ -3,12 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from conftest import assert_steps_match, assert_trees_close, build_run, token_batches
+from conftest import assert_steps_match, assert_trees_close, build_run, task_for, token_batches
 
 from paisoar_jax.engine import memory
 from paisoar_jax.engine.step import loss_and_grads
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tasks.zoo import task_for
 
 MESHES = {
     "data=8": ["mesh.data=8"],

@@ -4,15 +4,23 @@ accumulation, eval with running statistics, resume, the digits run and bad input
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, TINY_RESNET, build_run, plan_run, run_module, run_modules, run_records
+from conftest import (
+    TINY,
+    TINY_RESNET,
+    build_run,
+    plan_run,
+    run_module,
+    run_modules,
+    run_records,
+    task_for,
+    train,
+)
 from flax import nnx
 from PIL import Image
 
 from paisoar_jax.config import load_config
 from paisoar_jax.parallel import sharding
-from paisoar_jax.run.loop import train
 from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling
-from paisoar_jax.tasks.zoo import task_for
 
 
 def image_batch(batch=16, size=16, seed=0):
@@ -238,6 +246,8 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
     from paisoar_jax.checkpointing.checkpoint import Checkpointer
     from paisoar_jax.checkpointing.weights import load_weights
     from paisoar_jax.run.resume import starting_point
+    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.tasks.zoo import zoo_workload
     from paisoar_jax.tools.export import export
 
     common = [*TINY_RESNET, "train.steps=3", "train.eval_every=0", "checkpoint.every=3"]
@@ -249,7 +259,7 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
         saved = checkpointer.restore(3, layout.abstract_state).state
         params, model_state = load_weights(tmp_path / "export", layout.abstract_state)
         tuned = load_config(None, [*common, f"checkpoint.init_from={tmp_path}/export"])
-        started, step, _ = starting_point(tuned, layout, None, task_for(tuned))
+        started, step, _ = starting_point(setup(tuned, zoo_workload(tuned), devices[:1]), None)
     checkpointer.close()
     assert step == 0
     for tree in (model_state, started.model_state):

@@ -7,11 +7,10 @@ with status 3, is a real 2-process job in test_restarts.py.
 import time
 
 import pytest
-from conftest import TINY
+from conftest import TINY, train
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import HangError, UserError
-from paisoar_jax.run import loop
 from paisoar_jax.runtime import heartbeat, watchdog
 from paisoar_jax.tasks import builtin as tasks
 
@@ -83,7 +82,7 @@ def test_a_stall_that_clears_saves_and_ends_with_the_hang_status(tmp_path, monke
     overrides = [*TINY, "train.steps=40", "train.eval_every=0", "checkpoint.every=0"]
     config = load_config(None, [*overrides, "train.hang_timeout_s=3", f"run.dir={run_dir}"])
     with pytest.raises(HangError, match=r"stopped by the hang watchdog after step (\d+); saved"):
-        loop.train(config)
+        train(config)
     err = capsys.readouterr().err
     assert "process 0 of 1: no step finished in 3 s (train.hang_timeout_s)" in err, err
     assert "waiting in: data" in err

@@ -36,15 +36,15 @@ from paisoar_jax.runtime.user_files import read_text
 TOKEN_IDS_FILE = "hf_token_ids.json"
 
 
-def kept_file(name: str, config: Config, *directories: pathlib.Path) -> pathlib.Path | None:
+def kept_file(name: str, init_from: str, *directories: pathlib.Path) -> pathlib.Path | None:
     """A file an import keeps beside the weights (tokenizer.json, ...), or None.
 
     Looked for in `directories`, then beside the import the run was fine-tuned from (its
-    checkpoint.init_from).
+    checkpoint.init_from, `init_from`; empty: none).
     """
     places = list(directories)
-    if config.checkpoint.init_from:
-        places.append(pathlib.Path(config.checkpoint.init_from))
+    if init_from:
+        places.append(pathlib.Path(init_from))
     return next((place / name for place in places if (place / name).is_file()), None)
 
 

@@ -17,7 +17,7 @@ import pathlib
 import jax
 
 from paisoar_jax import output
-from paisoar_jax.config import Config, DataConfig
+from paisoar_jax.config import DataConfig
 from paisoar_jax.data.records import MANIFEST_NAME
 from paisoar_jax.data.sources import hf_cache_directory
 from paisoar_jax.data.text_conversion import TextConversion, convert_text
@@ -39,13 +39,12 @@ def wait_for_everyone(name: str) -> None:
     jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=WAIT_S * 1000)
 
 
-def hf_paths(config: Config) -> list[tuple[str, str, DataConfig]]:
+def hf_paths(data: DataConfig) -> list[tuple[str, str, DataConfig]]:
     """The run's hf:<path> sources: (its key, its path, the data section it is read with).
 
     data.source or the mixture's, data.eval_source and data.eval_sets' (read with the eval
     split).
     """
-    data = config.data
     specs = [("data.mixture", entry.source, data) for entry in data.mixture]
     specs = specs or [("data.source", data.source, data)]
     specs += [("data.eval_source", data.eval_source, data.eval_side())] if data.eval_source else []
@@ -105,16 +104,16 @@ def conversion_for(
     )
 
 
-def prepare(config: Config) -> None:
+def prepare(data: DataConfig) -> None:
     """Tokenizes each hf:<path> source the cache lacks (process 0), before training."""
-    paths = hf_paths(config)
+    paths = hf_paths(data)
     if not paths:
         return
-    for key, path, data in paths:
-        directory = hf_cache_directory(data, path, key)
+    for key, path, read_with in paths:
+        directory = hf_cache_directory(read_with, path, key)
         if jax.process_index() == 0 and not (directory / MANIFEST_NAME).is_file():
             try:
-                summary = convert_text(conversion_for(key, data, path, directory))
+                summary = convert_text(conversion_for(key, read_with, path, directory))
             except OSError as error:
                 raise UserError(
                     f"data.cache_dir: cannot write {directory} ({error.strerror or error}): set "
@@ -123,8 +122,8 @@ def prepare(config: Config) -> None:
             output.note(f"{key}=hf:{path}, tokenized once for this and later runs: {summary}")
     if jax.process_count() > 1:
         wait_for_everyone(f"paisoar_jax.hf_sources.{next(_BARRIERS)}")
-        for key, path, data in paths:
-            directory = hf_cache_directory(data, path, key)
+        for key, path, read_with in paths:
+            directory = hf_cache_directory(read_with, path, key)
             if not (directory / MANIFEST_NAME).is_file():
                 raise UserError(
                     f"{key}=hf:{path}: process 0 tokenized it into {directory}, which "

@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from paisoar_jax.config import Config
 from paisoar_jax.data.worker_processes import check_main_guard
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel.sharding import input_slot
@@ -391,13 +390,12 @@ def resume_position(
     return int(saved["examples"]), None
 
 
-def check_splits(task: Any, train_source: Any, eval_sets: Sequence[Any], config: Config) -> None:
+def check_splits(task: Any, train_source: Any, eval_sets: Sequence[Any], batch: int) -> None:
     """Train holds a global batch, each eval set an example; every process has the same data.
 
     (Sources of known length; ready batches are the user's own per process. `eval_sets`:
-    evaluation.EvalSets; one never evaluated is not checked.)
+    evaluation.EvalSets; one never evaluated is not checked. `batch`: train.global_batch.)
     """
-    batch = config.train.global_batch
     splits = [("train", train_source)]
     splits += [(f"eval {one.name}".strip(), one.source) for one in eval_sets if one.every]
     for split, source in splits:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import TrainConfig
 from paisoar_jax.data.mixture import MixtureEval
 from paisoar_jax.data.prefetch import global_batch
 from paisoar_jax.errors import UserError
@@ -80,19 +80,21 @@ def eval_batch_count(size: int, global_batch: int, cap: int) -> int:
 
 
 def evaluate(
-    eval_step, state, eval_source, task, config: Config, mesh, step: int = 0
+    eval_step, state, eval_source, task, train: TrainConfig, mesh, step: int = 0
 ) -> dict[str, float]:
     """Each eval metric's mean over the eval set's rows (see the module docstring).
+
+    `train`: the train section (the global batch, train.eval_batches and the seed).
 
     A mixture's sources are evaluated one by one (`loss/<name>`, ...); its `loss` is theirs
     weighted by the mixture's weights at `step`.
     """
     if isinstance(eval_source, MixtureEval):
-        return _evaluate_mixture(eval_step, state, eval_source, task, config, mesh, step)
+        return _evaluate_mixture(eval_step, state, eval_source, task, train, mesh, step)
     batch_sharding = sharding.batch_sharding(mesh)
     totals: dict[str, np.float64] = {}
     pending = []
-    for host_batch, real_rows in _marked_batches(task, eval_source, config):
+    for host_batch, real_rows in _marked_batches(task, eval_source, train):
         batch, real_B = global_batch(batch_sharding, (host_batch, real_rows))
         pending.append(eval_step(state.params, state.model_state, batch, real_B))
         if len(pending) == IN_FLIGHT:
@@ -106,10 +108,10 @@ def evaluate(
     return means
 
 
-def _evaluate_mixture(eval_step, state, mixture, task, config, mesh, step) -> dict[str, float]:
+def _evaluate_mixture(eval_step, state, mixture, task, train, mesh, step) -> dict[str, float]:
     """Each source's eval metrics as `<metric>/<name>`, and the loss the weights mix."""
     parts = {
-        name: evaluate(eval_step, state, source, task, config, mesh)
+        name: evaluate(eval_step, state, source, task, train, mesh)
         for name, source in mixture.parts.items()
     }
     weights = mixture.weights_at(step)
@@ -132,9 +134,8 @@ def _add(totals: dict[str, np.float64], pending: list) -> None:
     pending.clear()
 
 
-def _marked_batches(task, source: Any, config: Config) -> Iterator[tuple[Any, np.ndarray]]:
+def _marked_batches(task, source: Any, train: TrainConfig) -> Iterator[tuple[Any, np.ndarray]]:
     """Per eval batch: the rows this process reads, and which of them are the set's own."""
-    train = config.train
     slot, slots = sharding.input_slot()
     rows = train.global_batch // slots
     if not hasattr(source, "__len__"):  # ready batches: one pass, all rows real

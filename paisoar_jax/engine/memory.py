@@ -8,12 +8,25 @@ gradients from their shardings, the rest from XLA's own account of the compiled 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 
+from paisoar_jax.config import MeshConfig, PrecisionConfig, RematConfig, TrainConfig
 from paisoar_jax.engine.state import trainable_part
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySettings:
+    """The config sections a step's memory depends on: what the out-of-memory fixes change."""
+
+    mesh: MeshConfig  # zero, and the pipeline's stages
+    train: TrainConfig  # global_batch, grad_accum, memory_limit_gb, the pipeline's cuts
+    precision: PrecisionConfig  # fp32 compute: bf16 halves the activations
+    remat: RematConfig  # the policy in effect, and the blocks of a model of one's own
+    own_model: bool  # a model of one's own (model.name=custom) names its remat blocks
 
 
 def per_device_bytes(tree: Any) -> int:

@@ -20,12 +20,12 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from paisoar_jax import output
-from paisoar_jax.config import Config
+from paisoar_jax.config import MeshConfig, ShardingConfig, TrainConfig
 from paisoar_jax.engine import lora
 from paisoar_jax.engine.optim import decay_mask
 from paisoar_jax.numerics.precision import Policy, get_policy, policy_lookup
-from paisoar_jax.parallel import grad_comm, rules, sharding
-from paisoar_jax.parallel.pipeline import Pipeline, from_config
+from paisoar_jax.parallel import grad_comm, pipeline, rules, sharding
+from paisoar_jax.parallel.pipeline import Pipeline
 
 
 @struct.dataclass
@@ -46,6 +46,17 @@ class TrainState:
     comm: dict[str, Any] = struct.field(default_factory=dict)
     # train.ema_decay > 0: {"params": the moving average of the params}, else empty.
     ema: dict[str, Any] = struct.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSettings:
+    """The config sections a state's layout reads (run/setup.py hands them over)."""
+
+    mesh: MeshConfig  # zero, grad_comm and the pipeline's stages
+    sharding: ShardingConfig  # the parameter rules
+    train: TrainConfig  # ema_decay and the pipeline's micro-batches
+    precision_policy: str  # precision.policy
+    lora: bool  # lora.enabled: only the adapters train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +104,12 @@ class StateLayout:
 
 
 def state_layout(
-    config: Config,
     mesh: Mesh,
     optimizer: optax.GradientTransformation,
     create_model: Callable[[], nnx.Module],
     follows_policy: bool,
+    *,
+    settings: LayoutSettings,
 ) -> StateLayout:
     """Traces model and optimizer abstractly and derives every sharding.
 
@@ -105,31 +117,28 @@ def state_layout(
     otherwise the step casts its weights (not norms or biases) to the compute dtype.
     """
     graphdef, abstract_variables, abstract_model_variables = _trace_model(create_model)
-    policy = get_policy(config.precision.policy)
+    policy = get_policy(settings.precision_policy)
     # LoRA: only the adapters train; the frozen weights are stored in the compute dtype.
-    trainable = lora.trainable_paths(abstract_variables) if config.lora.enabled else None
+    trainable = lora.trainable_paths(abstract_variables) if settings.lora else None
     abstract_params = _frozen_in_compute_dtype(
         nnx.to_pure_dict(abstract_variables), trainable, policy
     )
     logical_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_variables))
     param_shardings, state_param_shardings = rules.parameter_shardings(
-        abstract_params, logical_specs, mesh, config.sharding, config.mesh.zero
+        abstract_params, logical_specs, mesh, settings.sharding, settings.mesh.zero
     )
     # What the optimizer and the gradients see: the trainable params (all, without LoRA).
     trained_params = trainable_part(abstract_params, trainable)
     state_param_shardings = trainable_part(state_param_shardings, trainable)
     abstract_model_state, model_state_shardings = _model_state_layout(
-        abstract_model_variables, mesh, config.mesh.zero
+        abstract_model_variables, mesh, settings.mesh.zero
     )
     abstract_opt_state, opt_shardings = _optimizer_layout(
         optimizer, trained_params, state_param_shardings, mesh
     )
+    trained_shardings = trainable_part(param_shardings, trainable)
     exchange = grad_comm.plan(
-        config,
-        mesh,
-        trained_params,
-        trainable_part(param_shardings, trainable),
-        state_param_shardings,
+        settings.mesh, mesh, trained_params, trained_shardings, state_param_shardings
     )
     grad_comm.check_model_state(exchange, abstract_model_state)
     shardings = TrainState(
@@ -139,7 +148,7 @@ def state_layout(
         opt_state=opt_shardings,
         rng=sharding.replicated(mesh),
         comm=grad_comm.comm_state_shardings(exchange, mesh),
-        ema={"params": param_shardings} if config.train.ema_decay else {},
+        ema={"params": param_shardings} if settings.train.ema_decay else {},
     )
     shapes = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
@@ -148,7 +157,7 @@ def state_layout(
         opt_state=abstract_opt_state,
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
         comm=jax.eval_shape(lambda: grad_comm.initial_comm_state(exchange, mesh)),
-        ema={"params": abstract_params} if config.train.ema_decay else {},
+        ema={"params": abstract_params} if settings.train.ema_decay else {},
     )
     abstract_state = jax.tree.map(_placed, shapes, shardings)
     compute_dtypes = (
@@ -166,10 +175,10 @@ def state_layout(
         abstract_state=abstract_state,
         create_model=create_model,
         compute_dtypes=compute_dtypes,
-        pipeline=from_config(config),
+        pipeline=pipeline.schedule(settings.mesh, settings.train),
         exchange=exchange,
         trainable=trainable,
-        ema_decay=config.train.ema_decay,
+        ema_decay=settings.train.ema_decay,
     )
 
 
@@ -284,8 +293,11 @@ def compute_casts(graphdef, abstract_variables, abstract_model_variables, policy
     return dtypes if any(dtype is not None for dtype in jax.tree.leaves(dtypes)) else None
 
 
-def init_state(config: Config, layout: StateLayout) -> TrainState:
-    """Creates the train state directly in its shardings (jit with out_shardings)."""
+def init_state(seed: int, layout: StateLayout) -> TrainState:
+    """Creates the train state directly in its shardings (jit with out_shardings).
+
+    `seed`: train.seed, the start of the step's random stream (dropout, ...).
+    """
 
     def init() -> TrainState:
         _, variables, model_variables = nnx.split(layout.create_model(), nnx.Param, ...)
@@ -299,7 +311,7 @@ def init_state(config: Config, layout: StateLayout) -> TrainState:
             params=params,
             model_state=nnx.to_pure_dict(model_variables),
             opt_state=layout.optimizer.init(trainable_part(params, layout.trainable)),
-            rng=jax.random.PRNGKey(config.train.seed),
+            rng=jax.random.PRNGKey(seed),
             comm=grad_comm.initial_comm_state(layout.exchange, layout.shardings.step.mesh),
             ema=ema_start(params) if layout.ema_decay else {},
         )

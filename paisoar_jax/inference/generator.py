@@ -29,13 +29,14 @@ from paisoar_jax.checkpointing.weights import (
     load_weights,
     weights_source,
 )
-from paisoar_jax.config import LanguageModelConfig, config_from_dict, to_dict
+from paisoar_jax.config import LanguageModelConfig, MeshConfig, config_from_dict, to_dict
 from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.data.tokenizing import end_of_text_id
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import generate_rows, pick_token
 from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
+from paisoar_jax.runtime.platform import choose_platform
 from paisoar_jax.runtime.user_files import open_tokenizer, read_json
 from paisoar_jax.tasks.workload import setup
 from paisoar_jax.tasks.zoo import zoo_workload
@@ -46,10 +47,10 @@ PROMPT_BUCKET = 16  # batched prompts of several lengths are padded to a multipl
 def weights_of(source: pathlib.Path):
     """(config, the directory that holds the weights, its tokenizer.json or None)."""
     config, path, _ = weights_source(source)
-    return config, path, kept_file("tokenizer.json", config, path, source)
+    return config, path, kept_file("tokenizer.json", config.checkpoint.init_from, path, source)
 
 
-def placement(config, count: int) -> list[str]:
+def placement(mesh: MeshConfig, count: int) -> list[str]:
     """Overrides that place the model on `count` devices as its config says, where it can.
 
     fsdp and tensor are kept when they divide the devices (data takes the rest; pipeline
@@ -57,7 +58,7 @@ def placement(config, count: int) -> list[str]:
     than there are here (or with -1) is placed whole on each.
     Decoding runs XLA's attention, so model.attention=cudnn becomes auto.
     """
-    fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
+    fsdp, tensor = mesh.fsdp, mesh.tensor
     if fsdp < 1 or tensor < 1 or count % (fsdp * tensor):
         fsdp, tensor = 1, 1
     overrides = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "mesh.data=-1"]
@@ -70,7 +71,7 @@ def placement(config, count: int) -> list[str]:
 
 
 def end_of_sequence_ids(
-    config, directories: Sequence[pathlib.Path], tokenizer_file: pathlib.Path | None
+    init_from: str, directories: Sequence[pathlib.Path], tokenizer_file: pathlib.Path | None
 ) -> tuple[int, ...]:
     """The ids generation stops at, as transformers finds them.
 
@@ -79,7 +80,7 @@ def end_of_sequence_ids(
     run started from), else the tokenizer's end-of-text token. None for a byte-level model.
     """
     for name in ("generation_config.json", TOKEN_IDS_FILE):
-        found = kept_file(name, config, *directories)
+        found = kept_file(name, init_from, *directories)
         value = read_json(found).get("eos_token_id") if found else None
         if value is not None:
             return tuple(value) if isinstance(value, list) else (int(value),)
@@ -108,19 +109,22 @@ class Generator:
     """
 
     def __init__(self, source: str | pathlib.Path, devices=None):
+        choose_platform()  # before jax starts its backends (runtime/platform.py)
         source = pathlib.Path(source)
         config, path, self.tokenizer_file = weights_of(source)
         if not isinstance(config.model, LanguageModelConfig):
             raise UserError(f"{source}: model.name={config.model.name} does not generate text")
         devices = devices or jax.devices()
-        self.config = config_from_dict(to_dict(config), placement(config, len(devices)))
+        self.config = config_from_dict(to_dict(config), placement(config.mesh, len(devices)))
         run = setup(self.config, zoo_workload(self.config), devices)
         self.mesh, self.layout = run.mesh, run.layout
         self.rows = sharding.batch_shards(self.mesh)  # rows come in multiples of this
         with jax.set_mesh(self.mesh):
             self.params, model_state = load_weights(path, self.layout.abstract_state)
         self.model_state = model_state or {}
-        self.end_ids = end_of_sequence_ids(config, (path, source), self.tokenizer_file)
+        self.end_ids = end_of_sequence_ids(
+            config.checkpoint.init_from, (path, source), self.tokenizer_file
+        )
         self._text: Text | None = None
         self._compiled: dict[tuple, Callable] = {}
 

@@ -26,9 +26,15 @@ from flax import nnx
 from paisoar_jax.parallel.sharding import constrain
 
 
-def empty_cache(config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
+def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Zero keys and values (L x B x S x K x E) for `length` positions."""
-    shape = (config.layers, batch, length, config.key_value_heads, config.head_size)
+    shape = (
+        model_config.layers,
+        batch,
+        length,
+        model_config.key_value_heads,
+        model_config.head_size,
+    )
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 

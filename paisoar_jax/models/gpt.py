@@ -400,19 +400,19 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
 
 
-def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, config):
+def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, model_config):
     """(the stream or PackedRows through every block, the MoE layers' router statistics).
 
     One scanned block, or each in turn; the statistics are stacked over the MoE layers
     ({} for a dense model).
     """
-    scanned = config.scan_layers
+    scanned = model_config.scan_layers
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
         step = wrap_block_call(functools.partial(_block_step, graphdef, rotary), remat_policy, True)
         # A plain scan, or the pipeline of mesh.stage > 1 (pipeline.py); only a mixture of
         # experts' blocks have outputs to collect.
-        if config.experts == 0:
+        if model_config.experts == 0:
             return scan_layers(step, x_BxTxD, stacked_state), {}
         x_BxTxD, statistics = scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
         if "router_bias" in statistics:  # bias balancing: the stack's next biases

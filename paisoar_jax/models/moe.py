@@ -82,60 +82,60 @@ class MoeShape:
         return max(1, min(tokens, math.ceil(wanted)))
 
 
-def shape_of(config) -> MoeShape:
+def shape_of(model_config) -> MoeShape:
     """The MoE feed-forward a LanguageModelConfig with model.experts > 0 describes."""
     return MoeShape(
-        experts=config.experts,
-        experts_per_token=config.experts_per_token,
-        mlp_width=config.expert_width,
-        capacity_factor=config.expert_capacity_factor,
-        router=config.router,
-        renormalize=config.router_renormalize,
-        shared_experts=config.shared_experts,
-        bias_rate=config.router_bias_rate,
+        experts=model_config.experts,
+        experts_per_token=model_config.experts_per_token,
+        mlp_width=model_config.expert_width,
+        capacity_factor=model_config.expert_capacity_factor,
+        router=model_config.router,
+        renormalize=model_config.router_renormalize,
+        shared_experts=model_config.shared_experts,
+        bias_rate=model_config.router_bias_rate,
     )
 
 
-def inactive_parameters(config) -> int:
+def inactive_parameters(model_config) -> int:
     """The expert weights a token does not use: (experts - experts_per_token) per MoE layer.
 
     6 x (all parameters - these) per token is what a MoE model's MFU counts (its active
     parameters), as MaxText and Megatron count it.
     """
-    if not config.experts:
+    if not model_config.experts:
         return 0
-    expert_parameters = 3 * config.width * config.expert_width
-    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.layers))
-    return moe_layers * (config.experts - config.experts_per_token) * expert_parameters
+    expert_parameters = 3 * model_config.width * model_config.expert_width
+    moe_layers = sum(model_config.is_moe_layer(layer) for layer in range(model_config.layers))
+    return moe_layers * (model_config.experts - model_config.experts_per_token) * expert_parameters
 
 
-def auxiliary_loss(statistics: dict[str, jax.Array], config) -> jax.Array:
+def auxiliary_loss(statistics: dict[str, jax.Array], model_config) -> jax.Array:
     """What the router adds to the loss: each loss's weight x its mean over the MoE layers.
 
     `statistics`: per layer (a leading axis of the MoE layers), as the decoder returns them.
     """
-    return config.router_aux_loss * jnp.mean(
+    return model_config.router_aux_loss * jnp.mean(
         statistics["balance_loss"]
-    ) + config.router_z_loss * jnp.mean(statistics["z_loss"])
+    ) + model_config.router_z_loss * jnp.mean(statistics["z_loss"])
 
 
 # The metrics.jsonl fields of a mixture of experts that summarise its MoE layers.
 SUMMARY_NAMES = ("moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction")
 
 
-def moe_layers(config) -> list[int]:
+def moe_layers(model_config) -> list[int]:
     """The layers (from 0) that have experts."""
-    return [layer for layer in range(config.layers) if config.is_moe_layer(layer)]
+    return [layer for layer in range(model_config.layers) if model_config.is_moe_layer(layer)]
 
 
-def metric_names(config) -> tuple[str, ...]:
+def metric_names(model_config) -> tuple[str, ...]:
     """Every metrics.jsonl field of a mixture of experts: the summary, then per layer."""
-    layers = moe_layers(config)
+    layers = moe_layers(model_config)
     loads = tuple(f"moe_layer_load/{layer}" for layer in layers)
     return SUMMARY_NAMES + loads + tuple(f"moe_layer_dropped/{layer}" for layer in layers)
 
 
-def metrics_of(statistics: dict[str, jax.Array], config) -> dict[str, jax.Array]:
+def metrics_of(statistics: dict[str, jax.Array], model_config) -> dict[str, jax.Array]:
     """The MoE layers' statistics as metrics (`metric_names`), each an fp32 scalar.
 
     moe_expert_load is the busiest expert's tokens over the mean expert's in the worst
@@ -148,7 +148,7 @@ def metrics_of(statistics: dict[str, jax.Array], config) -> dict[str, jax.Array]
         "moe_expert_load": jnp.max(statistics["expert_load"]),
         "moe_dropped_fraction": jnp.mean(statistics["dropped_fraction"]),
     }
-    for index, layer in enumerate(moe_layers(config)):
+    for index, layer in enumerate(moe_layers(model_config)):
         metrics[f"moe_layer_load/{layer}"] = statistics["expert_load"][index]
         metrics[f"moe_layer_dropped/{layer}"] = statistics["dropped_fraction"][index]
     return metrics

@@ -62,11 +62,11 @@ class Shortcut(nnx.Module):
 class BasicBlock(nnx.Module):
     """Two 3x3 convs with BatchNorm and ReLU, plus the shortcut (ResNet-18/34)."""
 
-    def __init__(self, in_features: int, features: int, stride: int, config, policy, rngs):
+    def __init__(self, in_features: int, features: int, stride: int, model_config, policy, rngs):
         self.conv1 = Conv(in_features, features, 3, policy, rngs, stride=stride)
         self.norm1 = batch_norm(features, rngs)
         self.conv2 = Conv(features, features, 3, policy, rngs)
-        self.norm2 = batch_norm(features, rngs, zero_scale=config.zero_init_residual)
+        self.norm2 = batch_norm(features, rngs, zero_scale=model_config.zero_init_residual)
         resize = stride != 1 or in_features != features
         self.shortcut = Shortcut(in_features, features, stride, policy, rngs) if resize else None
         self.policy = policy
@@ -82,14 +82,14 @@ class BasicBlock(nnx.Module):
 class Bottleneck(nnx.Module):
     """1x1 reduce, 3x3 (carrying the stride: v1.5), 1x1 expand, plus the shortcut."""
 
-    def __init__(self, in_features: int, features: int, stride: int, config, policy, rngs):
+    def __init__(self, in_features: int, features: int, stride: int, model_config, policy, rngs):
         out_features = features * BOTTLENECK_EXPANSION
         self.conv1 = Conv(in_features, features, 1, policy, rngs)
         self.norm1 = batch_norm(features, rngs)
         self.conv2 = Conv(features, features, 3, policy, rngs, stride=stride)
         self.norm2 = batch_norm(features, rngs)
         self.conv3 = Conv(features, out_features, 1, policy, rngs)
-        self.norm3 = batch_norm(out_features, rngs, zero_scale=config.zero_init_residual)
+        self.norm3 = batch_norm(out_features, rngs, zero_scale=model_config.zero_init_residual)
         resize = stride != 1 or in_features != out_features
         self.shortcut = (
             Shortcut(in_features, out_features, stride, policy, rngs) if resize else None
@@ -138,23 +138,23 @@ class ResNet(nnx.Module):
     """ResNet image classifier: NHWC images in, fp32 logits (B x N) out."""
 
     def __init__(
-        self, config: VisionConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
+        self, model_config: VisionConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
     ) -> None:
-        config = resolve_resnet_config(config)
-        self.config, self.policy, self.remat_policy = config, policy, remat_policy
-        bottleneck, _ = DEPTHS[config.depth]
+        model_config = resolve_resnet_config(model_config)
+        self.config, self.policy, self.remat_policy = model_config, policy, remat_policy
+        bottleneck, _ = DEPTHS[model_config.depth]
         block_class = Bottleneck if bottleneck else BasicBlock
-        self.stem_conv = Conv(config.channels, config.width, 7, policy, rngs, stride=2)
-        self.stem_norm = batch_norm(config.width, rngs)
+        self.stem_conv = Conv(model_config.channels, model_config.width, 7, policy, rngs, stride=2)
+        self.stem_norm = batch_norm(model_config.width, rngs)
         self.blocks = nnx.List(
             [
-                block_class(in_features, features, stride, config, policy, rngs)
-                for in_features, features, stride in stage_plan(config)
+                block_class(in_features, features, stride, model_config, policy, rngs)
+                for in_features, features, stride in stage_plan(model_config)
             ]
         )
         self.head = Dense(
-            final_features(config),
-            config.num_classes,
+            final_features(model_config),
+            model_config.num_classes,
             policy,
             rngs,
             names=("embed", "classes"),

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from paisoar_jax import output
-from paisoar_jax.config import Config
+from paisoar_jax.config import RunConfig
 from paisoar_jax.observe import trackers
 
 # Dense bf16 peak TFLOP/s per device, by jax device_kind prefix (datasheet figures).
@@ -48,9 +48,10 @@ def mfu(
 class MetricsWriter:
     """Appends metric records to run_dir/metrics.jsonl and the trackers (process 0 only).
 
-    `config`: the run's, whose run.trackers receive every record; without it, TensorBoard
-    alone when `tensorboard`. `optimizer`: an optimizer given to fit, as the trackers record
-    it (optim.describe_given).
+    `reporting`: the run's `run` section, whose run.trackers receive every record, with
+    `record` (the resolved config as sections) as the config they keep; without it,
+    TensorBoard alone when `tensorboard`. `optimizer`: an optimizer given to fit, as the
+    trackers record it (optim.describe_given).
     """
 
     def __init__(
@@ -58,7 +59,8 @@ class MetricsWriter:
         run_dir: pathlib.Path,
         tensorboard: bool = True,
         resume_step: int = 0,
-        config: Config | None = None,
+        reporting: RunConfig | None = None,
+        record: dict[str, Any] | None = None,
         optimizer: dict[str, Any] | None = None,
     ):
         self.enabled = jax.process_index() == 0
@@ -85,8 +87,10 @@ class MetricsWriter:
             os.replace(temporary, path)
         elif path.exists():
             path.unlink()  # a fresh run (no checkpoint to continue) starts a fresh file
-        if config is not None:
-            self._trackers = trackers.open_trackers(config, run_dir, resume_step, optimizer)
+        if reporting is not None:
+            self._trackers = trackers.open_trackers(
+                reporting, record or {}, run_dir, resume_step, optimizer
+            )
         elif tensorboard:
             self._trackers = [trackers.TensorBoard(None, run_dir)]
         self._file = path.open("a")

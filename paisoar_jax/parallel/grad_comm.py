@@ -50,7 +50,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paisoar_jax import output
-from paisoar_jax.config import Config
+from paisoar_jax.config import MeshConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 
@@ -142,9 +142,11 @@ def _round_up(count: int, multiple: int) -> int:
     return -(-count // multiple) * multiple
 
 
-def plan(config: Config, mesh: Mesh, abstract_params, param_shardings, gradient_shardings):
-    """The run's Exchange, or None for XLA's fp32 exchange (a warning where it is moot)."""
-    settings = config.mesh
+def plan(settings: MeshConfig, mesh: Mesh, abstract_params, param_shardings, gradient_shardings):
+    """The run's Exchange, or None for XLA's fp32 exchange (a warning where it is moot).
+
+    `settings`: the mesh section (mesh.grad_comm, its scope and dcn_data).
+    """
     if settings.grad_comm == "fp32":
         return None
     shards = mesh.shape[DATA_AXIS]

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from paisoar_jax.config import Config, check_stage_groups
+from paisoar_jax.config import MeshConfig, TrainConfig, check_stage_groups
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 
@@ -87,13 +87,13 @@ class Pipeline:
         return (self.stages - 1) / self.iterations
 
 
-def from_config(config: Config) -> Pipeline | None:
+def schedule(mesh: MeshConfig, train: TrainConfig) -> Pipeline | None:
     """The run's pipeline (mesh.stage x mesh.dcn_stage > 1), or None."""
-    stages = config.mesh.stages
+    stages = mesh.stages
     if stages == 1:
         return None
-    microbatches = config.train.pipeline_microbatches or 2 * stages
-    return Pipeline(stages, microbatches, config.train.pipeline_repeats)
+    microbatches = train.pipeline_microbatches or 2 * stages
+    return Pipeline(stages, microbatches, train.pipeline_repeats)
 
 
 @dataclasses.dataclass

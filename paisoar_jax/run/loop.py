@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import checkpoint_directory
 from paisoar_jax.checkpointing.orbax_errors import describe_failure
-from paisoar_jax.config import Config, dump_yaml
+from paisoar_jax.config import Config
 from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
@@ -40,7 +40,7 @@ from paisoar_jax.run.resume import (
     schedule_change,
     starting_point,
 )
-from paisoar_jax.runtime import full_disk, gpu_flags, heartbeat, preemption
+from paisoar_jax.runtime import full_disk, heartbeat, preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.runtime.watchdog import Watchdog, timeout_for
@@ -83,17 +83,10 @@ class Finished:
     compiled: Any = None  # jax.stages.Compiled of the first batch's signature (bench reads it)
 
 
-def train(config: Config, workload: Workload | None = None) -> dict[str, Any]:
-    """Trains as configured and returns the run's summary (also printed as one line).
-
-    `workload`: the model, task and optimizer to train; default: the config's zoo model.
-    """
-    return run(config, workload).summary
-
-
 def run(config: Config, workload: Workload | None = None) -> Finished:
     """Trains as configured; the summary with the final state (what `fit` hands back).
 
+    `workload`: the model, task and optimizer to train; default: the config's zoo model.
     From here on SIGTERM and Ctrl-C are the StopRequest's (preemption.py): before the first
     step has finished they end the process at once (nothing new to save, and a compile or
     a restore is not worth waiting for); after it, the loop saves the step reached and stops.
@@ -106,18 +99,24 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
         return f"last saved: step {newest} in {checkpoint_dir}" if newest else "no step saved"
 
     with StopRequest(last_saved, speaks=jax.process_index() == 0) as stop:
-        return _run(config, workload, stop, checkpoint_dir)
+        workload = zoo_workload(config) if workload is None else workload
+        train_source, eval_sets = open_sources(workload.task, config.train.global_batch)
+        built = setup(config, workload)  # below here: sections and built objects only
+        return _run(built, train_source, eval_sets, stop, checkpoint_dir)
 
 
-def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoint_dir) -> Finished:
-    """`run` once the stop signals are caught."""
-    workload = zoo_workload(config) if workload is None else workload
-    task = workload.task
+def open_sources(task: Task, global_batch: int) -> tuple[Any, tuple[EvalSet, ...]]:
+    """The task's train source and eval sets, checked (a global batch of train data, ...)."""
     train_source, eval_sets = task.open_sources()
-    check_splits(task, train_source, eval_sets, config)
-    run = setup(config, workload)
+    check_splits(task, train_source, eval_sets, global_batch)
+    return train_source, eval_sets
+
+
+def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir) -> Finished:
+    """`run` once the stop signals are caught and the run is set up."""
+    task, train = run.task, run.train
     check_metric_names(eval_sets, task)  # the task's metrics are known once setup traced it
-    run_dir, is_main = config.run_dir, jax.process_index() == 0
+    run_dir, is_main = run.run_dir, jax.process_index() == 0
 
     def save_bytes() -> int:  # asked only when the disk is full
         return full_disk.tree_bytes(run.layout.abstract_state)
@@ -130,35 +129,39 @@ def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoin
         # Before anything is written or cleaned up: the run directory is made and locked, and
         # a second run in it stops here.
         cleanup.enter_context(RunLock(run_dir))
-        checkpointer = make_checkpointer(config)
+        checkpointer = make_checkpointer(run.checkpoint, run_dir)
         heartbeat.progress.run_dir = str(run_dir.absolute())
         if checkpointer is not None:
             heartbeat.progress.checkpoint_dir = str(checkpointer.directory)
             cleanup.callback(checkpointer.close)  # waits for the save in flight, on any exit
         who = f"process {jax.process_index()} of {jax.process_count()}"
-        hang_timeout_s = timeout_for(config.train.hang_timeout_s, jax.process_count())
+        hang_timeout_s = timeout_for(train.hang_timeout_s, jax.process_count())
         watchdog = Watchdog(hang_timeout_s, who, lambda: stop.request(HANG_STOP))
         cleanup.enter_context(watchdog)
-        state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
+        state, start_step, restored = starting_point(run, checkpointer)
         if is_main:  # only now: a run refused above must not overwrite the config it had
-            (run_dir / "config.yaml").write_text(config_text(config, task))
-            changed = restored and run.lr_schedule is not None and schedule_change(restored, config)
+            (run_dir / "config.yaml").write_text(config_text(run))
+            changed = (
+                restored
+                and run.lr_schedule is not None
+                and schedule_change(restored, train, run.optim)
+            )
             if changed:  # (the config's schedule only: a user's optimizer keeps its own)
                 output.note(changed)
-            if restored and (batch_note := batch_change_note(restored, config)):
+            if restored and (batch_note := batch_change_note(restored, train)):
                 output.note(batch_note)
-        if start_step >= config.train.steps:
+        if start_step >= train.steps:
             if is_main:
                 output.note(
                     f"{run_dir} already finished {start_step} steps (train.steps="
-                    f"{config.train.steps}); raise train.steps to go on, or use another run.dir"
+                    f"{train.steps}); raise train.steps to go on, or use another run.dir"
                 )
             summary = {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
             summary |= {"first_loss": None, "final_loss": None, "eval_loss": None}
             return Finished(summary, state)
-        batches = open_input(config, run.mesh, task, train_source, restored)
+        batches = open_input(run, train_source, restored)
         cleanup.callback(batches.close)
-        limit_bytes = oom.device_limit_bytes(config.train.memory_limit_gb)
+        limit_bytes = oom.device_limit_bytes(train.memory_limit_gb)
         resumed_batch = saved_batch(restored) if restored else None
         parts = RunParts.of(run, eval_sets, limit_bytes, resumed_batch)
         summary, state, compiled = _run_loop(
@@ -169,36 +172,35 @@ def _run(config: Config, workload: Workload | None, stop: StopRequest, checkpoin
     return Finished(summary, state, compiled)
 
 
-def config_text(config: Config, task: Task) -> str:
-    """What the run writes to <run.dir>/config.yaml."""
-    return task.config_note + dump_yaml(config)
+def config_text(run: Setup) -> str:
+    """What the run writes to <run.dir>/config.yaml: the task's note, then the config."""
+    return run.task.config_note + run.config_yaml
 
 
-def open_input(config: Config, mesh, task: Task, train_source, restored) -> DevicePrefetcher:
+def open_input(run: Setup, train_source, restored) -> DevicePrefetcher:
     """The batches this process trains on, moved to the checkpoint's position, on the devices."""
-    train = config.train
+    train, data = run.train, run.data
     host_iterator = iter(
-        task.host_batches(
+        run.task.host_batches(
             train_source,
             global_batch=train.global_batch,
             seed=train.seed,
             train=True,
-            workers=config.data.workers,
+            workers=data.workers,
         )
     )
     if restored is not None:
-        note = resume_input(host_iterator, restored, config)
+        note = resume_input(host_iterator, restored, data, train)
         if note and jax.process_index() == 0:
             output.note(note)
-    data = config.data
     return DevicePrefetcher(
-        host_iterator, sharding.batch_sharding(mesh), data.prefetch, data.check_finite
+        host_iterator, sharding.batch_sharding(run.mesh), data.prefetch, data.check_finite
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class RunParts(Setup):
-    """What the loop works with: the run's Setup, and what `train` adds before the first step."""
+    """What the loop works with: the run's Setup, and what `run` adds before the first step."""
 
     eval_sets: tuple[EvalSet, ...] = ()  # the default one first; none: no eval
     limit_bytes: int | None = None  # what one device may hold, for the out-of-memory report
@@ -225,7 +227,7 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
     Returns (summary, final state, the compiled step). The watchdog hears of each step's
     progress and of the phase the loop is in.
     """
-    train_config, steps = parts.config.train, parts.config.train.steps
+    train_config, steps = parts.train, parts.train.steps
     first_batch = next(batches)
     train_step, eval_step = _compile(parts, state, first_batch, watchdog.paused)
     run_records.say_compiled(parts, train_step.compile_s, start_step)
@@ -265,7 +267,9 @@ def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: 
             run_records.write_record(record, parts.task, instruments)
         stopped_by = stop_agreed(stop, step, is_log_step)
         stop_now = stopped_by is not None
-        if checkpointer is not None and _is_save_step(parts.config, step, stop_now):
+        if checkpointer is not None and _is_save_step(
+            parts.checkpoint.every, steps, step, stop_now
+        ):
             if not is_log_step:  # no save holds what a batch of nan made
                 _check_input(batches, start_step, checkpointer)
             watchdog.phase = "save"
@@ -313,18 +317,17 @@ def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep
 
     `untimed`: a context the step's later compiles (a new batch shape) run in.
     """
-    config, layout, mesh = parts.config, parts.layout, parts.mesh
+    layout, mesh, options = parts.layout, parts.mesh, parts.compiler_options
     limit_bytes = parts.limit_bytes
-    with oom.readable_out_of_memory(config, layout, limit_bytes):
-        options = gpu_flags.compiler_options(config.mesh.bucket_mb, mesh.devices)
-        accumulate = config.train.grad_accum
+    with oom.readable_out_of_memory(parts.memory, layout, limit_bytes):
+        accumulate = parts.train.grad_accum
         jitted = jit_train_step(layout, parts.task, parts.lr_schedule, accumulate, mesh, options)
         one_at_a_time = one_step_at_a_time(layout, mesh)
         train_step = CompiledStep(
             jitted, state, first_batch, one_at_a_time=one_at_a_time, untimed=untimed
         )
-    if config.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
-        oom.check_fits(config, layout, train_step.compiled, limit_bytes)
+    if parts.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
+        oom.check_fits(parts.memory, layout, train_step.compiled, limit_bytes)
     return train_step, readable_errors_of(jit_eval_step(layout, parts.task, mesh, options))
 
 
@@ -342,7 +345,7 @@ def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instru
     instruments.profiler.before(step)
     if is_first:  # XLA reports running out of memory once the step runs
         compiled, limit_bytes = train_step.compiled, parts.limit_bytes
-        with oom.readable_out_of_memory(parts.config, parts.layout, limit_bytes, compiled):
+        with oom.readable_out_of_memory(parts.memory, parts.layout, limit_bytes, compiled):
             state, metrics = jax.block_until_ready(train_step(state, batch))
     else:  # (the first step waited for the device: its time is not host time)
         state, metrics = train_step(state, batch)
@@ -368,7 +371,7 @@ def _evaluate(parts, eval_step, state, step: int, history, due) -> dict[str, flo
     start = time.perf_counter()
     shown = {}
     for one in due:
-        results = evaluate(eval_step, state, one.source, parts.task, parts.config, parts.mesh, step)
+        results = evaluate(eval_step, state, one.source, parts.task, parts.train, parts.mesh, step)
         shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
     history.eval_results |= shown  # each set's latest, for the summary
     history.eval_s += time.perf_counter() - start
@@ -405,10 +408,9 @@ def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> No
     )
 
 
-def _is_save_step(config: Config, step: int, stop_now: bool) -> bool:
-    """Every checkpoint.every steps, the last step, and a stop."""
-    every = config.checkpoint.every
-    return bool(every and step % every == 0) or step == config.train.steps or stop_now
+def _is_save_step(every: int, steps: int, step: int, stop_now: bool) -> bool:
+    """Every checkpoint.every (`every`) steps, the last step (`steps`), and a stop."""
+    return bool(every and step % every == 0) or step == steps or stop_now
 
 
 def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, instruments) -> None:
@@ -419,23 +421,19 @@ def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, instru
     except Exception as error:  # its directory went away under it, most often
         _say_save_failed(checkpointer, error, f"saving step {step} now instead")
         _keep_directories(parts, checkpointer, instruments, step, state, batches)
-        run_directory.reopen(
-            checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
-        )
+        run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
     _keep_directories(parts, checkpointer, instruments, step, state, batches)
     estimate_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
-    full_disk.check_room(parts.config.run_dir, checkpointer.directory, estimate_bytes)
+    full_disk.check_room(parts.run_dir, checkpointer.directory, estimate_bytes)
     try:
-        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+        save(checkpointer, step, state, batches, parts)
     except (UserError, DivergenceError):
         raise
     except Exception as error:  # the directory went away again while the save started
         _say_save_failed(checkpointer, error, f"saving step {step} again")
         _keep_directories(parts, checkpointer, instruments, step, state, batches)
-        run_directory.reopen(
-            checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
-        )
-        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+        run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
+        save(checkpointer, step, state, batches, parts)
     save_s = time.perf_counter() - save_start
     instruments.timer.start_time += save_s
     instruments.timer.save_s += save_s
@@ -449,18 +447,16 @@ def _commit_last_save(parts: RunParts, checkpointer, instruments, step: int, sta
     except Exception as error:
         _say_save_failed(checkpointer, error, f"saving step {step} again")
     _keep_directories(parts, checkpointer, instruments, step, state, batches)
-    run_directory.reopen(
-        checkpointer, step, _saver(parts, step, state, batches), parts.config.run_dir
-    )
+    run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
     try:
-        save(checkpointer, step, state, batches, parts.config, parts.mesh, parts.task)
+        save(checkpointer, step, state, batches, parts)
         checkpointer.wait()
     except UserError:
         raise
     except Exception as error:
         why = describe_failure(error)
         run_directory.rescue(
-            checkpointer, step, _saver(parts, step, state, batches), why, parts.config.run_dir
+            checkpointer, step, _saver(parts, step, state, batches), why, parts.run_dir
         )
 
 
@@ -474,17 +470,16 @@ def _say_save_failed(checkpointer, error: Exception, then: str) -> None:
 
 def _saver(parts: RunParts, step: int, state, batches):
     """save_to(checkpointer): saves the step reached there (for a rescue)."""
-    config, mesh, task = parts.config, parts.mesh, parts.task
-    return lambda checkpointer: save(checkpointer, step, state, batches, config, mesh, task)
+    return lambda checkpointer: save(checkpointer, step, state, batches, parts)
 
 
 def _keep_directories(parts: RunParts, checkpointer, instruments, step: int, state, batches):
     """A vanished run or checkpoint directory is made again (run_directory.py)."""
     run_directory.keep_directories(
-        parts.config.run_dir,
+        parts.run_dir,
         checkpointer,
         instruments.writer,
-        lambda: config_text(parts.config, parts.task),
+        lambda: config_text(parts),
         step,
         _saver(parts, step, state, batches),
     )

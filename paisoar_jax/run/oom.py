@@ -25,9 +25,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from paisoar_jax.config import Config
 from paisoar_jax.engine import memory
-from paisoar_jax.engine.memory import format_bytes  # the units `plan` prints: both read alike
+from paisoar_jax.engine.memory import (  # the units `plan` prints: both read alike
+    MemorySettings,
+    format_bytes,
+)
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import pipeline
 
@@ -82,17 +84,19 @@ def _batch_devices(mesh_shape: dict[str, int] | None) -> int | None:
     return mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
 
 
-def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> list[tuple[str, str]]:
+def memory_fixes(
+    settings: MemorySettings, mesh_shape: dict[str, int] | None = None
+) -> list[tuple[str, str]]:
     """(override, what it saves) in the order to try them, leaving out those in effect.
 
     `mesh_shape` (axis -> size), when known, drops what cannot help: ZeRO on one data
     device, a micro-batch smaller than one example per device.
     """
     fixes = []
-    remat = LESS_REMAT_MEMORY.get(config.remat.policy)
+    remat = LESS_REMAT_MEMORY.get(settings.remat.policy)
     if remat:
         # A model of one's own names its blocks (the zoo's checkpoint theirs themselves).
-        own_blocks = config.model.name == "custom" and not config.remat.blocks
+        own_blocks = settings.own_model and not settings.remat.blocks
         blocks = " remat.blocks=[<block path regex>]" if own_blocks else ""
         fixes.append(
             (
@@ -101,9 +105,9 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
             )
         )
     batch_devices = _batch_devices(mesh_shape)
-    if config.mesh.zero < 3 and batch_devices != 1:
+    if settings.mesh.zero < 3 and batch_devices != 1:
         over = f"the {batch_devices} data devices" if batch_devices else "the data devices"
-        if config.mesh.zero == 0:
+        if settings.mesh.zero == 0:
             fixes.append(
                 (
                     "mesh.zero=1",
@@ -112,9 +116,9 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
             )
         else:
             fixes.append(("mesh.zero=3", f"shard the params too, over {over}"))
-    global_batch, accumulate = config.train.global_batch, config.train.grad_accum
+    global_batch, accumulate = settings.train.global_batch, settings.train.grad_accum
     # A pipeline cuts each pass again into its micro-batches, each split over the devices.
-    pipeline_schedule = pipeline.from_config(config)
+    pipeline_schedule = pipeline.schedule(settings.mesh, settings.train)
     cuts = pipeline_schedule.microbatches if pipeline_schedule else 1
     more = next(
         (
@@ -133,12 +137,14 @@ def memory_fixes(config: Config, mesh_shape: dict[str, int] | None = None) -> li
                 "fewer activations, same global batch",
             )
         )
-    if config.precision.policy == "fp32":
+    if settings.precision.policy == "fp32":
         fixes.append(("precision.policy=bf16", "bf16 compute: half the activation bytes"))
     return fixes
 
 
-def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int | None) -> str:
+def memory_report(
+    settings: MemorySettings, layout: Any, compiled: Any, limit_bytes: int | None
+) -> str:
     """The report: what the step needs per device, the limit, and the fixes in order.
 
     `compiled` may be None when the compilation itself ran out of memory: then only the
@@ -176,15 +182,15 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
             "other": "(batch, outputs not donated, code)",
         }
     mesh = " ".join(f"{axis}={size}" for axis, size in mesh_shape.items())
-    lines = [headline, f"per device (mesh {mesh}, zero={config.mesh.zero}):"]
+    lines = [headline, f"per device (mesh {mesh}, zero={settings.mesh.zero}):"]
     lines += [
         f"  {name:<17}{format_bytes(value):>10}  {notes.get(name, '')}".rstrip()
         for name, value in rows.items()
     ]
-    hint = memory_fraction_hint(config)
+    hint = memory_fraction_hint(settings.train.memory_limit_gb)
     if hint:
         lines.append(hint)
-    fixes = memory_fixes(config, mesh_shape)
+    fixes = memory_fixes(settings, mesh_shape)
     if fixes:
         width = max(len(override) for override, _ in fixes)
         lines.append("fixes, in the order to try them (add to the command line):")
@@ -194,16 +200,17 @@ def memory_report(config: Config, layout: Any, compiled: Any, limit_bytes: int |
     return "\n".join(lines)
 
 
-def memory_fraction_hint(config: Config) -> str | None:
+def memory_fraction_hint(memory_limit_gb: float) -> str | None:
     """On a GPU where jax holds under 90% of the memory: how to give it more; else None.
 
     jax preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU (0.75 unless set) and that
     is the step's limit; raising it leaves less for anything else on the GPU (another
-    process, cuDNN or NCCL buffers outside jax's pool).
+    process, cuDNN or NCCL buffers outside jax's pool). None too where train.memory_limit_gb
+    (`memory_limit_gb`) sets the limit.
     """
     import jax
 
-    if config.train.memory_limit_gb > 0 or jax.default_backend() != "gpu":
+    if memory_limit_gb > 0 or jax.default_backend() != "gpu":
         return None
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or 0.75)
     if fraction >= 0.9:
@@ -214,18 +221,20 @@ def memory_fraction_hint(config: Config) -> str | None:
     )
 
 
-def check_fits(config: Config, layout: Any, compiled: Any, limit_bytes: int | None) -> None:
+def check_fits(
+    settings: MemorySettings, layout: Any, compiled: Any, limit_bytes: int | None
+) -> None:
     """Raises OutOfMemoryError when the compiled step needs more than `limit_bytes` per device.
 
     No limit (None or 0) checks nothing.
     """
     if limit_bytes and memory.memory(layout, compiled)["total"] > limit_bytes:
-        raise OutOfMemoryError(memory_report(config, layout, compiled, limit_bytes))
+        raise OutOfMemoryError(memory_report(settings, layout, compiled, limit_bytes))
 
 
 @contextlib.contextmanager
 def readable_out_of_memory(
-    config: Config, layout: Any, limit_bytes: int | None, compiled: Any = None
+    settings: MemorySettings, layout: Any, limit_bytes: int | None, compiled: Any = None
 ) -> Iterator[None]:
     """Turns XLA's out-of-memory error inside the block into an OutOfMemoryError report.
 
@@ -238,5 +247,5 @@ def readable_out_of_memory(
         if not is_out_of_memory(error):
             raise
         first_line = str(error).strip().splitlines()[0][:200]
-        report = memory_report(config, layout, compiled, limit_bytes)
+        report = memory_report(settings, layout, compiled, limit_bytes)
         raise OutOfMemoryError(f"{report}\nXLA: {first_line}") from None

@@ -28,23 +28,19 @@ import jax
 from jax.sharding import Mesh
 
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
-from paisoar_jax.config import Config
-from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time
 from paisoar_jax.engine.step import jit_eval_step, jit_train_step
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.loop import open_input
 from paisoar_jax.run.resume import make_checkpointer, save, starting_point
-from paisoar_jax.runtime import gpu_flags
 from paisoar_jax.tasks import trained
-from paisoar_jax.tasks.workload import Setup, Workload, setup
+from paisoar_jax.tasks.workload import Setup, Workload
 
 
 @dataclasses.dataclass
 class Prepared:
     """The pieces of a prepared run (see the module docstring)."""
 
-    config: Config
     mesh: Mesh
     state: Any  # the train state: sharded, at `start_step`
     start_step: int  # the step the state has done (0, or the checkpoint's)
@@ -60,29 +56,27 @@ class Prepared:
     def batches(self) -> Iterator[Any]:
         """Global batches on the mesh, from the one after the state's step, for ever."""
         if self._batches is None:
-            self._batches = open_input(
-                self.config, self.mesh, self.run.task, self.train_source, self.restored
-            )
+            self._batches = open_input(self.run, self.train_source, self.restored)
         return self._batches
 
     def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         """One step: (new state, metrics). `state` is donated: use the state it returns."""
         with jax.set_mesh(self.mesh):
             if self._train_step is None:
-                options = gpu_flags.compiler_options(self.config.mesh.bucket_mb, self.mesh.devices)
-                layout, task, accumulate = (
-                    self.run.layout,
-                    self.run.task,
-                    self.config.train.grad_accum,
-                )
+                run = self.run
                 jitted = jit_train_step(
-                    layout, task, self.run.lr_schedule, accumulate, self.mesh, options
+                    run.layout,
+                    run.task,
+                    run.lr_schedule,
+                    run.train.grad_accum,
+                    self.mesh,
+                    run.compiler_options,
                 )
                 self._train_step = CompiledStep(
                     jitted,
                     state,
                     batch,
-                    one_at_a_time=one_step_at_a_time(layout, self.mesh),
+                    one_at_a_time=one_step_at_a_time(run.layout, self.mesh),
                     untimed=contextlib.nullcontext,
                 )
             return self._train_step(state, batch)
@@ -91,8 +85,10 @@ class Prepared:
         """The task's per-row eval sums of `batch` (engine/evaluation.py reads them)."""
         with jax.set_mesh(self.mesh):
             if self._eval_step is None:
-                options = gpu_flags.compiler_options(self.config.mesh.bucket_mb, self.mesh.devices)
-                self._eval_step = jit_eval_step(self.run.layout, self.run.task, self.mesh, options)
+                run = self.run
+                self._eval_step = jit_eval_step(
+                    run.layout, run.task, self.mesh, run.compiler_options
+                )
             return self._eval_step(state, batch)
 
     def save(self, state: Any) -> int:
@@ -102,22 +98,16 @@ class Prepared:
         step = int(jax.device_get(state.step))
         with jax.set_mesh(self.mesh):
             self.checkpointer.wait()
-            save(
-                self.checkpointer,
-                step,
-                state,
-                self.batches(),
-                self.config,
-                self.mesh,
-                self.run.task,
-            )
+            save(self.checkpointer, step, state, self.batches(), self.run)
         return step
 
     def model(self, state: Any) -> Any:
         """The NNX module of `state`'s weights (a model of one's own's factory builds it)."""
         if not callable(self.workload.model) or self.workload.follows_policy:
             raise UserError("model(state) is for a model of your own; export a zoo run instead")
-        return trained.model_with(self.workload.model, state.params, state.model_state, self.config)
+        return trained.model_with(
+            self.workload.model, state.params, state.model_state, self.run.lora
+        )
 
     def close(self) -> None:
         """Waits for a save in flight and stops the input's workers."""
@@ -127,15 +117,14 @@ class Prepared:
             self.checkpointer.close()
 
 
-def prepare_run(config: Config, workload: Workload) -> Prepared:
-    """The Prepared run of `config` and `workload`: set up, restored or initialised."""
-    task = workload.task
-    train_source, eval_sets = task.open_sources()
-    check_splits(task, train_source, eval_sets, config)
-    run = setup(config, workload)
-    checkpointer = make_checkpointer(config)
+def prepare_run(run: Setup, workload: Workload, train_source: Any) -> Prepared:
+    """The Prepared run of a set-up run (`workload.setup`): restored or initialised.
+
+    `train_source`: the task's train source (loop.open_sources opened and checked it).
+    """
+    checkpointer = make_checkpointer(run.checkpoint, run.run_dir)
     with jax.set_mesh(run.mesh):
-        state, start_step, restored = starting_point(config, run.layout, checkpointer, task)
+        state, start_step, restored = starting_point(run, checkpointer)
     return Prepared(
-        config, run.mesh, state, start_step, run, workload, train_source, checkpointer, restored
+        run.mesh, state, start_step, run, workload, train_source, checkpointer, restored
     )

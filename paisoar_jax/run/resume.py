@@ -23,33 +23,34 @@ from paisoar_jax.checkpointing.checkpoint import (
 )
 from paisoar_jax.checkpointing.orbax_errors import describe_damage
 from paisoar_jax.checkpointing.weights import abstract_weights, load_weights
-from paisoar_jax.config import Config, to_dict
+from paisoar_jax.config import CheckpointConfig, DataConfig, MeshConfig, OptimConfig, TrainConfig
 from paisoar_jax.data.mixture import MixtureBatches
 from paisoar_jax.data.pipeline import GlobalBatches, resume_position
 from paisoar_jax.engine import lora
 from paisoar_jax.engine.state import StateLayout, init_state
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics.loss_scale import all_finite
-from paisoar_jax.tasks.workload import Task
+from paisoar_jax.tasks.workload import Setup, Task
 
 
-def make_checkpointer(config: Config) -> Checkpointer | None:
-    """The run's checkpointer, or None when checkpointing is off."""
-    settings = config.checkpoint
+def make_checkpointer(settings: CheckpointConfig, run_dir: pathlib.Path) -> Checkpointer | None:
+    """The run's checkpointer (the checkpoint section's), or None when checkpointing is off."""
     if not settings.enabled:
         return None
-    directory = checkpoint_directory(settings, config.run_dir)
+    directory = checkpoint_directory(settings, run_dir)
     return Checkpointer(directory, settings.keep, settings.keep_period, settings.async_save)
 
 
 def starting_point(
-    config: Config, layout: StateLayout, checkpointer: Checkpointer | None, task: Task
+    run: Setup, checkpointer: Checkpointer | None
 ) -> tuple[Any, int, Restored | None]:
     """(state, step, what was restored or None): resumed, fine-tuned from params, or fresh."""
-    resume, signature = config.checkpoint.resume, input_signature(config, task)
+    layout, settings = run.layout, run.checkpoint
+    resume, signature = settings.resume, input_signature(run.data, run.train, run.task)
     if checkpointer is not None and resume != "never" and checkpointer.steps():
         step = checkpointer.steps()[-1] if resume == "auto" else int(resume)
-        refuse_batch_change(checkpointer, step, config)  # before any step is moved aside
+        # before any step is moved aside
+        refuse_batch_change(checkpointer, step, run.train, run.data, run.mesh_settings)
     if checkpointer is not None and resume != "never":
         if resume == "auto":
             restored = checkpointer.restore_latest(layout.abstract_state, signature)
@@ -76,14 +77,14 @@ def starting_point(
             f"checkpoint.resume=never but {checkpointer.directory} already holds steps "
             f"{checkpointer.steps()}: use another run.dir or checkpoint.dir"
         )
-    state = init_state(config, layout)
-    if config.checkpoint.init_from:
-        path = pathlib.Path(config.checkpoint.init_from)
+    state = init_state(run.train.seed, layout)
+    if settings.init_from:
+        path = pathlib.Path(settings.init_from)
         params, model_state = _initial_weights(path, layout, state.params)
         state = state.replace(params=params, model_state=model_state or state.model_state)
         if jax.process_index() == 0:
             output.note(
-                f"starting from the weights of {config.checkpoint.init_from} "
+                f"starting from the weights of {settings.init_from} "
                 f"(checkpoint.init_from), with a fresh optimizer"
             )
     return state, 0, None
@@ -106,14 +107,14 @@ def _initial_weights(path: pathlib.Path, layout: StateLayout, fresh: dict):
     return load_weights(path, abstract)
 
 
-def input_signature(config: Config, task: Task) -> dict[str, Any]:
+def input_signature(data: DataConfig, train: TrainConfig, task: Task) -> dict[str, Any]:
     """What a saved input position belongs to; a resume that changes it starts afresh."""
     return {
-        "source": config.data.source,
-        "workers": config.data.workers,  # grain's state differs with and without workers
-        "global_batch": config.train.global_batch,
+        "source": data.source,
+        "workers": data.workers,  # grain's state differs with and without workers
+        "global_batch": train.global_batch,
         **task.signature(),  # seq_len, image size and channels, or a user's data
-        "seed": config.train.seed,
+        "seed": train.seed,
     }
 
 
@@ -122,7 +123,9 @@ def saved_batch(restored: Restored) -> int | None:
     return restored.meta.get("config", {}).get("train", {}).get("global_batch")
 
 
-def refuse_batch_change(checkpointer: Checkpointer, step: int, config: Config) -> None:
+def refuse_batch_change(
+    checkpointer: Checkpointer, step: int, train: TrainConfig, data: DataConfig, mesh: MeshConfig
+) -> None:
     """Refuses a resume with another global batch where it cannot go on exactly.
 
     The examples are one global order (data/pipeline.py), so another batch size goes on
@@ -133,14 +136,14 @@ def refuse_batch_change(checkpointer: Checkpointer, step: int, config: Config) -
         saved = checkpointer.meta(step).get("config", {}).get("train", {}).get("global_batch")
     except Exception:  # an unreadable step: the restore says so (and falls back)
         return
-    new = config.train.global_batch
+    new = train.global_batch
     if saved is None or saved == new or step not in checkpointer.steps():
         return
     why = (
         "data.mixture_stages begin at step numbers, which would then mean other examples"
-        if config.data.mixture_stages
-        else f"a pipeline ({config.mesh.describe_stages()}) cannot change its batch mid-run"
-        if config.mesh.stages > 1
+        if data.mixture_stages
+        else f"a pipeline ({mesh.describe_stages()}) cannot change its batch mid-run"
+        if mesh.stages > 1
         else None
     )
     if why:
@@ -151,12 +154,12 @@ def refuse_batch_change(checkpointer: Checkpointer, step: int, config: Config) -
         )
 
 
-def batch_change_note(restored: Restored, config: Config) -> str | None:
+def batch_change_note(restored: Restored, train: TrainConfig) -> str | None:
     """The line for a resume with another global batch (which goes on exactly)."""
-    saved, new = saved_batch(restored), config.train.global_batch
+    saved, new = saved_batch(restored), train.global_batch
     if saved is None or saved == new:
         return None
-    step, steps = restored.step, config.train.steps
+    step, steps = restored.step, train.steps
     done = _examples_done(restored.data_state, step, saved)
     return (
         f"train.global_batch changed since checkpoint step {step} ({saved} -> {new}): the "
@@ -177,14 +180,14 @@ def _examples_done(data_state: dict | None, step: int, saved: int) -> int:
     return step * saved
 
 
-def schedule_change(restored: Restored, config: Config) -> str | None:
+def schedule_change(restored: Restored, train: TrainConfig, optim: OptimConfig) -> str | None:
     """A line when train.steps changed since the checkpoint and the config's lr follows it.
 
     The warmup (min(optim.warmup_steps, train.steps)) and the decay span train.steps: a run
     resumed with more steps goes on with the learning rate of the longer schedule.
     """
     saved = restored.meta.get("config", {}).get("train", {}).get("steps")
-    steps, optim = config.train.steps, config.optim
+    steps = train.steps
     if saved is None or saved == steps:
         return None
     if optim.schedule == "constant" and optim.warmup_steps <= min(saved, steps):
@@ -197,19 +200,21 @@ def schedule_change(restored: Restored, config: Config) -> str | None:
     )
 
 
-def resume_input(host_iterator, restored: Restored, config: Config) -> str | None:
+def resume_input(
+    host_iterator, restored: Restored, data: DataConfig, train: TrainConfig
+) -> str | None:
     """Moves the input to where the checkpoint left it; a line to print when it cannot."""
     step = restored.step
     if isinstance(host_iterator, MixtureBatches):
-        return host_iterator.continue_from(restored.data_state, step, config.data.on_change)
+        return host_iterator.continue_from(restored.data_state, step, data.on_change)
     if isinstance(host_iterator, GlobalBatches):
         saved_batch = restored.meta.get("config", {}).get("train", {}).get("global_batch")
         examples, note = resume_position(
             restored.data_state,
             host_iterator,
             step,
-            saved_batch or config.train.global_batch,
-            config.data.on_change,
+            saved_batch or train.global_batch,
+            data.on_change,
         )
         host_iterator.set_state({"examples": examples})
         return note
@@ -236,8 +241,12 @@ def resume_input(host_iterator, restored: Restored, config: Config) -> str | Non
 _params_finite = jax.jit(all_finite)
 
 
-def save(checkpointer, step, state, batches, config, mesh, task) -> None:
-    """Starts an async save of `step`; params that are no longer finite are never saved."""
+def save(checkpointer: Checkpointer, step: int, state: Any, batches: Any, run: Setup) -> None:
+    """Starts an async save of `step`; params that are no longer finite are never saved.
+
+    With the step go the input's position (`batches`), what it belongs to, and the run's
+    resolved config (`run.record`), which a resume with other settings compares.
+    """
     if not bool(_params_finite(state.params)):
         raise DivergenceError(
             f"the params are not finite after step {step}: training diverged; the "
@@ -245,8 +254,9 @@ def save(checkpointer, step, state, batches, config, mesh, task) -> None:
         )
     meta = {
         "step": step,
-        "mesh": dict(mesh.shape),
+        "mesh": dict(run.mesh.shape),
         "version": __version__,
-        "config": to_dict(config),
+        "config": run.record,
     }
-    checkpointer.save(step, state, batches.consumed_state(), meta, input_signature(config, task))
+    signature = input_signature(run.data, run.train, run.task)
+    checkpointer.save(step, state, batches.consumed_state(), meta, signature)

@@ -40,7 +40,7 @@ def start_history(parts: Any, state: Any, start_step: int) -> History:
     So the first log interval counts towards the steps skipped in a row, as the later do.
     """
     history = History()
-    if parts.config.precision.loss_scale_mode()[0] != "none":
+    if parts.precision.loss_scale_mode()[0] != "none":
         values = jax.device_get(loss_scale.scale_metrics(state.opt_state))
         start = (start_step, float(values["loss_scale"]), int(values["skipped_steps"]))
         history.scales.append(start)
@@ -65,8 +65,7 @@ class Instruments:
 
 def instruments(parts: Any, start_step: int) -> Instruments:
     """Timers in the task's unit, the metrics writer, the progress bar and the profiler."""
-    config, task = parts.config, parts.task
-    train_config, run_dir = config.train, config.run_dir
+    task, train_config, run_dir = parts.task, parts.train, parts.run_dir
     timer = IntervalTimer(
         units_per_step=train_config.global_batch * task.units_per_example(),
         flops_per_unit=task.flops_per_unit(parts.layout.flops_param_count),
@@ -77,12 +76,18 @@ def instruments(parts: Any, start_step: int) -> Instruments:
         total=train_config.steps,
         initial=start_step,
         desc="train",
-        disable=not (config.run.progress and output.shows_progress() and jax.process_index() == 0),
+        disable=not (
+            parts.reporting.progress and output.shows_progress() and jax.process_index() == 0
+        ),
     )
     return Instruments(
         timer=timer,
         writer=MetricsWriter(
-            run_dir, resume_step=start_step, config=config, optimizer=parts.given_optimizer
+            run_dir,
+            resume_step=start_step,
+            reporting=parts.reporting,
+            record=parts.record,
+            optimizer=parts.given_optimizer,
         ),
         progress=progress,
         profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
@@ -126,7 +131,7 @@ def log_record(
         layout = parts.layout
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
-        batch, resumed_batch = parts.config.train.global_batch, parts.resumed_batch
+        batch, resumed_batch = parts.train.global_batch, parts.resumed_batch
         record["global_batch"] = batch
         if resumed_batch is not None and resumed_batch != batch:  # said in a line at start
             record["global_batch_changed"] = [resumed_batch, batch]
@@ -140,7 +145,7 @@ def log_record(
     # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
     lower_lr = "lower optim.lr" if parts.lr_schedule is not None else "lower your optimizer's lr"
     try:
-        check_health(record, parts.config.precision, history.scales, lower_lr)
+        check_health(record, parts.precision, history.scales, lower_lr)
     except DivergenceError:
         instruments.writer.write(record)  # the record that shows the divergence is kept
         raise
@@ -169,9 +174,7 @@ def check_first_step(parts: Any, step: int, metrics: Any, writer: MetricsWriter)
     loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
     if not math.isfinite(loss):
         writer.write({"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True})
-        fp16 = (
-            ", or activations beyond fp16's range" if "16" in parts.config.precision.policy else ""
-        )
+        fp16 = ", or activations beyond fp16's range" if "16" in parts.precision.policy else ""
         raise UserError(
             f"the loss is {loss} at step {step}, before any update: the inputs or labels are "
             f"the likely cause, not the learning rate (labels outside [0, classes), a log or "
@@ -208,7 +211,7 @@ def summary(
         / max(train_s - history.eval_s, 1e-9),
         "train_s": train_s,
         "eval_s": history.eval_s,
-        "run_dir": str(parts.config.run_dir),
+        "run_dir": str(parts.run_dir),
         "resumed_from": start_step,
         "param_count": parts.layout.param_count,
         "flops_param_count": parts.layout.flops_param_count,

@@ -7,14 +7,15 @@ begins the same way from either door, in this order:
    imported they count as unparsed (a worker would then fail on its first batch).
 2. `zoo.check_model`: what needs a zoo model's own tables (an image variant's shape, fp8
    blocks, a stack that pipelines) is refused in one line, before every rank joins.
-3. `distributed.initialize`: a multi-process run joins its peers (the launcher's, SLURM's,
+3. `platform.choose_platform`: the CPU where jax's CUDA plugin has no driver to use.
+4. `distributed.initialize`: a multi-process run joins its peers (the launcher's, SLURM's,
    Open MPI's or torchrun's variables), before anything asks for devices.
 """
 
 from __future__ import annotations
 
 from paisoar_jax.config import Config
-from paisoar_jax.runtime import distributed
+from paisoar_jax.runtime import distributed, platform
 
 
 def start(config: Config, program: str) -> None:
@@ -25,5 +26,6 @@ def start(config: Config, program: str) -> None:
     # Imported here: a bad key or `--help` answers before the model libraries load.
     from paisoar_jax.tasks.zoo import check_model
 
-    check_model(config)
+    check_model(config.model, config.mesh, config.train, config.precision.policy)
+    platform.choose_platform()
     distributed.initialize(config.distributed, program=program)

@@ -1,4 +1,9 @@
-"""The platform a step is compiled for: this process's devices, or a GPU target without one.
+"""The platform this process runs on, and the one a step is compiled for.
+
+`choose_platform` runs where a run or a command starts (startup.py, the command line's
+exit_status, the library's calls, Generator), never at import: on a machine with jax's
+CUDA plugin (the gpu-aot extra) and no NVIDIA driver it picks the CPU before jax starts a
+backend, so no run prints the plugin's driver error and traceback.
 
 Model code that picks a kernel by platform (cuDNN attention on a GPU, fp32 attention for fp16
 on a CPU) asks `compile_platform()`, not `jax.default_backend()`: `plan --target h200`
@@ -10,9 +15,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
+import os
 from collections.abc import Iterator
 
 import jax
+
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+
+
+def choose_platform() -> None:
+    """The CPU for jax where its CUDA plugin is installed and no NVIDIA driver is.
+
+    The plugin would otherwise call the driver when jax starts, print an error and a
+    traceback in every run, and fall back to the CPU; with jax_platforms=cpu it loads
+    quietly and still compiles for GPU targets (plan --target). A machine with a driver,
+    or a platform the user chose (JAX_PLATFORMS or jax.config), is left as it is. It sets
+    jax's config, not the environment, and only until jax's backends have started.
+    """
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if os.path.exists(NVIDIA_DRIVER):
+        return
+    try:
+        installed = any(importlib.util.find_spec(name) for name in CUDA_PLUGINS)
+    except (ImportError, ValueError):
+        installed = False
+    if installed:
+        jax.config.update("jax_platforms", "cpu")
+
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("target", default=None)
 

@@ -15,6 +15,7 @@ Images reach the device as uint8 and are normalised there, inside the jitted ste
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 
 from paisoar_jax import output
-from paisoar_jax.config import Config
+from paisoar_jax.config import DataConfig, LanguageModelConfig, TrainConfig, VisionConfig
 from paisoar_jax.data import hf_sources, mixture
 from paisoar_jax.data import images as image_data
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
@@ -42,6 +43,16 @@ from paisoar_jax.tasks.sample import generate
 SAMPLE_PROMPT = b"def "  # the embedded corpus is Python source
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskSections:
+    """What a zoo model's task reads of the config (zoo.zoo_workload hands it over)."""
+
+    model: LanguageModelConfig | VisionConfig
+    data: DataConfig  # the sources, their eval split and the augmentations
+    train: TrainConfig  # the seed and train.eval_every
+    precision_policy: str  # precision.policy: the dtype images are fed in
+
+
 class LanguageModelling:
     """Next-token prediction on windows of seq_len + 1 tokens (inputs first T, targets last T)."""
 
@@ -52,11 +63,12 @@ class LanguageModelling:
     config_note = ""  # nothing atop config.yaml: it says all that made the run
     metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
 
-    def __init__(self, config: Config, model_class: type):
-        self.config = config
+    def __init__(self, sections: TaskSections, model_class: type):
+        self.model_config, self.data, self.train = sections.model, sections.data, sections.train
+        self.precision_policy = sections.precision_policy
         self.model_class = model_class  # its static flops_per_token gives MFU
-        if getattr(config.model, "experts", 0):  # a mixture of experts: its router's metrics
-            self.metric_names = moe.metric_names(config.model)
+        if getattr(self.model_config, "experts", 0):  # a mixture of experts: router metrics
+            self.metric_names = moe.metric_names(self.model_config)
 
     def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
         """The train windows and the eval sets (evaluation.EvalSet).
@@ -65,14 +77,14 @@ class LanguageModelling:
         data.eval_source's, then each of data.eval_sets. hf:<path> sources are tokenized
         first, once, into their cache (data/hf_sources.py).
         """
-        data, model, seed = self.config.data, self.config.model, self.config.train.seed
-        hf_sources.prepare(self.config)
+        data, model, seed = self.data, self.model_config, self.train.seed
+        hf_sources.prepare(self.data)
         train, held_out = (
             mixture.open_mixture(data.train_side(), lambda one: open_source(one, model, seed))
             if data.mixture
             else open_source(data.train_side(), model, seed)
         )
-        eval_every = self.config.train.eval_every
+        eval_every = self.train.eval_every
         default = held_out
         if data.eval_source:
             default = self._open_eval("data.eval_source", data.eval_source)
@@ -84,9 +96,9 @@ class LanguageModelling:
 
     def _open_eval(self, key: str, source: str, hf_split: str = "") -> Any:
         """The windows of one eval set's source: all of a converted set, else its eval split."""
-        side = self.config.data.eval_side(source, hf_split)
+        side = self.data.eval_side(source, hf_split)
         try:
-            train, held_out = open_source(side, self.config.model, self.config.train.seed)
+            train, held_out = open_source(side, self.model_config, self.train.seed)
         except UserError as error:
             # Opened as a data.source would be; said of the key that named it.
             text, opened_as = str(error), f"data.source={source}"
@@ -99,7 +111,7 @@ class LanguageModelling:
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
     ) -> GlobalBatches:
         """The rows of global batches of one source this process reads (train: shuffled)."""
-        data = self.config.data
+        data = self.data
         specs = [entry.source for entry in data.mixture] or [data.source]
         # files are read by grain's threads; in-memory windows on the prefetch thread alone
         in_memory = not any(spec.startswith(("arrayrecord:", "hf:")) for spec in specs)
@@ -123,7 +135,7 @@ class LanguageModelling:
 
     def batch_shape(self, global_batch: int) -> jax.ShapeDtypeStruct | dict:
         """The shape and dtype of one global batch (a dict for masked or packed documents)."""
-        T, data = self.config.model.seq_len, self.config.data
+        T, data = self.model_config.seq_len, self.data
         tokens = jax.ShapeDtypeStruct((global_batch, T + 1), jnp.int32)
         if data.packing == "stream" and data.loss_on == "all":
             return tokens
@@ -135,11 +147,11 @@ class LanguageModelling:
 
     def units_per_example(self) -> int:
         """Tokens per sequence."""
-        return self.config.model.seq_len
+        return self.model_config.seq_len
 
     def flops_per_unit(self, param_count: int) -> float:
         """Training FLOPs per token (6 N plus attention)."""
-        return self.model_class.flops_per_token(self.config.model, param_count)
+        return self.model_class.flops_per_token(self.model_config, param_count)
 
     def loss(self, model, batch, key: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (fp32) over the learned targets, and its metrics.
@@ -152,8 +164,8 @@ class LanguageModelling:
         loss = jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1)
         if not statistics:
             return loss, {}
-        router_loss = moe.auxiliary_loss(statistics, self.config.model)
-        return loss + router_loss, moe.metrics_of(statistics, self.config.model)
+        router_loss = moe.auxiliary_loss(statistics, self.model_config)
+        return loss + router_loss, moe.metrics_of(statistics, self.model_config)
 
     def loss_weight(self, batch) -> jax.Array | None:
         """The learned targets of a masked batch (the step weighs micro-batches by it)."""
@@ -172,8 +184,8 @@ class LanguageModelling:
 
     def signature(self) -> dict[str, Any]:
         """The input settings a saved data position depends on."""
-        data = self.config.data
-        signature = {"seq_len": self.config.model.seq_len}
+        data = self.data
+        signature = {"seq_len": self.model_config.seq_len}
         if data.packing != "stream" or data.loss_on != "all":  # kept out of older ones
             signature |= {"packing": data.packing, "loss_on": data.loss_on}
         return signature
@@ -183,8 +195,8 @@ class LanguageModelling:
 
     def closing_sample(self, layout, state, mesh) -> str | None:
         """train.sample_bytes bytes after a prompt, for the embedded (byte-level) text."""
-        train = self.config.train
-        data = self.config.data
+        train = self.train
+        data = self.data
         if not train.sample_bytes or data.source != "embedded" or data.mixture:
             return None
         text = generate(
@@ -194,8 +206,8 @@ class LanguageModelling:
             mesh,
             SAMPLE_PROMPT,
             train.sample_bytes,
-            self.config.model,
-            get_policy(self.config.precision.policy).compute_dtype,
+            self.model_config,
+            get_policy(self.precision_policy).compute_dtype,
             seed=train.seed,
         )
         return output.printable(text.decode("utf-8", errors="replace"))
@@ -211,16 +223,16 @@ class ImageClassification:
     reports_perplexity = False
     config_note = ""
 
-    def __init__(self, config: Config, model_class: type):
-        self.config = config
+    def __init__(self, sections: TaskSections, model_class: type):
+        self.data, self.train = sections.data, sections.train
         self.model_class = model_class  # its static flops_per_example gives MFU
-        self.model_config = resolve_model_config(config.model)
+        self.model_config = resolve_model_config(sections.model)
         self.mean, self.std = image_data.channel_statistics(self.model_config.channels)
-        self.compute_dtype = get_policy(config.precision.policy).compute_dtype
+        self.compute_dtype = get_policy(sections.precision_policy).compute_dtype
 
     def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
         """The train images and the eval set, of images:<dir>, digits or synthetic images."""
-        data, model = self.config.data, self.model_config
+        data, model = self.data, self.model_config
         if data.source.startswith("images:"):
             train, held_out, _ = image_data.open_image_source(data.source, data.eval_fraction)
             _warn_of_skipped_files(train, held_out)
@@ -228,7 +240,7 @@ class ImageClassification:
             train, held_out = open_digits(data.eval_fraction)
         elif data.source == "synthetic":
             shape = (model.image_size, model.channels, model.num_classes)
-            seed = self.config.train.seed
+            seed = self.train.seed
             train = SyntheticImages(*shape, seed)
             held_out = SyntheticImages(*shape, seed + 1, length=SYNTHETIC_EVAL_LENGTH)
         else:
@@ -241,7 +253,7 @@ class ImageClassification:
                 f"data.source={data.source} has {len(train.classes)} classes, more than "
                 f"model.num_classes={model.num_classes}"
             )
-        return train, (EvalSet(held_out, self.config.train.eval_every),)
+        return train, (EvalSet(held_out, self.train.eval_every),)
 
     def host_batches(
         self, source, *, global_batch: int, seed: int, train: bool, workers: int = 0
@@ -255,7 +267,7 @@ class ImageClassification:
             train=train,
             channels=self.model_config.channels,
             workers=workers,
-            min_crop_scale=self.config.data.min_crop_scale,
+            min_crop_scale=self.data.min_crop_scale,
         )
 
     def batch_shape(self, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -283,9 +295,7 @@ class ImageClassification:
         targets_BxN = image_data.label_smoothing_targets(
             batch["label"], num_classes, self.model_config.label_smoothing
         )
-        images, targets_BxN = image_data.mixup(
-            images, targets_BxN, key, self.config.data.mixup_alpha
-        )
+        images, targets_BxN = image_data.mixup(images, targets_BxN, key, self.data.mixup_alpha)
         logits_BxN = model(images, train=True)
         loss = optax.softmax_cross_entropy(logits_BxN, targets_BxN).mean()
         return loss, {"accuracy": _accuracy(logits_BxN, batch["label"])}

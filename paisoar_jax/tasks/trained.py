@@ -29,7 +29,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from paisoar_jax.checkpointing import weights
-from paisoar_jax.config import Config
+from paisoar_jax.config import LoraConfig
 from paisoar_jax.engine import lora
 
 
@@ -37,15 +37,16 @@ def model_with(
     factory: Callable[[nnx.Rngs], nnx.Module],
     params: Any,
     model_state: Any,
-    config: Config | None = None,
+    adapters: LoraConfig | None = None,
 ) -> nnx.Module:
     """The factory's module holding `params` and `model_state` (pure dicts, any placement).
 
-    A run `config` with LoRA (lora.rank > 0) gives the module its adapters, as the run did.
+    `adapters`: the run's lora section; when enabled, the module gets its adapters, as the
+    run did.
     Every array is gathered whole onto this process's first device: under several
     processes a collective, so every process must call it.
     """
-    graphdef, abstract_params, abstract_rest = _abstract(_as_run_built(factory, config))
+    graphdef, abstract_params, abstract_rest = _abstract(_as_run_built(factory, adapters))
     nnx.replace_by_pure_dict(abstract_params, _on_this_host(params))
     nnx.replace_by_pure_dict(abstract_rest, _on_this_host(model_state))
     return nnx.merge(graphdef, abstract_params, abstract_rest)
@@ -54,16 +55,17 @@ def model_with(
 def load(
     where: pathlib.Path,
     model: Callable[[nnx.Rngs], nnx.Module],
-    config: Config | None = None,
+    adapters: LoraConfig | None = None,
     ema: bool = False,
 ) -> nnx.Module:
     """The module `model` builds, with the weights of a checkpoint step or an export.
 
     `where` holds them (`runs/x/checkpoints/400`, an export); `paisoar_jax.load` finds it
-    for a run directory too. Their shapes are checked against the module's. `config`: the
-    run's, whose LoRA adapters (if any) the module gets. `ema`: the weights' moving average.
+    for a run directory too. Their shapes are checked against the module's. `adapters`:
+    the run's lora section, whose adapters (if enabled) the module gets. `ema`: the
+    weights' moving average.
     """
-    model = _as_run_built(model, config)
+    model = _as_run_built(model, adapters)
     _, abstract_params, abstract_rest = _abstract(model)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
@@ -77,14 +79,17 @@ def load(
     return model_with(model, params, model_state)
 
 
-def _as_run_built(factory: Callable, config: Config | None) -> Callable:
-    """`factory`, its module given the LoRA adapters the run with `config` added (if any)."""
-    if config is None or not config.lora.enabled:
+def _as_run_built(factory: Callable, adapters: LoraConfig | None) -> Callable:
+    """`factory`, its module given the LoRA adapters the run added (if any).
+
+    The adapters' initial values do not matter: the weights loaded replace them.
+    """
+    if adapters is None or not adapters.enabled:
         return factory
 
     def with_adapters(rngs: nnx.Rngs) -> nnx.Module:
         model = factory(rngs)
-        lora.add_adapters(model, config.lora, config.train.seed)
+        lora.add_adapters(model, adapters, seed=0)
         return model
 
     return with_adapters

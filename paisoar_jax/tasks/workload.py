@@ -11,6 +11,7 @@ loop, plan, bench and export start from: the mesh, the optimizer chain and the s
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -19,19 +20,34 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoraConfig,
+    MeshConfig,
+    OptimConfig,
+    PrecisionConfig,
+    RematConfig,
+    RunConfig,
+    TrainConfig,
+    dump_yaml,
+    to_dict,
+)
 from paisoar_jax.engine import lora
 from paisoar_jax.engine.evaluation import EvalSet
+from paisoar_jax.engine.memory import MemorySettings
 from paisoar_jax.engine.optim import (
     build_lr_schedule,
     build_optimizer,
     describe_given,
     wrap_optimizer,
 )
-from paisoar_jax.engine.state import StateLayout, state_layout
+from paisoar_jax.engine.state import LayoutSettings, StateLayout, state_layout
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics import precision, remat
 from paisoar_jax.parallel import pipeline, sharding
+from paisoar_jax.runtime import gpu_flags
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 # An optax transformation, or a factory that takes the config's learning-rate schedule.
@@ -102,23 +118,47 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """What a run is built on: the mesh, the state layout, the learning-rate schedule, the task."""
+    """What a run is built on, resolved once from its config by `setup`.
 
-    config: Config
+    The built pieces (mesh, state layout, learning-rate schedule, task, compiler options)
+    and the config's sections the loop, resume and save read; below `setup` nothing takes
+    the whole Config.
+    """
+
     mesh: Mesh
     layout: StateLayout
     lr_schedule: optax.Schedule | None  # None: a user's optimizer with no schedule we know
     task: Task
+    train: TrainConfig  # steps, batch, cadences, seed, limits
+    optim: OptimConfig  # the schedule a resume with other train.steps changes
+    mesh_settings: MeshConfig  # the `mesh` section: a pipeline's stages
+    checkpoint: CheckpointConfig  # where and when to save, what to resume
+    data: DataConfig  # the input's workers, prefetch and resume policy
+    precision: PrecisionConfig  # the loss scale's settings, for the health checks
+    lora: LoraConfig  # a trained module's adapters (Prepared.model)
+    reporting: RunConfig  # the `run` section: progress bar, trackers
+    memory: MemorySettings  # what the out-of-memory fixes read
+    run_dir: pathlib.Path
+    compiler_options: dict[str, Any]  # XLA options for the step (runtime/gpu_flags.py)
+    record: dict[str, Any]  # the resolved config as sections: a checkpoint's and trackers' copy
+    config_yaml: str  # the resolved config as the run writes it to config.yaml
     given_optimizer: dict[str, Any] | None = None  # fit's optimizer as trackers record it
 
 
-def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module]:
+def model_builder(
+    workload: Workload,
+    *,
+    seed: int,
+    remat_settings: RematConfig,
+    precision_policy: str,
+    lora_settings: LoraConfig,
+    model_name: str,
+) -> Callable[[], nnx.Module]:
     """A zero-argument function that builds the model from the run's seed and remat settings."""
-    seed = config.train.seed
-    policy_name = config.remat.policy
-    if workload.follows_policy and config.remat.blocks:
+    policy_name = remat_settings.policy
+    if workload.follows_policy and remat_settings.blocks:
         raise UserError(
-            f"remat.blocks is for a model of your own: the {config.model.name} blocks are "
+            f"remat.blocks is for a model of your own: the {model_name} blocks are "
             f"checkpointed by remat.policy alone"
         )
 
@@ -136,14 +176,14 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
                         f"factory must build the module (model=lambda rngs: MyModel(..., "
                         f"rngs=rngs))"
                     )
-                remat.remat_blocks(model, config.remat.blocks, policy_name)
+                remat.remat_blocks(model, remat_settings.blocks, policy_name)
                 # flax's layers compute in their dtype: the policy's, not the weights' (fp32).
-                precision.follow_policy(model, precision.get_policy(config.precision.policy))
-            if config.lora.enabled:
-                lora.add_adapters(model, config.lora, seed)
+                precision.follow_policy(model, precision.get_policy(precision_policy))
+            if lora_settings.enabled:
+                lora.add_adapters(model, lora_settings, seed)
             if workload.follows_policy:
                 return model
-        if policy_name != "none" and not (built.wrapped or config.remat.blocks):
+        if policy_name != "none" and not (built.wrapped or remat_settings.blocks):
             raise UserError(
                 f"remat.policy={policy_name} applies to no block of this model: name them with "
                 f"remat.blocks=[<module path regex>] or wrap them with "
@@ -154,20 +194,21 @@ def model_builder(config: Config, workload: Workload) -> Callable[[], nnx.Module
     return create
 
 
-def optimizer_for(config: Config, given: Optimizer | None):
+def optimizer_for(
+    given: Optimizer | None, optim: OptimConfig, train: TrainConfig, precision_settings
+):
     """(optimizer chain, learning-rate schedule, description): the config's chain, or the user's.
 
     A user's runs as given: clipped only when optim.clip_norm is set (and loss-scaled under
-    fp16). Its description is what the trackers record of it (optim.describe_given); None
-    for the config's.
+    fp16, `precision_settings`: the precision section). Its description is what the
+    trackers record of it (optim.describe_given); None for the config's.
     """
-    train = config.train
     if given is None:
         chain, lr_schedule = build_optimizer(
-            config.optim, train.steps, train.global_batch, config.precision
+            optim, train.steps, train.global_batch, precision_settings
         )
         return chain, lr_schedule, None
-    lr_schedule = build_lr_schedule(config.optim, train.steps, train.global_batch)
+    lr_schedule = build_lr_schedule(optim, train.steps, train.global_batch)
     if isinstance(given, optax.GradientTransformation):
         inner, lr_schedule, factory = given, None, None  # its own learning rate: read if injected
     elif callable(given):
@@ -179,23 +220,64 @@ def optimizer_for(config: Config, given: Optimizer | None):
             f"optimizer must be an optax GradientTransformation or a function of the schedule, "
             f"got {type(given).__name__}"
         )
-    clip_norm = config.optim.clipping(own_optimizer=True)
-    chain = wrap_optimizer(inner, clip_norm, config.precision)
+    clip_norm = optim.clipping(own_optimizer=True)
+    chain = wrap_optimizer(inner, clip_norm, precision_settings)
     return chain, lr_schedule, describe_given(inner, factory, clip_norm)
 
 
 def setup(config: Config, workload: Workload, devices: Sequence[jax.Device] | None = None) -> Setup:
-    """Mesh, optimizer and state layout for `config` and `workload`; no arrays are built."""
+    """The run's Setup for `config` and `workload`: mesh, optimizer, state layout; no arrays.
+
+    The one place the whole Config is taken apart (with the doors that load it): what
+    runs below gets a section or a built object.
+    """
+    train = config.train
     mesh = sharding.build_mesh(config.mesh, devices)
-    pipeline_schedule = pipeline.from_config(config)
+    pipeline_schedule = pipeline.schedule(config.mesh, train)
     pipelined = pipeline_schedule.microbatches if pipeline_schedule else 1
-    sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh, pipelined)
-    optimizer, lr_schedule, given = optimizer_for(config, workload.optimizer)
-    create_model = model_builder(config, workload)
+    sharding.check_batch(train.global_batch, train.grad_accum, mesh, pipelined)
+    optimizer, lr_schedule, given = optimizer_for(
+        workload.optimizer, config.optim, train, config.precision
+    )
+    create_model = model_builder(
+        workload,
+        seed=train.seed,
+        remat_settings=config.remat,
+        precision_policy=config.precision.policy,
+        lora_settings=config.lora,
+        model_name=config.model.name,
+    )
+    settings = LayoutSettings(
+        config.mesh, config.sharding, train, config.precision.policy, config.lora.enabled
+    )
     with jax.set_mesh(mesh):
-        layout = state_layout(config, mesh, optimizer, create_model, workload.follows_policy)
-        workload.task.prepare(layout, config.train.global_batch)
-    return Setup(config, mesh, layout, lr_schedule, workload.task, given)
+        layout = state_layout(
+            mesh, optimizer, create_model, workload.follows_policy, settings=settings
+        )
+        workload.task.prepare(layout, train.global_batch)
+    memory = MemorySettings(
+        config.mesh, train, config.precision, config.remat, config.model.name == "custom"
+    )
+    return Setup(
+        mesh=mesh,
+        layout=layout,
+        lr_schedule=lr_schedule,
+        task=workload.task,
+        train=train,
+        optim=config.optim,
+        mesh_settings=config.mesh,
+        checkpoint=config.checkpoint,
+        data=config.data,
+        precision=config.precision,
+        lora=config.lora,
+        reporting=config.run,
+        memory=memory,
+        run_dir=config.run_dir,
+        compiler_options=gpu_flags.compiler_options(config.mesh.bucket_mb, mesh.devices),
+        record=to_dict(config),
+        config_yaml=dump_yaml(config),
+        given_optimizer=given,
+    )
 
 
 def _kind_of(value: Any) -> str:

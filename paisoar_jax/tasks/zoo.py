@@ -19,6 +19,8 @@ from paisoar_jax.config import (
     Config,
     CustomModelConfig,
     LanguageModelConfig,
+    MeshConfig,
+    TrainConfig,
     VisionConfig,
     check_stage_groups,
 )
@@ -30,8 +32,11 @@ from paisoar_jax.models.resnet import ResNet
 from paisoar_jax.models.vgg import VGG
 from paisoar_jax.models.vit import ViT
 from paisoar_jax.numerics.precision import Policy, get_policy
-from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling
-from paisoar_jax.tasks.workload import Task, Workload
+from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling, TaskSections
+from paisoar_jax.tasks.workload import Workload
+
+# The `model` section: a zoo model's settings, or model.name=custom's (fit's own model).
+ModelSection = LanguageModelConfig | VisionConfig | CustomModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,57 +89,59 @@ def build_model(
     return model_class(resolved.name)(resolved, policy, remat_policy, rngs)
 
 
-def check_model(config: Config) -> None:
-    """Refuses a zoo model the config cannot build, before any device is touched.
+def check_model(
+    model: ModelSection, mesh: MeshConfig, train: TrainConfig, precision_policy: str
+) -> None:
+    """Refuses a zoo model (the `model` section) the config cannot build, before any device.
 
     The config checked itself as it was built; here come the checks that need the model's
-    own tables: an image variant's shape, and whether its blocks have fp8 matmuls. The
-    command line and `fit` call it right after loading the config; `task_for` again.
+    own tables: an image variant's shape, and whether its blocks have fp8 matmuls
+    (precision.policy), whether they stack for the `mesh` section's pipeline (with the
+    `train` section's repeats). The command line and `fit` call it right after loading the
+    config; `zoo_workload` again.
     """
-    if isinstance(config.model, CustomModelConfig):
+    if isinstance(model, CustomModelConfig):
         return
-    resolved = resolve_model_config(config.model)
-    if config.precision.policy == "fp8" and not entry(resolved.name).fp8:
+    resolved = resolve_model_config(model)
+    if precision_policy == "fp8" and not entry(resolved.name).fp8:
         fp8_names = " or ".join(name for name, known in ZOO.items() if known.fp8)
         raise UserError(
             f"precision.policy=fp8 runs transformer blocks' matmuls in fp8 (model.name "
             f"{fp8_names}); {resolved.name} is convolutional: use bf16"
         )
     if isinstance(resolved, VisionConfig):
-        _check_vision_stack(resolved, config)
-    if config.mesh.stages > 1 and not entry(resolved.name).stack:
+        _check_vision_stack(resolved, mesh, train)
+    if mesh.stages > 1 and not entry(resolved.name).stack:
         stacked = ", ".join(name for name, known in ZOO.items() if known.stack)
         raise UserError(
-            f"{config.mesh.describe_stages()} pipelines a stack of identical blocks "
+            f"{mesh.describe_stages()} pipelines a stack of identical blocks "
             f"({stacked}); model.name={resolved.name} has none: set mesh.stage=1 and "
             f"mesh.dcn_stage=1"
         )
 
 
-def _check_vision_stack(resolved: VisionConfig, config: Config) -> None:
+def _check_vision_stack(resolved: VisionConfig, mesh: MeshConfig, train: TrainConfig) -> None:
     """ViT stacks its blocks with model.scan_layers; a pipeline needs that and even groups."""
     if resolved.scan_layers and resolved.name != "vit":
         raise UserError(f"model.scan_layers is for vit; {resolved.name} has no stack of blocks")
-    if resolved.name != "vit" or config.mesh.stages == 1:
+    if resolved.name != "vit" or mesh.stages == 1:
         return
     if not resolved.scan_layers:
         raise UserError("mesh.stage > 1 pipelines the stacked blocks: set model.scan_layers=true")
-    stages, repeats = config.mesh.stages, config.train.pipeline_repeats
+    stages, repeats = mesh.stages, train.pipeline_repeats
     check_stage_groups(f"model.depth ({resolved.variant})", resolved.depth, stages, repeats)
 
 
-def task_for(config: Config) -> Task:
-    """The task of the configured zoo model (checked by `check_model` first)."""
-    check_model(config)
-    zoo_entry = entry(resolve_model_config(config.model).name)
-    return zoo_entry.task_class(config, zoo_entry.model_class)
-
-
 def zoo_workload(config: Config) -> Workload:
-    """The configured zoo model as a workload: its factory and its task."""
-    policy = get_policy(config.precision.policy)
+    """The configured zoo model as a workload: its factory and its task (checked first)."""
+    model, precision_policy = config.model, config.precision.policy
+    check_model(model, config.mesh, config.train, precision_policy)
+    policy, remat_policy = get_policy(precision_policy), config.remat.policy
 
     def create(rngs: nnx.Rngs) -> nnx.Module:
-        return build_model(config.model, policy, config.remat.policy, rngs)
+        return build_model(model, policy, remat_policy, rngs)
 
-    return Workload(model=create, task=task_for(config), follows_policy=True)
+    zoo_entry = entry(resolve_model_config(model).name)
+    sections = TaskSections(model, config.data, config.train, precision_policy)
+    task = zoo_entry.task_class(sections, zoo_entry.model_class)
+    return Workload(model=create, task=task, follows_policy=True)

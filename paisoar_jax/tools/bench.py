@@ -44,11 +44,11 @@ def bench_data(config: Config, batches: int, warmup: int) -> dict[str, Any]:
 
     from paisoar_jax.data.prefetch import DevicePrefetcher
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.tasks.zoo import task_for
+    from paisoar_jax.tasks.zoo import zoo_workload
 
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch(config.train.global_batch, config.train.grad_accum, mesh)
-    task = task_for(config)
+    task = zoo_workload(config).task
     source, _ = task.open_sources()
     with jax.set_mesh(mesh):  # the rows this process reads follow the mesh (input_slot)
         host_batches = task.host_batches(

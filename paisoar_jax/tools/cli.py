@@ -18,7 +18,7 @@ from paisoar_jax.errors import (
     UserError,
 )
 from paisoar_jax.run.startup import start
-from paisoar_jax.runtime import distributed, heartbeat
+from paisoar_jax.runtime import distributed, heartbeat, platform
 from paisoar_jax.runtime.preemption import StopRequest
 
 
@@ -71,8 +71,10 @@ def exit_status(program: str, work: Callable[[], object]) -> int:
     """Runs `work`; a UserError is one line and status 2, a divergence one line and status 1.
 
     A hang the watchdog stopped (after saving) is one line and status 3; a run Ctrl-C
-    stopped (after saving: its summary says `stopped_by` SIGINT) exits 130.
+    stopped (after saving: its summary says `stopped_by` SIGINT) exits 130. The platform is
+    chosen first (runtime/platform.py), before `work` starts jax's backends.
     """
+    platform.choose_platform()
     try:
         result = work()
     except (UserError, DivergenceError, HangError) as error:

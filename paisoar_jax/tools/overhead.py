@@ -2,7 +2,7 @@
 
 The configured model at a negligible size (OVERHEAD_OVERRIDES: 1 layer, width 32, 2 heads,
 seq_len 16, vocab 64, global batch 8, fp32, synthetic input, 600 steps, a log every 200)
-runs twice in one process: through the library's loop (`loop.train`), and as a bare loop
+runs twice in one process: through the library's loop (`loop.run`), and as a bare loop
 of the same jitted step that puts a fresh host batch on the devices every step, as a
 hand-written JAX loop does. Both are timed after their first interval (the library's
 first log interval, the bare loop's first step), so compilation is out of both.
@@ -60,7 +60,6 @@ def bare_loop_ms(config: Config) -> float:
     from paisoar_jax.engine.state import init_state
     from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.runtime import gpu_flags
     from paisoar_jax.tasks.workload import setup
     from paisoar_jax.tasks.zoo import zoo_workload
 
@@ -70,8 +69,8 @@ def bare_loop_ms(config: Config) -> float:
     rng = np.random.default_rng(0)
     vocab = config.model.vocab_size
     with jax.set_mesh(run.mesh):
-        state = init_state(config, run.layout)
-        options = gpu_flags.compiler_options(config.mesh.bucket_mb, run.mesh.devices)
+        state = init_state(config.train.seed, run.layout)
+        options = run.compiler_options
         accumulate = config.train.grad_accum
         step = jit_train_step(run.layout, run.task, run.lr_schedule, accumulate, run.mesh, options)
         batch = lambda: jax.device_put(rng.integers(0, vocab, shape.shape, np.int32), where)
@@ -97,9 +96,9 @@ def pieces_ms(config: Config) -> dict[str, float]:
     from paisoar_jax.parallel import sharding
     from paisoar_jax.run.loop import stop_agreed
     from paisoar_jax.runtime.preemption import StopRequest
-    from paisoar_jax.tasks.zoo import task_for
+    from paisoar_jax.tasks.zoo import zoo_workload
 
-    task = task_for(config)
+    task = zoo_workload(config).task
     source, _ = task.open_sources()
     host = iter(
         task.host_batches(

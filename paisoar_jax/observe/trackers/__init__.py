@@ -2,7 +2,7 @@
 
 `run.trackers` names them (TensorBoard by default); `TRACKERS` maps each name to its
 class, one module each (tensorboard.py, wandb.py, mlflow.py; what they share: common.py).
-A tracker is built as `Tracker(config, run_dir, settings, resume_step)` and has
+A tracker is built as `Tracker(reporting, run_dir, settings, resume_step)` and has
 `log(record)`, `close()` and `replays` (whether a resumed run's steps past its checkpoint
 are logged anew). Each gets every numeric field of every metrics.jsonl record (the train
 records and the eval's) at its step; W&B and MLflow also get the resolved config and the
@@ -29,7 +29,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from paisoar_jax.config import Config, to_dict
+from paisoar_jax.config import RunConfig
 from paisoar_jax.observe.trackers.common import git_commit, numeric
 from paisoar_jax.observe.trackers.mlflow import MLflow
 from paisoar_jax.observe.trackers.tensorboard import TensorBoard
@@ -42,20 +42,22 @@ TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
 def open_trackers(
-    config: Config,
+    reporting: RunConfig,
+    record: dict[str, Any],
     run_dir: pathlib.Path,
     resume_step: int = 0,
     optimizer: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """The trackers `config.run` names, each ready to `log(record)` and `close()`.
+    """The trackers the `run` section (`reporting`) names, each ready to `log` and `close()`.
 
-    `resume_step`: the checkpoint's step a resumed run starts from; `optimizer`: what an
-    optimizer given to fit is (optim.describe_given), recorded in place of `optim`.
+    `record`: the resolved config as sections, which W&B and MLflow keep; `resume_step`:
+    the checkpoint's step a resumed run starts from; `optimizer`: what an optimizer given
+    to fit is (optim.describe_given), recorded in place of `optim`.
     """
-    settings = to_dict(config)
+    settings = dict(record)
     if optimizer is not None:
         settings["optim"] = optimizer
     return [
-        TRACKERS[name](config, run_dir, settings, resume_step)
-        for name in config.run.active_trackers
+        TRACKERS[name](reporting, run_dir, settings, resume_step)
+        for name in reporting.active_trackers
     ]

@@ -9,7 +9,7 @@ from typing import Any
 
 from flax import traverse_util
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import RunConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.observe.trackers.common import (
     DEFAULT_PROJECT,
@@ -25,9 +25,9 @@ class MLflow:
 
     replays = False  # a metric logged twice at a step would show twice: skipped instead
 
-    def __init__(self, config: Config, run_dir: pathlib.Path, settings: dict, resume_step=0):
+    def __init__(self, reporting: RunConfig, run_dir: pathlib.Path, settings: dict, resume_step=0):
         mlflow = import_package("mlflow", "mlflow")
-        uri = config.run.tracking_uri
+        uri = reporting.tracking_uri
         if not uri:
             uri = (run_dir / "mlruns").absolute().as_uri()
             # MLflow 3 keeps its file store working but asks for this to use it: a store
@@ -35,14 +35,14 @@ class MLflow:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.metric = mlflow.entities.Metric
         try:
-            self._start(mlflow, config, settings, run_dir, uri)
+            self._start(mlflow, reporting, settings, run_dir, uri)
         except Exception as error:  # a server that does not answer, a bad URI, ...
             raise UserError(
                 f"run.trackers=mlflow: MLflow at {uri} did not start a run "
                 f"({first_line(error, 300)}); check run.tracking_uri"
             ) from None
 
-    def _start(self, mlflow, config: Config, settings: dict, run_dir: pathlib.Path, uri: str):
+    def _start(self, mlflow, reporting: RunConfig, settings: dict, run_dir: pathlib.Path, uri: str):
         """Opens the run: the one this run directory started, or a new one."""
         from mlflow.entities import Param
 
@@ -52,12 +52,12 @@ class MLflow:
             self.run_id = id_file.read_text().strip()
             self.client.update_run(self.run_id, status="RUNNING")
             return
-        name = config.run.project or DEFAULT_PROJECT
+        name = reporting.project or DEFAULT_PROJECT
         found = self.client.get_experiment_by_name(name)
         experiment = found.experiment_id if found else self.client.create_experiment(name)
         commit = git_commit()
         tags = {"mlflow.source.git.commit": commit} if commit else {}
-        run_name = config.run.display_name
+        run_name = reporting.display_name
         self.run_id = self.client.create_run(experiment, run_name=run_name, tags=tags)
         self.run_id = self.run_id.info.run_id
         flat = traverse_util.flatten_dict(settings, sep=".")

@@ -6,7 +6,7 @@ import logging
 import pathlib
 from typing import Any
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import RunConfig
 from paisoar_jax.observe.trackers.common import numeric
 
 
@@ -15,7 +15,9 @@ class TensorBoard:
 
     replays = True  # a resumed run's steps past its checkpoint replace the old ones
 
-    def __init__(self, config: Config | None, run_dir: pathlib.Path, settings=None, resume_step=0):
+    def __init__(
+        self, reporting: RunConfig | None, run_dir: pathlib.Path, settings=None, resume_step=0
+    ):
         from tensorboardX import SummaryWriter  # imported late: only process 0 needs it
 
         # A skipped fp16 step's grad_norm and a diverged loss are logged as NaN on purpose:

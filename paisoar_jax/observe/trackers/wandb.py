@@ -6,7 +6,7 @@ import pathlib
 import uuid
 from typing import Any
 
-from paisoar_jax.config import Config
+from paisoar_jax.config import RunConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.observe.trackers.common import (
     DEFAULT_PROJECT,
@@ -22,14 +22,14 @@ class WandB:
 
     replays = False  # W&B takes no step twice: a resumed run's logged steps are skipped
 
-    def __init__(self, config: Config, run_dir: pathlib.Path, settings: dict, resume_step=0):
+    def __init__(self, reporting: RunConfig, run_dir: pathlib.Path, settings: dict, resume_step=0):
         wandb = import_package("wandb", "wandb")
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(
-                project=config.run.project or DEFAULT_PROJECT,
-                name=config.run.display_name,
+                project=reporting.project or DEFAULT_PROJECT,
+                name=reporting.display_name,
                 id=run_id,
                 resume="allow",  # a resumed run continues the same W&B run
                 dir=str(run_dir),

@@ -18,7 +18,7 @@ from paisoar_jax.config import Config, config_from_dict, to_dict
 from paisoar_jax.engine.memory import format_bytes  # the units plan prints
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import format_count
-from paisoar_jax.parallel.pipeline import from_config as pipeline_of
+from paisoar_jax.parallel.pipeline import schedule as pipeline_of
 
 INPUT_WAIT_LIMIT = 0.05
 INPUT_WAIT_LIMIT_CPU = 0.20  # the input and the "device" share the host's cores
@@ -255,7 +255,7 @@ def _grad_comm_fixes(run: Run) -> list[str]:
 
 def pipeline_bubble(run: Run) -> Finding | None:
     """A pipelined run (mesh.stage > 1) whose stages idle over 20% of the step."""
-    pipeline_schedule = pipeline_of(run.config)
+    pipeline_schedule = pipeline_of(run.config.mesh, run.config.train)
     if pipeline_schedule is None or pipeline_schedule.bubble <= BUBBLE_LIMIT:
         return None
     stages, micro, laps = (

@@ -15,6 +15,7 @@ from typing import Any
 from paisoar_jax.engine.memory import format_bytes
 from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.tools.doctor.findings import Finding, Run, larger_batch, mesh_shape, percent
+from paisoar_jax.tools.plan.core import memory_settings
 
 MEMORY_ROOMY, MEMORY_TIGHT = 0.5, 0.9
 
@@ -60,7 +61,10 @@ def memory_headroom(run: Run) -> Finding | None:
     share, evidence = found
     config = run.config
     if share > MEMORY_TIGHT:
-        fixes = [f"`{override}`: {why}" for override, why in memory_fixes(config, mesh_shape(run))]
+        settings = memory_settings(config)
+        fixes = [
+            f"`{override}`: {why}" for override, why in memory_fixes(settings, mesh_shape(run))
+        ]
         change = ((run.plan or {}).get("fit") or {}).get("change")
         if change and not _measured(run):
             overrides = " ".join(change)

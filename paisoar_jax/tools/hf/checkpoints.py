@@ -219,7 +219,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
         return _export_adapter(config, flat, source, output, where)
     if form == "merged":
         flat = peft.merged(flat, config.lora)
-    kept = kept_file(TOKEN_IDS_FILE, config, source)
+    kept = kept_file(TOKEN_IDS_FILE, config.checkpoint.init_from, source)
     token_ids = read_json(kept) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     tensors = {}
@@ -237,14 +237,14 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
             for j, name in enumerate(names):  # a layer's experts, each its own tensor
                 tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[i, j], model))
     for name in KEPT_FILES:  # a broken one is refused before anything is written
-        found = kept_file(name, config, source)
+        found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None and name.endswith(".json"):
             read_json(found)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
     for name in KEPT_FILES:
-        found = kept_file(name, config, source)
+        found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None:
             shutil.copyfile(found, output / name)
     if (output / "tokenizer.json").is_file():
@@ -258,7 +258,7 @@ def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, wh
 
     tensors, targets = peft.adapter_tensors(flat, config.model)
     # The Hugging Face model the run's import came from (AutoPeftModel loads it from here).
-    kept = kept_file(SOURCE_FILE, config, source)
+    kept = kept_file(SOURCE_FILE, config.checkpoint.init_from, source)
     base = read_json(kept).get("path") if kept else None
     settings = peft.adapter_config(config.lora, config.model, targets, base)
     output.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from paisoar_jax import output
 from paisoar_jax.config import Config
-from paisoar_jax.engine.memory import memory
+from paisoar_jax.engine.memory import MemorySettings, memory
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.runtime import gpu_flags
@@ -32,6 +32,12 @@ LINKS = {"1gbe": 0.125, "10gbe": 1.25, "100gbe": 12.5, "infiniband": 50.0, "nvli
 GRAD_COMMS = ("fp32", "bf16", "int8")
 DEFAULT_PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16, for plans made off the GPU
 DEFAULT_EFFICIENCY = 0.5
+
+
+def memory_settings(config: Config) -> MemorySettings:
+    """The sections of `config` the out-of-memory fixes read (run/oom.py)."""
+    own_model = config.model.name == "custom"
+    return MemorySettings(config.mesh, config.train, config.precision, config.remat, own_model)
 
 
 def parse_link(text: str) -> tuple[str, float]:
@@ -259,7 +265,7 @@ def _target_report(
     if not report["fits"]:  # what to try, in order (--fit compiles each)
         report["fixes"] = [
             {"override": override, "why": why}
-            for override, why in memory_fixes(config, dict(mesh.shape))
+            for override, why in memory_fixes(memory_settings(config), dict(mesh.shape))
         ]
     estimate = gpu_target.step_estimate(
         compiled,
