@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/own_model_dtypes.py
 
-For the plain-NNX CNN, MLP and transformer of tests/test_precision.py under bf16 and fp16
+For the plain-NNX CNN, MLP and transformer of tests/numerics/test_precision.py under bf16 and fp16
 on data=8: the train step's dot_general and conv_general_dilated equations, forward and
 backward, counted by their operands' dtypes. The CPU proxy of the precision change is the
 step's program, not a timing.

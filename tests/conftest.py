@@ -115,18 +115,49 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] += " " + FAST_TIER_XLA_FLAGS
 
 
+TESTS = pathlib.Path(__file__).resolve().parent
+# The tiers are folders: tests/<wing>/ and tests/end_to_end/ are the fast tier (the README's
+# command), tests/slow/ the second tier (-m slow or --all), tests/gpu_aot/ the compiles for a
+# GPU target (-m gpu_aot, with the gpu-aot extra's CUDA plugin). Their tests get the mark of
+# their folder here, so `-m slow` and `-m gpu_aot` select them.
+TIER_FOLDERS = {"slow": TESTS / "slow", "gpu_aot": TESTS / "gpu_aot"}
+# Test modules import helpers from their fast-tier twin (tests/slow/engine/test_step_slow.py
+# from tests/engine/test_step.py): every test folder is importable whatever the order.
+for _folder in sorted(TESTS.rglob("*")):
+    if _folder.is_dir() and _folder.name != "__pycache__" and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
+
+def _names_its_tier(config, tier: str) -> bool:
+    """Whether the command line names a test by id, or a file or folder of `tier`."""
+    for argument in config.args:
+        if "::" in argument:
+            return True
+        path = pathlib.Path(argument.split("::")[0]).resolve()
+        if path == TIER_FOLDERS[tier] or TIER_FOLDERS[tier] in path.parents:
+            return True
+    return False
+
+
 def _fast_tier_only(config) -> bool:
-    named = any("::" in argument for argument in config.args)
-    return not (config.getoption("--all") or config.getoption("markexpr") or named)
+    asked = config.getoption("--all") or config.getoption("markexpr")
+    return not (asked or _names_its_tier(config, "slow"))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The fast tier by default: tests marked slow run with -m slow or --all (or by name).
+    """The fast tier by default: the tests in tests/slow/ run with -m slow or --all (or named).
 
-    Tests marked gpu_aot (compiles for a GPU target: they need the gpu-aot extra's CUDA
-    plugin) run only when asked for, with -m gpu_aot.
+    The tests in tests/gpu_aot/ (compiles for a GPU target: they need the gpu-aot extra's
+    CUDA plugin) run only when asked for, with -m gpu_aot (or named).
     """
-    if "gpu_aot" not in (config.getoption("markexpr") or ""):
+    for item in items:
+        path = pathlib.Path(str(item.path)).resolve()
+        for mark, folder in TIER_FOLDERS.items():
+            if folder in path.parents:
+                item.add_marker(getattr(pytest.mark, mark))
+    wants_gpu = "gpu_aot" in (config.getoption("markexpr") or "")
+    if not (wants_gpu or _names_its_tier(config, "gpu_aot")):
         gpu = [item for item in items if item.get_closest_marker("gpu_aot")]
         if gpu:
             config.hook.pytest_deselected(items=gpu)
@@ -243,11 +274,21 @@ def build_run(overrides, devices, base=TINY):
     return config, mesh, layout, state, train_step
 
 
-def resumable_run(run_dir, overrides, steps):
+def losses(run_dir, steps=None) -> dict:
+    """{step: loss} of run_dir/metrics.jsonl; with `steps`, it must hold 1 .. steps once each."""
+    records = run_records(run_dir)
+    if steps is not None:
+        assert [record["step"] for record in records] == list(range(1, steps + 1))
+    return {record["step"]: record["loss"] for record in records}
+
+
+def resumable_run(run_dir, overrides, steps, *, process=False):
     """{step: loss} of a TINY + overrides run to `steps` in run_dir (resuming what is there).
 
     It logs every step and saves every 3, with a constant learning rate, so a run cut at 3
-    and resumed to 6 follows the schedule of one run of 6.
+    and resumed to 6 follows the schedule of one run of 6. `process`: as `python -m
+    paisoar_jax.train` in a process of its own (the CLI's start, signals and exit), else in
+    this one.
     """
     from paisoar_jax.config import load_config
 
@@ -255,8 +296,23 @@ def resumable_run(run_dir, overrides, steps):
     settings += ["train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
     # The same learning rates however long the run: no warmup (it is min(warmup, steps)).
     settings += ["optim.schedule=constant", "optim.warmup_steps=0"]
-    train(load_config(None, settings))
-    return {record["step"]: record["loss"] for record in run_records(run_dir)}
+    if process:
+        result = run_module("train", *settings, cwd=pathlib.Path(run_dir).parent, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        train(load_config(None, settings))
+    return losses(run_dir)
+
+
+@pytest.fixture
+def tiny_losses(tmp_path):
+    """The shared tiny run: tiny_losses(overrides, steps=6, name="run", process=True) trains
+    TINY + overrides in tmp_path/name (resuming what is there) and returns {step: loss}."""
+
+    def run(overrides=(), steps=6, name="run", process=True):
+        return resumable_run(tmp_path / name, list(overrides), steps, process=process)
+
+    return run
 
 
 def token_batches(count, batch=16, seq_len=32, seed=0):

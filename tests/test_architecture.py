@@ -254,11 +254,13 @@ def test_the_architecture_page_names_what_exists_and_every_wing():
     missing = [
         path
         for path in named
-        if not path.startswith(("tests/", "docs/", "paisoar_jax/"))
+        if not path.startswith(("tests/", "docs/", "paisoar_jax/", "examples/"))
         and (path.endswith(".py") or path.endswith("/"))
         and not (PACKAGE / path).exists()
     ]
     assert not missing, missing
+    tests = [path for path in named if path.startswith("tests/") and path.endswith(".py")]
+    assert tests and all((PACKAGE.parent / path).exists() for path in tests), tests
     wings = [path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()]
     for wing in wings:
         assert f"      {wing}/" in page, wing
@@ -322,3 +324,24 @@ def test_the_config_check_itself_finds_a_function_of_the_whole_config():
         assert takes_the_whole_config(ast.parse(source).body[0]), source
     for source in ("def f(train: TrainConfig): ...", "def f(model_config): ..."):
         assert not takes_the_whole_config(ast.parse(source).body[0]), source
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def test_the_tests_mirror_the_wings_and_take_their_tier_from_their_folder():
+    """tests/<wing>/ per wing of the package, tests/end_to_end/, tests/slow/ and
+    tests/gpu_aot/ (conftest.py marks their tests), and no more than a handful of files flat
+    in tests/; no test is marked slow or gpu_aot by hand (a parameter's settings may be)."""
+    flat = sorted(path.name for path in TESTS.glob("*.py"))
+    assert len(flat) <= 5, flat
+    wings = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    folders = {path.name for path in TESTS.iterdir() if path.is_dir()}
+    assert wings - {"configs"} <= folders, sorted(wings - folders)
+    assert {"end_to_end", "slow", "gpu_aot"} <= folders
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                marks = [ast.unparse(decorator) for decorator in node.decorator_list]
+                hand_marked = {"pytest.mark.slow", "pytest.mark.gpu_aot"} & set(marks)
+                assert not hand_marked, f"{path.relative_to(TESTS)}::{node.name} {hand_marked}"

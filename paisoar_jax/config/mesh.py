@@ -4,7 +4,7 @@
 over it, whether it may be -1 (take the devices the others leave), whether a reader is told
 of it only when it splits, and whether it has a `dcn_` twin that spans hosts. The mesh
 (parallel/sharding.py), the section's checks and every message that lists axes read it, so
-a new axis is one row here and one field of `MeshConfig` (tests/test_config.py holds the
+a new axis is one row here and one field of `MeshConfig` (tests/config/test_config.py holds the
 two together).
 """
 

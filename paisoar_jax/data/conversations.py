@@ -18,8 +18,8 @@ A chat is cut into pieces by rendering it turn by turn: the text up to assistant
 the generation prompt, then the text through turn i, each a prefix of the next. A template
 that rewrites earlier turns as the chat goes on (some drop earlier reasoning) cannot be cut
 so, and is refused naming the record. Each piece is tokenized on its own: templates put
-special tokens at the boundaries, so the tokens equal the whole text's (tests/test_sft.py
-checks them against transformers' apply_chat_template).
+special tokens at the boundaries, so the tokens equal the whole text's
+(tests/data/test_conversations.py checks them against transformers' apply_chat_template).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class WholeBatchReads:
     """The global sampler for a source that reads many examples at once (`read_batch`).
 
     The same order as `example_stream` (grain's `index_shuffle` with the seed plus the
-    epoch, as grain's shuffle draws it; tests/test_data.py checks the two agree), but grain
+    epoch, as grain's shuffle draws it; tests/data/test_data.py checks the two agree), but grain
     handles one element per batch of rows, not one per example: for in-memory windows the
     per-example bookkeeping of a grain chain costs more than the read itself.
     """

@@ -24,7 +24,7 @@ from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.engine import lora
 from paisoar_jax.models.attention import apply_rotary, attention, resolve_attention, rotary_tables
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
-from paisoar_jax.models.layers import build_blocks, param
+from paisoar_jax.models.layers import build_blocks, layer_norm, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
@@ -32,19 +32,6 @@ from paisoar_jax.numerics.remat import recomputed_activation, wrap_block_call
 from paisoar_jax.parallel.context import split_attention
 from paisoar_jax.parallel.pipeline import scan_layers
 from paisoar_jax.parallel.sharding import constrain, context_shards, sequence_whole
-
-
-def _layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis."""
-    return nnx.LayerNorm(
-        width,
-        epsilon=epsilon,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
-        rngs=rngs,
-    )
 
 
 def mlp_width(config: LanguageModelConfig) -> int:
@@ -161,12 +148,12 @@ class Block(DecoderBlock):
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, D // H)
         self.context = config.context_attention  # gather or ring, with mesh.context > 1
-        self.attention_norm = _layer_norm(D, config.norm_eps, rngs)
+        self.attention_norm = layer_norm(D, config.norm_eps, rngs)
         self.qkv_kernel = param(rngs, normal, (D, 3, H, E), ("embed", "qkv", "heads", "head_dim"))
         self.qkv_bias = param(rngs, zeros, (3, H, E), ("qkv", "heads", "head_dim"))
         self.out_kernel = param(rngs, residual, (H, E, D), ("heads", "head_dim", "embed"))
         self.out_bias = param(rngs, zeros, (D,), ("embed",))
-        self.mlp_norm = _layer_norm(D, config.norm_eps, rngs)
+        self.mlp_norm = layer_norm(D, config.norm_eps, rngs)
         self.moe = experts_of(config, policy, rngs, layer)
         if self.moe is None:
             self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
@@ -217,9 +204,43 @@ class Block(DecoderBlock):
 class Decoder(nnx.Module):
     """What GPT and Llama share: the forward pass, cached decoding and the FLOPs count.
 
-    A subclass builds `token_embedding`, `blocks`, `final_norm` (and `head` when untied) and
-    says in `_embed` how tokens at given positions enter the stream.
+    A subclass builds its layers with `_build` (its block class and final norm) and says in
+    `_embed` how tokens at given positions enter the stream (`_token_embeddings` first).
     """
+
+    def _build(
+        self,
+        config: LanguageModelConfig,
+        policy: Policy,
+        remat_policy: str,
+        rngs: nnx.Rngs,
+        block_class: type,
+        final_norm: Callable[[int, float, nnx.Rngs], nnx.Module],
+    ) -> None:
+        """The token table, the blocks (`block_class`), the final norm and the untied head."""
+        self.config, self.policy, self.remat_policy = config, policy, remat_policy
+        normal = nnx.initializers.normal(config.init_std)
+        D, V = config.width, config.vocab_size
+        self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
+        if config.position == "learned":  # GPT's own; drawn here, as the first GPTs drew it
+            table = (config.positions, D)  # every position the model holds, not the window
+            self.position_embedding = param(rngs, normal, table, ("length", "embed"))
+        self.blocks = build_blocks(
+            lambda rngs, layer: block_class(config, policy, rngs, layer),
+            config.layers,
+            config.scan_layers,
+            rngs,
+        )
+        self.final_norm = final_norm(D, config.norm_eps, rngs)
+        if not config.tie_embeddings:
+            self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
+
+    def _token_embeddings(self, tokens_BxT: jax.Array) -> jax.Array:
+        """The tokens' rows of the table, in the compute dtype."""
+        # Gather the (cast) table whole before the lookup: a lookup into a table split over
+        # vocab and embed makes XLA replicate it the slow way (SPMD full rematerialization).
+        table_VxD = constrain(self.policy.cast_to_compute(self.token_embedding[...]), (None, None))
+        return jnp.take(table_VxD, tokens_BxT, axis=0)
 
     def __call__(
         self,
@@ -333,22 +354,7 @@ class GPT(Decoder):
     def __init__(
         self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
     ):
-        self.config, self.policy, self.remat_policy = config, policy, remat_policy
-        normal = nnx.initializers.normal(config.init_std)
-        D, V = config.width, config.vocab_size
-        self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
-        if config.position == "learned":
-            table = (config.positions, D)  # every position the model holds, not the window
-            self.position_embedding = param(rngs, normal, table, ("length", "embed"))
-        self.blocks = build_blocks(
-            lambda rngs, layer: Block(config, policy, rngs, layer),
-            config.layers,
-            config.scan_layers,
-            rngs,
-        )
-        self.final_norm = _layer_norm(D, config.norm_eps, rngs)
-        if not config.tie_embeddings:
-            self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
+        self._build(config, policy, remat_policy, rngs, Block, layer_norm)
 
     def _embed(
         self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
@@ -357,12 +363,8 @@ class GPT(Decoder):
 
         The tables are those of positions start.. (None for learned positions).
         """
-        cast = self.policy.cast_to_compute
         T = tokens_BxT.shape[1]
-        # Gather the (cast) table whole before the lookup: a lookup into a table split over
-        # vocab and embed makes XLA replicate it the slow way (SPMD full rematerialization).
-        table_VxD = constrain(cast(self.token_embedding[...]), (None, None))
-        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+        x_BxTxD = self._token_embeddings(tokens_BxT)
         if self.config.position == "learned":
             if positions_BxT is None:
                 table_TxD = jax.lax.dynamic_slice_in_dim(self.position_embedding[...], start, T)
@@ -371,7 +373,7 @@ class GPT(Decoder):
                 # is small, and a cast first would put the rounding before the gather).
                 whole_PxD = constrain(self.position_embedding[...], (None, None))
                 table_TxD = jnp.take(whole_PxD, positions_BxT, axis=0)
-            x_BxTxD = x_BxTxD + cast(table_TxD)
+            x_BxTxD = x_BxTxD + self.policy.cast_to_compute(table_TxD)
         rotary_of = self.rotary_function()
         rotary = None if rotary_of is None else rotary_of(start + jnp.arange(T))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary

@@ -1,4 +1,6 @@
-"""Shared building blocks of the vision models: their variants, convolutions, BatchNorm, remat.
+"""Shared building blocks: vision variants, convolutions, BatchNorm, remat, the layer norm.
+
+The layer norm is the transformers' (GPT's and ViT's blocks); the rest the vision models'.
 
 The models read their shape from `config.VisionConfig` (the `model` section when model.name
 is resnet, vgg or vit); `VARIANTS` fills the shape fields left at 0. Images are NHWC, conv
@@ -201,6 +203,22 @@ class Dense(nnx.Module):
             y_BxO = jnp.einsum("...i,io->...o", cast(x_BxI), cast(self.kernel[...]))
         bias = self.bias[...] if self.fp32_output else cast(self.bias[...])
         return y_BxO + bias
+
+
+def layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis.
+
+    The transformers' norm (GPT's and ViT's blocks); Llama's RMSNorm is its own.
+    """
+    return nnx.LayerNorm(
+        width,
+        epsilon=epsilon,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
+        rngs=rngs,
+    )
 
 
 def batch_norm(features: int, rngs: nnx.Rngs, zero_scale: bool = False) -> nnx.BatchNorm:

@@ -29,7 +29,7 @@ from paisoar_jax.models.gpt import (
     experts_of,
     mlp_width,
 )
-from paisoar_jax.models.layers import build_blocks, param
+from paisoar_jax.models.layers import param
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy, float32_island
 from paisoar_jax.numerics.remat import recomputed_activation
@@ -178,27 +178,14 @@ class Llama(Decoder):
         self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
     ):
         _check_tensor_split(config)
-        self.config, self.policy, self.remat_policy = config, policy, remat_policy
-        normal = nnx.initializers.normal(config.init_std)
-        D, V = config.width, config.vocab_size
-        self.token_embedding = param(rngs, normal, (V, D), ("vocab", "embed"))
-        self.blocks = build_blocks(
-            lambda rngs, layer: Block(config, policy, rngs, layer),
-            config.layers,
-            config.scan_layers,
-            rngs,
-        )
-        self.final_norm = RMSNorm(D, config.norm_eps, rngs)
-        if not config.tie_embeddings:
-            self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
+        self._build(config, policy, remat_policy, rngs, Block, RMSNorm)
 
     def _embed(
         self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
     ) -> tuple[jax.Array, tuple]:
         """The tokens' embeddings, and the rotary tables of positions start.."""
         del positions_BxT  # rotary positions only: the blocks make them (rotary_function)
-        table_VxD = constrain(self.policy.cast_to_compute(self.token_embedding[...]), (None, None))
-        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)  # the whole table, as GPT's lookup
+        x_BxTxD = self._token_embeddings(tokens_BxT)
         rotary = rotary_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
 

@@ -28,6 +28,7 @@ from paisoar_jax.models.layers import (
     VisionConfig,
     build_blocks,
     check_image_shape,
+    layer_norm,
     param,
     resolve_config,
     run_block,
@@ -41,19 +42,6 @@ from paisoar_jax.runtime.platform import compile_platform
 
 LAYER_NORM_EPSILON = 1e-6  # the ViT paper's (PyTorch's default is 1e-5)
 TOKEN_AXES = ("batch", "length", "act_embed")
-
-
-def _layer_norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis."""
-    return nnx.LayerNorm(
-        width,
-        epsilon=LAYER_NORM_EPSILON,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
-        rngs=rngs,
-    )
 
 
 def attention(q_BxTxKxE: jax.Array, k_BxTxKxE: jax.Array, v_BxTxKxE: jax.Array) -> jax.Array:
@@ -77,12 +65,12 @@ class EncoderBlock(nnx.Module):
         normal = nnx.initializers.truncated_normal(config.init_std)
         zeros = nnx.initializers.zeros
         self.policy = policy
-        self.attention_norm = _layer_norm(D, rngs)
+        self.attention_norm = layer_norm(D, LAYER_NORM_EPSILON, rngs)
         self.qkv_kernel = param(rngs, normal, (D, 3, K, E), ("embed", "qkv", "heads", "head_dim"))
         self.qkv_bias = param(rngs, zeros, (3, K, E), ("qkv", "heads", "head_dim"))
         self.out_kernel = param(rngs, normal, (K, E, D), ("heads", "head_dim", "embed"))
         self.out_bias = param(rngs, zeros, (D,), ("embed",))
-        self.mlp_norm = _layer_norm(D, rngs)
+        self.mlp_norm = layer_norm(D, LAYER_NORM_EPSILON, rngs)
         self.mlp_in_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
         self.mlp_in_bias = param(rngs, zeros, (F,), ("mlp",))
         self.mlp_out_kernel = param(rngs, normal, (F, D), ("mlp", "embed"))
@@ -179,7 +167,7 @@ class ViT(nnx.Module):
             config.scan_layers,
             rngs,
         )
-        self.final_norm = _layer_norm(D, rngs)
+        self.final_norm = layer_norm(D, LAYER_NORM_EPSILON, rngs)
         self.head = Dense(
             D,
             config.num_classes,

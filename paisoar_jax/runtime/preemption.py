@@ -88,8 +88,13 @@ class StopRequest:
             self._sockets = None
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
-        """The Python-level handler: only the flag (the watcher thread does the rest)."""
-        self.signal_name = self.signal_name or signal.Signals(number).name
+        """The Python-level handler: nothing; the watcher thread acts on each signal's byte.
+
+        (Installed so the signal writes its wakeup byte instead of killing the process.) The
+        flag is raised by the watcher alone: were it raised here too, the loop could save and
+        call `stop_saved` before the watcher read that same signal's byte, which it would
+        then take for a second signal.
+        """
 
     def _watch(self, reader: socket.socket) -> None:
         """Reads each signal's wakeup byte as it comes and acts on it (see the module)."""

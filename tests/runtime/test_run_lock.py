@@ -1,0 +1,52 @@
+"""One run per run directory: a second start stops, a dead holder does not block the next."""
+
+import errno
+import os
+import time
+
+import pytest
+from conftest import TINY
+
+from paisoar_jax.errors import UserError
+from paisoar_jax.runtime import run_lock
+from paisoar_jax.runtime.run_lock import RunLock
+
+
+def test_a_held_run_directory_names_its_holder_and_frees_on_exit(tmp_path):
+    with RunLock(tmp_path):
+        with pytest.raises(UserError) as held:
+            with RunLock(tmp_path):
+                pass
+        message = str(held.value)
+        assert message.startswith(f"run.dir {tmp_path} is in use by another run (host ")
+        assert f"pid {os.getpid()}, since " in message and "\n" not in message
+    with RunLock(tmp_path):  # released with the first one
+        pass
+
+
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with RunLock(tmp_path):
+        pass
+    warning = capsys.readouterr().err
+    assert f"warning: run.dir {tmp_path} does not support file locks" in warning
+
+
+def wait_until(condition, process, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.stderr.read()[-3000:] if process.stderr else ""
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def newest_step(checkpoints):
+    return max(int(name) for name in os.listdir(checkpoints) if name.isdigit())
+
+
+def train_arguments(run_dir, *overrides):
+    overrides = [*TINY, "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", *overrides]
+    return [*overrides, f"run.dir={run_dir}"]
