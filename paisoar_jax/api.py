@@ -323,12 +323,15 @@ def bench_fit(
     optimizer: OptimizerLike | None = None,
     data: DataLike | None = None,
     flops_per_example: float | None = None,
+    scaling: bool = False,
     exit_on_error: bool | None = None,
 ) -> dict[str, Any]:
     """The measured speed of what `fit` would run (no checkpoints, no eval), as `bench` does.
 
     model, loss, optimizer, data, flops_per_example: as `fit` takes them. Prints and
     returns one JSON-ready dict: examples/s, step time, MFU, compile time, data wait.
+    `scaling`: as `bench --scaling`, the step on 1, 2, 4, ... devices, strong and weak;
+    prints the table, writes scaling.json in run.dir and returns what it holds.
     """
 
     def work() -> dict[str, Any]:
@@ -343,6 +346,12 @@ def bench_fit(
         resolved, run_workload = build_workload(
             resolved, **parts, flops_per_example=flops_per_example
         )
+        if scaling:
+            from paisoar_jax.tools import scaling as measuring
+
+            result = measuring.scaling(resolved, run_workload)
+            output.result(measuring.format_table(result))
+            return result
         result = bench_train(resolved, run_workload)
         output.result(json.dumps(result))
         return result

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 # tools/: modules of their own, and packages of several (each holding the modules named).
 TOOLS = {"hlo", "bench", "overhead", "convert", "export", "cli", "generate"}
-TOOLS |= {"gpu_target", "gpu_kernels"}
+TOOLS |= {"gpu_target", "gpu_kernels", "scaling"}
 TOOL_PACKAGES = {
     "plan": {"core", "command", "table", "reports", "variants", "fit_search", "context_split"},
     "doctor": {
@@ -25,6 +25,8 @@ TOOL_PACKAGES = {
         "memory_findings",
         "moe_findings",
         "scale_findings",
+        "loss_findings",
+        "scaling_findings",
     },
     "launch": {"arguments", "command", "rank_output", "restarts"},
     "hf": {"checkpoints", "layouts", "peft"},

@@ -257,6 +257,11 @@ class GlobalBatches:
             self._iterator = self._open()
         batch = next(self._iterator)
         self.examples += self.global_batch
+        if self.workers > 0:
+            # Out of the workers' shared memory at once: jax may keep a view of the host
+            # array (a CPU device_put does not copy), and a segment still viewed cannot be
+            # unlinked when grain drops it, so it leaked (the resource tracker's warning).
+            batch = jax.tree.map(np.array, batch)
         return batch
 
     def get_state(self) -> dict[str, Any]:

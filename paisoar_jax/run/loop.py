@@ -164,9 +164,14 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
         limit_bytes = oom.device_limit_bytes(train.memory_limit_gb)
         resumed_batch = saved_batch(restored) if restored else None
         parts = RunParts.of(run, eval_sets, limit_bytes, resumed_batch)
-        summary, state, compiled = _run_loop(
-            parts, checkpointer, stop, watchdog, state, start_step, batches
-        )
+        try:
+            summary, state, compiled = _run_loop(
+                parts, checkpointer, stop, watchdog, state, start_step, batches
+            )
+        except oom.OutOfMemoryError as error:  # kept for `doctor`: metrics.jsonl may be empty
+            if is_main:
+                oom.write_record(run_dir, error, start_step + 1)
+            raise
     if is_main:
         run_records.print_summary(summary, task)
     return Finished(summary, state, compiled)
@@ -360,7 +365,7 @@ def _check_first_step(
 ):
     """The batch first (it names a non-finite value), then the loss and gradient norm."""
     _check_input(batches, start_step, checkpointer)
-    run_records.check_first_step(parts, start_step + 1, metrics, instruments.writer)
+    run_records.check_first_step(parts, start_step + 1, metrics, instruments)
 
 
 def _evaluate(parts, eval_step, state, step: int, history, due) -> dict[str, float]:

@@ -21,7 +21,9 @@ other config that cannot run.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,8 +47,37 @@ LESS_REMAT_MEMORY = {
 }
 
 
+RECORD_NAME = "out_of_memory.json"  # in the run directory: what the doctor reads of it
+
+
 class OutOfMemoryError(UserError):
-    """The train step does not fit in device memory; the message is the whole report."""
+    """The train step does not fit in device memory; the message is the whole report.
+
+    `fixes`: (override, what it saves) in the order to try them, as the report lists them.
+    """
+
+    def __init__(self, report: str, fixes: list[tuple[str, str]] | None = None):
+        super().__init__(report)
+        self.fixes = fixes or []
+
+
+def write_record(run_dir: pathlib.Path, error: OutOfMemoryError, step: int) -> None:
+    """Writes <run_dir>/out_of_memory.json: the report and its fixes, for `doctor`.
+
+    `step`: the step that did not fit (the first of this start). A later run that gets past
+    it removes the record (`clear_record`).
+    """
+    record = {
+        "step": step,
+        "report": str(error),
+        "fixes": [{"override": override, "why": why} for override, why in error.fixes],
+    }
+    (run_dir / RECORD_NAME).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def clear_record(run_dir: pathlib.Path) -> None:
+    """Removes an out-of-memory record a run before this one left: this step fits."""
+    (run_dir / RECORD_NAME).unlink(missing_ok=True)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -229,7 +260,8 @@ def check_fits(
     No limit (None or 0) checks nothing.
     """
     if limit_bytes and memory.memory(layout, compiled)["total"] > limit_bytes:
-        raise OutOfMemoryError(memory_report(settings, layout, compiled, limit_bytes))
+        report = memory_report(settings, layout, compiled, limit_bytes)
+        raise OutOfMemoryError(report, _fixes_of(settings, layout))
 
 
 @contextlib.contextmanager
@@ -248,4 +280,11 @@ def readable_out_of_memory(
             raise
         first_line = str(error).strip().splitlines()[0][:200]
         report = memory_report(settings, layout, compiled, limit_bytes)
-        raise OutOfMemoryError(f"{report}\nXLA: {first_line}") from None
+        raise OutOfMemoryError(
+            f"{report}\nXLA: {first_line}", _fixes_of(settings, layout)
+        ) from None
+
+
+def _fixes_of(settings: MemorySettings, layout: Any) -> list[tuple[str, str]]:
+    """The report's fixes, for the error that carries them."""
+    return memory_fixes(settings, dict(layout.abstract_state.step.sharding.mesh.shape))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from paisoar_jax.numerics import loss_scale
 from paisoar_jax.observe.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.observe.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.parallel import sharding
+from paisoar_jax.run import oom
 from paisoar_jax.tasks.workload import Task
 
 
@@ -55,6 +57,7 @@ class Instruments:
     writer: MetricsWriter
     progress: Any  # tqdm
     profiler: StepProfiler
+    first_step_loss: float | None = None  # before any update: about chance for a fresh model
 
     def close(self, step: int) -> None:
         """Ends the bar, the trace and the metrics files."""
@@ -131,6 +134,11 @@ def log_record(
         layout = parts.layout
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
+        # What the doctor compares with: the loss before any update (a fresh model's is about
+        # chance), and where the run ran (its cores bound the input workers it proposes).
+        record["first_step_loss"] = instruments.first_step_loss
+        record["process_count"], record["device_count"] = jax.process_count(), jax.device_count()
+        record["host_cores"] = len(os.sched_getaffinity(0))
         batch, resumed_batch = parts.train.global_batch, parts.resumed_batch
         record["global_batch"] = batch
         if resumed_batch is not None and resumed_batch != batch:  # said in a line at start
@@ -162,7 +170,7 @@ def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -
     instruments.timer.restart(record["step"])
 
 
-def check_first_step(parts: Any, step: int, metrics: Any, writer: MetricsWriter) -> None:
+def check_first_step(parts: Any, step: int, metrics: Any, instruments: Instruments) -> None:
     """The first step of a run, before any update: a loss that is not finite, or no gradient.
 
     The weights were finite (fresh, or a checkpoint save checked them), so a loss that is
@@ -172,8 +180,13 @@ def check_first_step(parts: Any, step: int, metrics: Any, writer: MetricsWriter)
     """
     values = jax.device_get({name: metrics[name] for name in ("loss", "grad_norm")})
     loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+    instruments.first_step_loss = loss
+    if jax.process_index() == 0:  # this step fits: a record of one that did not is old
+        oom.clear_record(parts.run_dir)
     if not math.isfinite(loss):
-        writer.write({"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True})
+        instruments.writer.write(
+            {"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True}
+        )
         fp16 = ", or activations beyond fp16's range" if "16" in parts.precision.policy else ""
         raise UserError(
             f"the loss is {loss} at step {step}, before any update: the inputs or labels are "

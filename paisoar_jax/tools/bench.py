@@ -1,6 +1,9 @@
-"""`python -m paisoar_jax.bench [--data-only | --overhead] [--config FILE.yaml] [key=value ...]`.
+"""`python -m paisoar_jax.bench [--scaling | --data-only | --overhead] [--config F] [k=v ...]`.
 
 Prints one JSON line of measured speed for a config on the devices at hand.
+
+`--scaling` runs the step on 1, 2, 4, ... devices, strong and weak, and splits each step
+from a profile (tools/scaling.py): a table, <run.dir>/scaling.json and scaling.png.
 
 `--data-only` times the input pipeline alone, exactly as training builds it (source,
 grain shuffle/batch, workers, device prefetch into sharded global arrays) but with no
@@ -200,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the loop's ms/step at a negligible model size beside a bare jitted loop",
     )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="strong and weak scaling on 1, 2, 4, ... devices, measured (tools/scaling.py)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per count (--scaling)")
     parser.add_argument("--batches", type=int, default=200, help="timed batches (--data-only)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches (--data-only)")
     args = parser.parse_intermixed_args(argv)
@@ -223,6 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not config.run.dir:  # never overwrite the metrics of a real run of this name
                 bench_dir = f"run.dir=runs/bench/{config.run.name}"
                 config = load_config(args.config, [*overrides, bench_dir])
+            if args.scaling:
+                from paisoar_jax.tools import scaling
+
+                result = scaling.scaling(config, steps=args.steps)
+                output.result(scaling.format_table(result))
+                return
             result = bench_train(config)
         output.result(json.dumps(result))
 

@@ -94,3 +94,15 @@ def test_a_guarded_call_is_never_refused(tmp_path, name):
 def test_an_unguarded_call_is_found_with_its_line(tmp_path, name):
     body, line = UNGUARDED[name]
     assert run_where(tmp_path, body) == str((tmp_path / "mine.py", line))
+
+
+def test_a_run_with_input_workers_leaves_no_shared_memory_behind(tmp_path):
+    """Before: `resource_tracker: There appear to be 4 leaked shared_memory objects` at the
+    end of every run with workers (the device array kept a view of grain's segment)."""
+    from conftest import TINY, run_module
+
+    settings = [*TINY, "train.steps=6", "train.eval_every=0", "data.workers=2", "run.dir=run"]
+    result = run_module("train", *settings, "train.sample_bytes=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "leaked shared_memory" not in result.stderr, result.stderr[-2000:]
+    assert "resource_tracker" not in result.stderr

@@ -179,13 +179,14 @@ def test_a_learning_rate_that_diverges(tmp_path, healthy_run):
             "precision.loss_scale=none",
         )
     records = read_records(run_dir)
-    finding = found(run_dir)["diverging"]
-    if math.isfinite(records[-1]["loss"]):
-        assert finding["evidence"].startswith("the loss rose at each of the last 3 log steps")
+    if math.isfinite(records[-1]["loss"]):  # a finite explosion (tests/tools/test_doctor_loss.py)
+        finding = found(run_dir)["exploding"]
+        assert finding["fixes"][0].startswith("`optim.lr=1000`: the loss rose")
     else:
+        finding = found(run_dir)["diverging"]
         step = records[-1]["step"]
         assert finding["evidence"].startswith(f"the loss is nan at step {step}")
-    assert "`optim.lr=1000` (now 10000)" in finding["fixes"]
+        assert "`optim.lr=1000` (now 10000)" in finding["fixes"]
 
 
 def test_low_mfu_for_the_model_size(healthy_copy):
@@ -331,6 +332,22 @@ def every_check_firing(config_overrides):
         "link": {"name": "infiniband", "gb_per_s": 50.0},
         **context,
     }
+    # Measured beside the records: a step that did not fit once, and the scaling of the step.
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    oom_fixes = [{"override": "remat.policy=full", "why": "recompute activations"}]
+    oom_record = {
+        "step": 1,
+        "report": "out of memory: the train step needs 9 GiB",
+        "fixes": oom_fixes,
+    }
+    (config.run_dir / "out_of_memory.json").write_text(json.dumps(oom_record))
+    row = {"global_batch": 16, "compute_s": 0.01, "input_wait_s": 0.0, "host_s": 0.0}
+    strong = [
+        {**row, "devices": 1, "step_s": 0.01, "collectives_s": 0.0, "efficiency": 1.0},
+        {**row, "devices": 8, "step_s": 0.04, "collectives_s": 0.03, "efficiency": 0.03},
+    ]
+    scaling = {"platform": "gpu", "device_kind": "H100", "strong": strong, "weak": []}
+    (config.run_dir / "scaling.json").write_text(json.dumps(scaling))
     return findings.Run(config.run_dir, config, records, plan_result)
 
 
@@ -375,8 +392,9 @@ def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
     expected -= {"pipeline-bubble"} if moe else {"expert-imbalance", "dropped-tokens"}
     expected -= set() if run.config.mesh.contexts > 1 else {"context-bound"}
     # A loss not finite before any update, and no gradient at all, rule out the rest: they
-    # fire alone (tests/tasks/test_own_model_mistakes.py).
-    expected -= {"bad-inputs", "no-gradient"}
+    # fire alone (tests/tasks/test_own_model_mistakes.py). A loss that exploded, or does
+    # not fall, rules out this one that fell, then rose (their own runs below).
+    expected -= {"bad-inputs", "no-gradient", "exploding", "not-learning"}
     assert names == expected
     for finding in results:
         assert any(OVERRIDE.search(fix) for fix in finding.fixes), finding

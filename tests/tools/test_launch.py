@@ -126,6 +126,21 @@ def test_two_processes_train_like_one_process_with_eight_devices(two_process_run
     assert "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}" in result.stdout
 
 
+def test_the_doctor_says_processes_on_cpus_are_slow_by_nature(two_process_run, one_process_run):
+    """Before: 2 processes x 4 devices took 17x the step of 1 x 8, and `no findings`."""
+    from paisoar_jax.tools.doctor import command as doctor
+
+    run_dir, _ = two_process_run
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert (record["process_count"], record["device_count"], record["platform"]) == (2, 8, "cpu")
+    found = {one.name: one for one in doctor.diagnose(doctor.load_run(run_dir))}
+    finding = found["poor-scaling"]
+    assert finding.evidence.startswith("2 processes on CPUs: each step's collectives cross")
+    assert finding.fixes[0].startswith("expected on CPUs: one process with all the devices")
+    alone = {one.name for one in doctor.diagnose(doctor.load_run(one_process_run))}
+    assert "poor-scaling" not in alone
+
+
 def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, one_process_run, tmp_path):
     run_dir, _ = two_process_run
     resumed = cut_at_step_two(run_dir, tmp_path / "run")

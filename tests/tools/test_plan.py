@@ -144,7 +144,6 @@ def test_a_mixture_of_experts_shows_its_split_and_its_all_to_all():
         (["--link", "carrier-pigeon"], "--link 'carrier-pigeon'"),
         (["--devices", "4"], "jax already started in this process with 8 CPU devices"),
         (["--devices", "x"], "--devices 'x'"),
-        (["--fit"], "--fit compiles for a GPU: give --target"),
         (["--flag-effects"], "--flag-effects compiles for a GPU: give --target"),
         (["mesh.bucket_mb=-1"], "mesh.bucket_mb must be >= 0"),
     ],
@@ -172,3 +171,20 @@ def test_durations_fit_their_column_down_to_a_few_bytes_collective():
         "3 ms",
     ]
     assert all(len(_duration(10.0**-exponent)) <= 9 for exponent in range(1, 13))
+
+
+def test_without_a_target_the_step_is_judged_against_the_limit_and_fit_finds_the_change(devices):
+    """Before: 229 GiB per device printed beside train.memory_limit_gb=80, no verdict, no
+    fixes, and --fit refused without --target. Now the CPU estimate is judged and --fit
+    compiles each fix on it, saying that the numbers are the CPU compiler's."""
+    limit = "train.memory_limit_gb=0.001"  # 1 MiB: the tiny step needs about 3
+    status, out, err = run_plan(*TINY, *MESHES["data"], limit, "--fit")
+    assert status == 0, err
+    assert "--fit without --target: judged on the CPU compiler's estimate" in err
+    assert "--fit: compiling with mesh.zero=1 (1 of " in err  # its progress, one per compile
+    assert "does not fit 1.02 MiB (train.memory_limit_gb)" in out
+    assert "fixes, in the order to try them" in out and "    mesh.zero=1  shard" in out
+    change = out.split("smallest change that fits (add to the command line): ")[1].split()
+    assert change and all("=" in override for override in change)
+    status, out, err = run_plan(*TINY, *MESHES["data"])  # the host's share: it fits
+    assert "fits " in out and "this host's memory over 8 device(s)" in out

@@ -8,14 +8,22 @@ is found ("no findings" for a healthy run), 2 with one line when the run directo
 metrics cannot be read.
 
     check                  fires when
-    input-bound            the input wait is over 5% of the step time (after the first log)
+    out-of-memory          the run stopped at a step that did not fit (out_of_memory.json)
+    bad-inputs             the loss is not finite at the first step, before any update
+    exploding              a finite loss reached 3x the loss before any update
+    diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
+                           its minimum
+    loss-scale-collapse    the dynamic loss scale fell at each of the last 3 log steps
+    not-learning           the loss ends (median of its last 3 logs) at 98% of the first
+    no-gradient            the gradient is exactly 0 at the first step
+    skipped-steps          over 5% of the steps after the loss scale's start-up were skipped
+    input-bound            the input wait is over 5% of the step time (20% on a CPU), after
+                           the first log; the workers it proposes fit the run's cores
+    poor-scaling           scaling.json (bench --scaling): strong efficiency under 50%; or
+                           a run over several processes on CPUs (gloo)
     communication-bound    plan.json: collectives over 30% of the projected step
     pipeline-bubble        mesh.stage > 1: the schedule's bubble is over 20% of the step
     low-mfu                the median MFU is below the floor for the model's size
-    loss-scale-collapse    the dynamic loss scale fell at each of the last 3 log steps
-    skipped-steps          over 5% of the steps were skipped for non-finite gradients
-    diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
-                           its minimum
     memory-headroom        peak device memory under 50% of the limit (room for more batch);
                            without a measured peak, plan.json's GPU plan (plan --target)
     memory-near-limit      peak device memory (or the GPU plan's) over 90% of the limit
@@ -24,9 +32,11 @@ metrics cannot be read.
     dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
     context-bound          plan.json: a slice's keys and values move slower than it is attended
 
-Missing or null metrics fields (memory on CPU, MFU without a known peak) skip their check.
-The checks and their thresholds are in findings.py, memory_findings.py and moe_findings.py
-beside this module, and tools/plan/context_split.py.
+Measurements come first (metrics.jsonl, out_of_memory.json, scaling.json), projections
+(plan.json) after, and each finding's evidence says which it read. Missing or null
+metrics fields (memory on CPU, MFU without a known peak) skip their check. The checks and
+their thresholds are in the *_findings.py modules beside this one, and
+tools/plan/context_split.py.
 """
 
 from __future__ import annotations
@@ -42,23 +52,35 @@ from typing import Any
 from paisoar_jax import output
 from paisoar_jax.config import FIT_CONFIG_MARK, load_config
 from paisoar_jax.errors import UserError
+from paisoar_jax.run.oom import RECORD_NAME
 from paisoar_jax.tools.cli import exit_status
-from paisoar_jax.tools.doctor import findings, gradient_findings, moe_findings, scale_findings
+from paisoar_jax.tools.doctor import (
+    findings,
+    gradient_findings,
+    loss_findings,
+    moe_findings,
+    scale_findings,
+    scaling_findings,
+)
 from paisoar_jax.tools.doctor.findings import Finding, Run
-from paisoar_jax.tools.doctor.memory_findings import memory_headroom
+from paisoar_jax.tools.doctor.memory_findings import memory_headroom, out_of_memory
 from paisoar_jax.tools.plan import context_split
 
 PROGRAM = "paisoar_jax.doctor"
 CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
+    out_of_memory,  # what stopped the run, then what its loss did, then its speed
+    gradient_findings.bad_inputs,  # before diverging: it says the cause of that nan
+    loss_findings.exploding,
+    loss_findings.diverging,
+    scale_findings.loss_scale_collapse,
+    loss_findings.not_learning,
+    gradient_findings.no_gradient,
+    scale_findings.skipped_steps,
     findings.input_bound,
+    scaling_findings.poor_scaling,  # measured, before the plan's projection
     findings.communication_bound,
     findings.pipeline_bubble,
     findings.low_mfu,
-    scale_findings.loss_scale_collapse,
-    scale_findings.skipped_steps,
-    gradient_findings.bad_inputs,  # before diverging: it says the cause of that nan
-    gradient_findings.no_gradient,
-    findings.diverging,
     memory_headroom,
     findings.recompiles,
     moe_findings.expert_imbalance,
@@ -102,7 +124,11 @@ def load_run(directory: pathlib.Path) -> Run:
         config = load_config(str(config_path))
     except OSError as error:
         raise UserError(f"cannot read {config_path} ({error.strerror or error})") from None
-    records = _read_json_lines(directory / "metrics.jsonl")
+    metrics = directory / "metrics.jsonl"
+    if (directory / RECORD_NAME).is_file() and not _has_records(metrics):
+        records = []  # it stopped before its first log step: out_of_memory.json says why
+    else:
+        records = _read_json_lines(metrics)
     plan_path, plan = directory / "plan.json", None
     if plan_path.exists():
         try:
@@ -113,9 +139,18 @@ def load_run(directory: pathlib.Path) -> Run:
     return Run(directory, config, records, plan, by_fit)
 
 
+def _has_records(path: pathlib.Path) -> bool:
+    """Whether a metrics.jsonl exists and holds a complete line."""
+    try:
+        return "\n" in path.read_text()
+    except OSError:
+        return False
+
+
 def diagnose(run: Run) -> list[Finding]:
-    """Every finding of every check, in the order of CHECKS."""
-    return [finding for check in CHECKS if (finding := check(run)) is not None]
+    """Every finding of every check, in the order of CHECKS (without records: what stopped it)."""
+    checks = CHECKS if run.records else (out_of_memory,)
+    return [finding for check in checks if (finding := check(run)) is not None]
 
 
 def format_findings(run: Run, findings: Sequence[Finding]) -> str:

@@ -9,7 +9,7 @@ thresholds below are the ones the doctor's help lists.
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 import pathlib
 import statistics
 from typing import Any
@@ -117,14 +117,20 @@ def input_bound(run: Run) -> Finding | None:
         return None
     _, worst_step, worst, _ = max(used, key=lambda item: item[2])
     data = run.config.data
-    workers, prefetch = max(2, 2 * data.workers), 2 * data.prefetch
+    # Workers beyond the run's cores (less one for the step's own host work) only contend.
+    cores = run.records[0].get("host_cores") or os.cpu_count() or 1
+    workers, prefetch = min(max(2, 2 * data.workers), max(1, cores - 1)), 2 * data.prefetch
     guard = ' (they import your script again: keep fit under `if __name__ == "__main__":`)'
-    fixes = [
-        f"`data.workers={workers}`: read and transform batches in {workers} worker "
-        f"processes (now {data.workers}){guard if run.by_fit else ''}",
+    fixes = []
+    if workers > data.workers:
+        fixes.append(
+            f"`data.workers={workers}`: read and transform batches in {workers} worker "
+            f"processes (now {data.workers}; {cores} cores){guard if run.by_fit else ''}"
+        )
+    fixes.append(
         f"`data.prefetch={prefetch}`: more batches in flight ahead of the step "
-        f"(now {data.prefetch})",
-    ]
+        f"(now {data.prefetch})"
+    )
     if data.source.startswith("images:"):  # the other sources are records or in memory
         fixes.append(
             "convert the image folder once (`python -m paisoar_jax.convert images --input "
@@ -136,6 +142,11 @@ def input_bound(run: Run) -> Finding | None:
         if run.by_fit
         else "time the input alone: `python -m paisoar_jax.bench --data-only` with the run's data.*"
     )
+    if workers <= data.workers:
+        fixes.append(
+            f"more cores for the input: data.workers={data.workers} already uses the "
+            f"{cores} cores this run had (a worker more only contends with the step)"
+        )
     evidence = (
         f"waited for input {percent(share)} of the step time over steps "
         f"{used[0][0]}-{used[-1][1]} (data_wait_frac weighted by time; worst "
@@ -341,69 +352,6 @@ def low_mfu(run: Run) -> Finding | None:
         "H100/H200"
     )
     return Finding("low-mfu", "MFU is low for the model's size", evidence, tuple(fixes))
-
-
-def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
-    """Lower lr, clip, warm up longer, bf16 over fp16, go on from a checkpoint before it."""
-    from paisoar_jax.checkpointing.checkpoint import checkpoint_directory
-
-    config = run.config
-    optim = config.optim
-    fixes = [lower_lr(run)]
-    if optim.clipping(own_optimizer(run)) == 0:
-        fixes.append("`optim.clip_norm=1.0`: clip the gradient norm")
-    if not own_optimizer(run):  # its warm-up is its own too
-        warmup = max(100, 2 * optim.warmup_steps)
-        fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
-    if config.precision.policy == "fp16":
-        fixes.append("`precision.policy=bf16`: fp32's range")
-    saved = checkpoint_directory(config.checkpoint, run.directory)
-    earlier = sorted(
-        int(path.name)
-        for path in saved.glob("[0-9]*")
-        if path.name.isdigit() and int(path.name) <= last_good_step
-    )
-    if earlier:
-        fixes.append(
-            f"go on from the last step saved before that: `checkpoint.resume={earlier[-1]}`"
-        )
-    return tuple(fixes)
-
-
-def diverging(run: Run) -> Finding | None:
-    """A non-finite loss, or a loss rising for 3 log steps well above its minimum."""
-    if any(record.get("before_update") for record in run.records):
-        return None  # not finite before any update: bad inputs (gradient_findings.py)
-    losses = series(run.records, "loss")
-    finite = [(step, loss) for step, loss in losses if math.isfinite(loss)]
-    best = min(finite, key=lambda item: item[1]) if finite else None
-    lowest = f"; lowest {best[1]:.4g} at step {best[0]}" if best else ""
-    bad = [(step, loss) for step, loss in losses if not math.isfinite(loss)]
-    # With a loss scaler a skipped step logs a non-finite loss; only a run of them diverged.
-    scaled = loss_scale_mode(run.config) != "none"
-    recent = losses[-TREND_LOGS:]
-    recent_bad = len(recent) == TREND_LOGS and not any(math.isfinite(loss) for _, loss in recent)
-    if bad and (not scaled or recent_bad):
-        step, loss = bad[0]
-        evidence = f"the loss is {loss} at step {step}{lowest}"
-        if scaled:
-            evidence += f"; non-finite at each of the last {TREND_LOGS} log steps"
-        last_good = best[0] if best else step - 1
-        return Finding(
-            "diverging", "the loss diverged", evidence, _divergence_fixes(run, last_good)
-        )
-    rising = finite[-TREND_LOGS:]
-    if best is None or len(rising) < TREND_LOGS:
-        return None
-    increasing = all(b[1] > a[1] for a, b in zip(rising, rising[1:], strict=False))
-    last_step, last = rising[-1]
-    if not increasing or last - best[1] <= DIVERGED_MARGIN * abs(best[1]):
-        return None
-    evidence = (
-        f"the loss rose at each of the last {TREND_LOGS} log steps, {rising[0][1]:.4g} at step "
-        f"{rising[0][0]} -> {last:.4g} at step {last_step}{lowest}"
-    )
-    return Finding("diverging", "the loss is diverging", evidence, _divergence_fixes(run, best[0]))
 
 
 def mesh_shape(run: Run) -> dict[str, int] | None:

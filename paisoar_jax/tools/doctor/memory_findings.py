@@ -6,18 +6,44 @@ plan of the job for a GPU: `python -m paisoar_jax.plan --target h200 ... --outpu
 RUN_DIR/plan.json` (add `--fit` for the smallest change that fits). Then the doctor judges
 the GPU compiler's per-device total against that device (or train.memory_limit_gb), with
 the same thresholds, and names the change the plan found first.
+
+A run that stopped because its step did not fit leaves out_of_memory.json (run/oom.py): the
+report it printed and its fixes in order. `out_of_memory` reads it first, measured.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from paisoar_jax.engine.memory import format_bytes
-from paisoar_jax.run.oom import memory_fixes
+from paisoar_jax.run.oom import RECORD_NAME, memory_fixes
 from paisoar_jax.tools.doctor.findings import Finding, Run, larger_batch, mesh_shape, percent
 from paisoar_jax.tools.plan.core import memory_settings
 
 MEMORY_ROOMY, MEMORY_TIGHT = 0.5, 0.9
+
+
+def out_of_memory(run: Run) -> Finding | None:
+    """The run stopped at a step that did not fit (its out_of_memory.json)."""
+    path = run.directory / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # a record cut short: the run's own report said it all
+    lines = [line.strip() for line in str(record.get("report", "")).splitlines()]
+    needed = next((line for line in lines if line.startswith("out of memory")), "out of memory")
+    what = needed.removeprefix("out of memory: ")
+    evidence = f"the run stopped at step {record.get('step', '?')}: {what}"
+    fixes = [f"`{fix['override']}`: {fix['why']}" for fix in record.get("fixes", [])]
+    fixes = fixes or ["every fix is in effect already: use more devices or a smaller model"]
+    fixes.append(
+        "`python -m paisoar_jax.plan` with the same config and `--fit`: the smallest change "
+        "that fits, compiled, before a run"
+    )
+    return Finding("out-of-memory", "the step does not fit in memory", evidence, tuple(fixes))
 
 
 def _measured(run: Run) -> tuple[float, str] | None:

@@ -17,6 +17,7 @@ from paisoar_jax.tools.doctor.findings import (
     percent,
     series,
 )
+from paisoar_jax.tools.doctor.loss_findings import exploding, not_learning
 
 SKIPPED_LIMIT = 0.05
 
@@ -57,17 +58,38 @@ def loss_scale_collapse(run: Run) -> Finding | None:
     return Finding("loss-scale-collapse", "the loss scale keeps falling", evidence, tuple(fixes))
 
 
+def start_up(run: Run) -> tuple[int, int]:
+    """(step, steps skipped by then) where a dynamic scale's start-up halvings ended.
+
+    The scale starts high (precision.initial_scale) and halves at each overflow until
+    steps go through: those skips are the scaler finding its level, not a problem. The
+    start-up ends at the first log step whose scale is not below the one before.
+    """
+    precision = run.config.precision
+    previous = precision.initial_scale
+    skipped = dict(series(run.records, "skipped_steps"))
+    for step, scale in series(run.records, "loss_scale"):
+        if scale >= previous and scale > precision.min_scale:  # (the floor is no level)
+            return step, skipped.get(step, 0)
+        previous = scale
+    return 0, 0  # still falling, or on the floor: every skip counts
+
+
 def skipped_steps(run: Run) -> Finding | None:
-    """Over 5% of the steps were skipped for non-finite gradients."""
+    """Over 5% of the steps after the scale's start-up were skipped for non-finite gradients."""
     skipped = series(run.records, "skipped_steps")
     if not skipped:
         return None
-    last_step, count = skipped[-1]
-    if last_step <= 0 or count / last_step <= SKIPPED_LIMIT:
+    start_step, start_count = start_up(run) if loss_scale_mode(run.config) == "dynamic" else (0, 0)
+    last_step, last_count = skipped[-1]
+    steps, count = last_step - start_step, last_count - start_count
+    if steps <= 0 or count / steps <= SKIPPED_LIMIT:
         return None
     precision = run.config.precision
     scales = [scale for _, scale in series(run.records, "loss_scale")]
     fixes = []
+    if exploding(run) or not_learning(run):  # the updates overshoot: the scale is not the cause
+        fixes.append(lower_lr(run, ": the loss rose or stalled as the steps were skipped"))
     # A scale that stopped falling settled where steps go through: start there. One still
     # falling has no such value (loss_scale_collapse reports it).
     if scales and scales[-1] < precision.initial_scale and loss_scale_collapse(run) is None:
@@ -81,9 +103,11 @@ def skipped_steps(run: Run) -> Finding | None:
             "less often (each growth that overflows skips a step)"
         )
     fixes.append(_no_loss_scale(run.config))
-    fixes.append(lower_lr(run, " if the skips go on: the gradients blow up"))
+    if not fixes[0].startswith(("`optim.lr", "a lower")):
+        fixes.append(lower_lr(run, " if the skips go on: the gradients blow up"))
+    after = f" after the scale's start-up (to step {start_step})" if start_step else ""
     evidence = (
-        f"{count} of {last_step} steps skipped ({percent(count / last_step)}, over "
-        f"{SKIPPED_LIMIT:.0%}); {skipped[0][1]} of them by the first log step ({skipped[0][0]})"
+        f"{count} of {steps} steps skipped{after} ({percent(count / steps)}, over "
+        f"{SKIPPED_LIMIT:.0%})"
     )
     return Finding("skipped-steps", "many steps were skipped", evidence, tuple(fixes))

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fit",
         action="store_true",
-        help="with --target: when the step does not fit (the device, or train.memory_limit_gb), "
-        "compile it with each memory fix and propose the smallest change that fits",
+        help="when the step does not fit (train.memory_limit_gb, else the --target GPU's "
+        "memory or this host's share per device), compile it with each memory fix and "
+        "propose the smallest change that fits (without --target: the CPU's estimate)",
     )
     parser.add_argument(
         "--context-for",
@@ -125,9 +126,8 @@ def refusal(args: argparse.Namespace) -> str | None:
         return f"--devices {args.devices!r} is not a whole number of devices"
     if args.context_for and not (args.context_for.isdigit() and int(args.context_for) > 0):
         return f"--context-for {args.context_for!r} is not a number of tokens >= 1"
-    for option, given in (("--flag-effects", args.flag_effects), ("--fit", args.fit)):
-        if given and args.target is None:
-            return f"{option} compiles for a GPU: give --target"
+    if args.flag_effects and args.target is None:
+        return "--flag-effects compiles for a GPU: give --target"
     return None
 
 
@@ -172,7 +172,13 @@ def run(config: Config, args: argparse.Namespace) -> None:
     if args.flag_effects:
         effects = variants.flag_effects(config, devices, result, efficiency)
         result["target"]["flag_effects"] = effects
-    if args.fit:  # --fit needs --target
+    if args.fit:  # the GPU target's numbers, or the CPU compiler's estimate
+        if args.target is None:
+            output.note(
+                "--fit without --target: judged on the CPU compiler's estimate of the step's "
+                "memory; a GPU's differs (plan --target h100|h200 --fit compiles for one)",
+                stderr=True,
+            )
         result["fit"] = fit_search.search(config, result, plan_of)
     if args.context_for:
         result["context_sizes"] = context_split.context_sizes(

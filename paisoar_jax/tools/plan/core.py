@@ -211,6 +211,8 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             config, target, compiled, memory_bytes, layout, task, mesh, communication, efficiency
         )
         found = {"target": report}
+    else:  # the CPU's own estimate, judged as the GPU target's is
+        found = {"memory_verdict": cpu_verdict(config, memory_bytes["total"], len(devices), mesh)}
     return {
         "model": model.name,
         "param_count": layout.param_count,
@@ -250,6 +252,25 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
         **timing,
         **found,
     }, found_collectives
+
+
+def cpu_verdict(config: Config, needed: int, devices: int, mesh: Any) -> dict[str, Any]:
+    """Whether the step fits train.memory_limit_gb, else this host's memory over its devices.
+
+    Simulated CPU devices share the host's memory, so each may hold its share of it. The
+    fixes are the out-of-memory report's, in its order; the numbers are the CPU
+    compiler's (a GPU's differ: plan --target compiles for one).
+    """
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if config.train.memory_limit_gb > 0:
+        limit, source = int(config.train.memory_limit_gb * 2**30), "train.memory_limit_gb"
+    else:
+        limit, source = total // max(devices, 1), f"this host's memory over {devices} device(s)"
+    verdict = {"needed_bytes": needed, "limit_bytes": limit, "limit_source": source}
+    verdict["fits"] = needed <= limit
+    fixes = [] if verdict["fits"] else memory_fixes(memory_settings(config), dict(mesh.shape))
+    verdict["fixes"] = [{"override": override, "why": why} for override, why in fixes]
+    return verdict
 
 
 def _target_report(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paisoar_jax import output
 from paisoar_jax.config import Config, config_from_dict, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.oom import LESS_REMAT_MEMORY
@@ -76,8 +77,11 @@ def search(
     overrides to add (None when nothing tried fits), `tried` each variant's overrides,
     total bytes, fit and estimated step.
     """
-    target = first["target"]
-    limit = limit_bytes(config, target["device_memory_bytes"])
+    target = first.get("target")
+    if target is not None:
+        limit = limit_bytes(config, target["device_memory_bytes"])
+    else:  # the CPU estimate's limit (core.cpu_verdict)
+        limit = first["memory_verdict"]["limit_bytes"]
     needed = first["memory_bytes"]["total"]
     result = {"fits": needed <= limit, "limit_bytes": limit, "needed_bytes": needed}
     result |= {"change": [] if needed <= limit else None, "tried": []}
@@ -87,8 +91,12 @@ def search(
     base_config = config
     for _ in range(MAX_CHANGES):
         trials = []
-        for change in candidates(base_config, first["mesh"]):
+        changes = candidates(base_config, first["mesh"])
+        for number, change in enumerate(changes, start=1):
             overrides = [*base, *change]
+            # Each compile of a large model takes a while: say which one runs.
+            trying = f"--fit: compiling with {' '.join(overrides)} ({number} of {len(changes)})"
+            output.note(trying, stderr=True)
             try:
                 variant = apply(config, overrides)
                 found = plan_of(variant)
@@ -99,7 +107,7 @@ def search(
                 "change": overrides,
                 "total_bytes": found["memory_bytes"]["total"],
                 "fits": found["memory_bytes"]["total"] <= limit,
-                "estimated_step_s": found["target"]["estimate"]["step_s"],
+                "estimated_step_s": estimated_step_s(found),
             }
             result["tried"].append(row)
             trials.append((row, variant, found))
@@ -112,6 +120,13 @@ def search(
         row, base_config, first = min(trials, key=lambda trial: trial[0]["total_bytes"])
         base = row["change"]
     return result
+
+
+def estimated_step_s(plan: dict[str, Any]) -> float:
+    """The plan's estimated step: the GPU target's, else the projection without overlap."""
+    if "target" in plan:
+        return plan["target"]["estimate"]["step_s"]
+    return plan["time_s"]["step_no_overlap"]
 
 
 def fit_lines(found: dict[str, Any]) -> list[str]:

@@ -158,6 +158,7 @@ def format_table(result: dict) -> str:
     for key, value in memory_bytes.items():
         label = key.replace("_", " ")
         lines.append(f"  {label:<22}{format_bytes(value):>11}   {notes.get(key, '')}".rstrip())
+    lines += _verdict_lines(result.get("memory_verdict"))
     lines += ["", "parameters (mesh axes per dimension; - whole)"]
     parameters = result["parameters"]
     width = max((len(row["path"]) for row in parameters), default=0)
@@ -221,4 +222,20 @@ def _comparison_lines(comparison: dict[str, Any] | None) -> list[str]:
         + f"{'wire/device':<12}"
         + "".join(f"{format_bytes(comparison[s]['wire_bytes']):>20}" for s in settings)
     )
+    return lines
+
+
+def _verdict_lines(verdict: dict | None) -> list[str]:
+    """Whether the CPU estimate fits its limit, and the fixes in order when it does not."""
+    if verdict is None:
+        return []
+    limit = f"{format_bytes(verdict['limit_bytes'])} ({verdict['limit_source']})"
+    if verdict["fits"]:
+        return [f"  fits {limit}; the CPU compiler's estimate (--target for a GPU's)"]
+    lines = [
+        f"  does not fit {limit}: {format_bytes(verdict['needed_bytes'])} needed, the CPU "
+        "compiler's estimate (--target for a GPU's)",
+        "  fixes, in the order to try them (--fit compiles each and proposes the smallest):",
+    ]
+    lines += [f"    {fix['override']}  {fix['why']}" for fix in verdict["fixes"]]
     return lines

@@ -9,7 +9,11 @@ import shutil
 import datasets
 import pytest
 from conftest import resumable_run
-from test_hf_sources import ROWS, settings
+from test_hf_sources import (
+    ROWS,
+    saved,  # noqa: F401 (fixtures)
+    settings,
+)
 
 from paisoar_jax.config import load_config
 from paisoar_jax.data import hf_sources

@@ -9,15 +9,18 @@ import subprocess
 
 import numpy as np
 from conftest import subprocess_env
-from test_clusters import (
+from test_clusters import (  # noqa: F401 (fixtures)
     RUN,
     STEPS,
     TRAIN,
     assert_reads_well,
+    cluster,
     docs_sbatch_script,
     job_state,
+    one_process,
     run,
     run_losses,
+    srun_job,
     wait_for,
 )
 

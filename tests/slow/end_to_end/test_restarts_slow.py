@@ -18,6 +18,7 @@ from test_restarts import (
     rank_one_after_checkpoint,
     run_losses,
     start,
+    uninterrupted,  # noqa: F401 (fixtures)
 )
 
 

@@ -5,7 +5,15 @@ A model of one's own through `paisoar_jax.fit`: sharded like one device, fp16, b
 
 import numpy as np
 import pytest
-from test_api import BASE, RULES, Net, batches, net_loss, three_steps
+from test_api import (
+    BASE,
+    RULES,
+    Net,
+    batches,
+    net_loss,
+    reference,  # noqa: F401 (fixtures)
+    three_steps,
+)
 
 import paisoar_jax
 

@@ -4,7 +4,11 @@ Generation with a key/value cache: the full forward's logits, transformers' gree
 """
 
 from conftest import TINY, run_module
-from test_generate import PROMPT, transformers_greedy
+from test_generate import (
+    PROMPT,
+    imported,  # noqa: F401 (fixtures)
+    transformers_greedy,
+)
 from test_hf import gpt2
 
 from paisoar_jax.config import dump_yaml, load_config

@@ -5,7 +5,10 @@ A full disk (paisoar_jax/runtime/full_disk.py): a real run on a 24 MB tmpfs, the
 
 import re
 
-from test_full_disk import train
+from test_full_disk import (
+    small_disk,  # noqa: F401 (fixtures)
+    train,
+)
 
 
 def test_a_full_disk_is_one_line_keeps_the_last_checkpoint_and_a_rerun_resumes(small_disk):

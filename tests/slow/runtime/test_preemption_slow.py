@@ -7,7 +7,13 @@ Preemption with real processes: SIGTERM saves and exits 0, SIGINT (Ctrl-C) saves
 import os
 import signal
 
-from test_preemption import finish, losses, start, wait_for
+from test_preemption import (
+    finish,
+    losses,
+    reference,  # noqa: F401 (fixtures)
+    start,
+    wait_for,
+)
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(reference, tmp_path):

@@ -10,12 +10,14 @@ import re
 import statistics
 
 from conftest import TINY, TINY_RESNET, train
-from test_doctor import (
+from test_doctor import (  # noqa: F401 (fixtures)
     MEDIUM,
     QUIET,
     SlowBatches,
     diagnose,
     found,
+    healthy_copy,
+    healthy_run,
     read_records,
     train_run,
 )

@@ -15,6 +15,7 @@ from flax import nnx
 from test_hf import (
     TOKENS,
     fine_tune,
+    imported,  # noqa: F401 (fixtures)
     llama,
     readme_fine_tuning_commands,
     readme_supervised_fine_tuning_commands,

@@ -14,18 +14,20 @@ import time
 import numpy as np
 import pytest
 from conftest import PYTHON, losses, subprocess_env
-from test_launch import (
+from test_launch import (  # noqa: F401 (fixtures)
     RUN,
     TWO_PROCESSES,
     assert_same_losses,
     checkpoint_steps,
     cut_at_step_two,
     one_process_reference,
+    one_process_run,
     run_launcher,
     start_launcher,
     stop_for_sure,
     train_one,
     train_two,
+    two_process_run,
     wait_for_text,
 )
 

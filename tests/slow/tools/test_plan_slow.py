@@ -7,7 +7,15 @@ import subprocess
 
 import pytest
 from conftest import PYTHON, subprocess_env
-from test_plan import FP32, LAYERS, VOCAB, WIDTH, block_params, in_layer_loops
+from test_plan import (
+    FP32,
+    LAYERS,
+    VOCAB,
+    WIDTH,
+    block_params,
+    in_layer_loops,
+    plans,  # noqa: F401 (fixtures)
+)
 
 
 def test_data_parallel_all_reduces_the_gradients(plans):

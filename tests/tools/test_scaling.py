@@ -1,0 +1,109 @@
+"""`python -m paisoar_jax.bench --scaling`: the step measured on 1, 2, 4 and 8 devices.
+
+On the 8 simulated CPU devices of conftest.py, in this process: strong and weak rows for
+each count, their parts from the profile adding up to no more than the step, scaling.json
+beside the run, and the doctor's verdict read from it (on CPUs: expected).
+"""
+
+import contextlib
+import io
+import json
+
+import pytest
+from conftest import TINY, train
+
+from paisoar_jax.config import load_config
+from paisoar_jax.tools import bench
+from paisoar_jax.tools.doctor import command as doctor
+from paisoar_jax.tools.scaling import device_counts, scaled_overrides
+
+SMALL = [*TINY, "train.global_batch=16", "run.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, devices):
+    """(the table printed, scaling.json) of a tiny GPT's step on 1 .. 8 devices."""
+    run_dir = tmp_path_factory.mktemp("scaling") / "run"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = bench.main(["--scaling", "--steps", "3", *SMALL, f"run.dir={run_dir}"])
+    assert status == 0
+    return run_dir, out.getvalue(), json.loads((run_dir / "scaling.json").read_text())
+
+
+def test_strong_and_weak_scaling_on_one_to_eight_devices(measured):
+    _, table, summary = measured
+    for mode in ("strong", "weak"):
+        rows = summary[mode]
+        assert [row["devices"] for row in rows] == [1, 2, 4, 8]
+        assert rows[0]["efficiency"] == 1.0
+        batches = [row["global_batch"] for row in rows]
+        assert batches == ([16] * 4 if mode == "strong" else [2, 4, 8, 16])
+        for row in rows:
+            parts = row["compute_s"] + row["collectives_s"] + row["input_wait_s"] + row["host_s"]
+            assert row["step_s"] > 0 and parts <= row["step_s"] * 1.05 + 1e-4
+            assert 0 < row["efficiency"]
+        assert rows[0]["collectives_s"] == 0.0  # one device exchanges nothing
+        assert any(row["collectives_s"] > 0 for row in rows[1:])  # the profile saw them
+        for row in rows:
+            assert f"{mode:<7}{row['devices']:>8}{row['global_batch']:>7}" in table
+    assert summary["platform"] == "cpu" and summary["per_device_batch"] == 2
+    # The plot extra's matplotlib (in the test extra) draws scaling.png beside the JSON.
+    run_dir = measured[0]
+    assert summary_plot(run_dir).startswith(b"\x89PNG")
+
+
+def summary_plot(run_dir):
+    """The bytes of the run's scaling.png."""
+    return (run_dir / "scaling.png").read_bytes()
+
+
+def test_the_doctor_reads_the_measured_scaling(measured, tmp_path):
+    """Beside a run's metrics: on CPUs poor strong scaling is named, and said expected."""
+    run_dir, _, summary = measured
+    train(
+        load_config(
+            None, [*SMALL, "train.steps=2", "checkpoint.enabled=false", f"run.dir={run_dir}"]
+        )
+    )
+    found = {one.name: one for one in doctor.diagnose(doctor.load_run(run_dir))}
+    if summary["strong"][-1]["efficiency"] < 0.5:
+        finding = found["poor-scaling"]
+        assert finding.evidence.startswith("measured (scaling.json, cpu)")
+        assert finding.fixes[0].startswith("expected on CPUs")
+    # The same run with a step that scales (its numbers made so): no finding.
+    for row in summary["strong"]:
+        row["step_s"], row["efficiency"] = 0.1 / row["devices"], 1.0
+    (run_dir / "scaling.json").write_text(json.dumps(summary))
+    assert "poor-scaling" not in {one.name for one in doctor.diagnose(doctor.load_run(run_dir))}
+
+
+def test_the_counts_and_the_mesh_each_count_runs_on():
+    assert device_counts(8) == [1, 2, 4, 8] and device_counts(6) == [1, 2, 4, 6]
+    config = load_config(None, [*SMALL, "mesh.fsdp=2", "mesh.data=4"])
+    assert "mesh.fsdp=2" in scaled_overrides(config, 4, 16)
+    assert "mesh.data=2" in scaled_overrides(config, 4, 16)
+    assert "mesh.fsdp=1" in scaled_overrides(config, 1, 16)  # fsdp=2 does not fit one device
+
+
+def test_bench_fit_measures_the_scaling_of_a_model_of_ones_own(tmp_path, devices):
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import paisoar_jax
+
+    def loss(model, batch, rng):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
+
+    data = {"x": np.ones((64, 8), np.float32), "y": np.zeros((64, 4), np.float32)}
+    summary = paisoar_jax.bench_fit(
+        None,
+        ["train.global_batch=16", f"run.dir={tmp_path}"],
+        model=lambda rngs: nnx.Linear(8, 4, rngs=rngs),
+        loss=loss,
+        data=data,
+        scaling=True,
+    )
+    assert [row["devices"] for row in summary["weak"]] == [1, 2, 4, 8]
+    assert json.loads((tmp_path / "scaling.json").read_text())["strong"][0]["efficiency"] == 1.0
