@@ -10,9 +10,11 @@ each step split into compute and collectives (the collective ops' own time, aver
 the devices' lines); the input wait is the time the loop waited for a batch, and host time
 what is left of the step (dispatch, and the device idle in between).
 
-Efficiency: strong (T1 / Tk) / k, weak T1 / Tk, T the step time at 1 and k devices. The
-table prints, <run.dir>/scaling.json keeps it all, and <run.dir>/scaling.png draws the
-efficiencies against the devices (with the plot extra's matplotlib). One process: a
+Efficiency: strong (T1 / Tk) / k, weak T1 / Tk, T the step time at 1 and k devices. Beside
+it, plan's projection of the same step: the one device's measured compute (split k ways,
+or kept) plus the compiled step's collectives priced on PROJECTED_LINK, as `plan` prices
+them. The table prints, <run.dir>/scaling.json keeps it all, and <run.dir>/scaling.png draws
+both efficiencies against the devices (with the plot extra's matplotlib). One process: a
 launched run measures its own devices only.
 """
 
@@ -31,6 +33,7 @@ from paisoar_jax.errors import UserError
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLLECTIVES += ("nccl", "send", "recv")  # a GPU's kernels and point-to-point transfers
 MODEL_AXES = ("stage", "fsdp", "expert", "context", "tensor")
+PROJECTED_LINK = "nvlink"  # the link plan projects on by default
 
 
 def device_counts(total: int) -> list[int]:
@@ -71,6 +74,8 @@ class Measured:
     input_wait_s: float
     host_s: float
     units_per_s: float
+    collective_bytes: int  # per device and step, from the compiled step's HLO (plan's count)
+    projected_collectives_s: float  # those bytes over PROJECTED_LINK, as plan prices them
 
 
 def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir: pathlib.Path):
@@ -101,6 +106,7 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
             for _ in range(3):  # the compile, then the first runs' own warm-up
                 state, metrics = step(state, next(batches))
             jax.block_until_ready(metrics)
+            by_kind = _collectives(step, state, next(batches), len(devices))
             waited, start = 0.0, time.perf_counter()
             jax.profiler.start_trace(str(trace_dir))
             try:
@@ -127,7 +133,18 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
         input_wait_s=waited / steps,
         host_s=max(step_s - busy_s / steps - waited / steps, 0.0),
         units_per_s=units / step_s,
+        collective_bytes=sum(totals["bytes"] for totals in by_kind.values()),
+        projected_collectives_s=sum(totals.get("seconds", 0.0) for totals in by_kind.values()),
     )
+
+
+def _collectives(step: Any, state: Any, batch: Any, devices: int) -> dict[str, dict]:
+    """Plan's account of the compiled step's collectives: bytes and seconds on PROJECTED_LINK."""
+    from paisoar_jax.tools import hlo
+    from paisoar_jax.tools.plan.core import LINKS
+
+    found, _ = hlo.analyze(step.lower(state, batch).compile().as_text(), devices)
+    return hlo.totals_by_kind(found, LINKS[PROJECTED_LINK])
 
 
 def device_times(trace_dir: pathlib.Path, devices: int) -> tuple[float, float]:
@@ -202,16 +219,7 @@ def scaling(config: Config, workload: Any = None, steps: int = 10) -> dict[str, 
             took = f"--scaling: {mode} {count} device(s): {measured.step_s * 1e3:.3g} ms/step"
             output.note(took, stderr=True)
     for mode, rows in results.items():
-        one = rows[0]["step_s"] if rows and rows[0]["devices"] == 1 else None
-        for row in rows:
-            speedup = one / row["step_s"] if one else None
-            row["efficiency"] = (
-                None
-                if speedup is None
-                else speedup / row["devices"]
-                if mode == "strong"
-                else speedup
-            )
+        _efficiencies(mode, rows)
     summary = {
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
@@ -225,25 +233,54 @@ def scaling(config: Config, workload: Any = None, steps: int = 10) -> dict[str, 
     return summary
 
 
+def _efficiencies(mode: str, rows: list[dict[str, Any]]) -> None:
+    """Each row's measured efficiency, and plan's projection of it.
+
+    The projection keeps the one device's measured compute (split k ways under strong
+    scaling, kept under weak) and adds the compiled step's collectives priced on
+    PROJECTED_LINK, without overlap: what `plan` projects for the same step.
+    """
+    one = rows[0] if rows and rows[0]["devices"] == 1 else None
+    for row in rows:
+        strong, count = mode == "strong", row["devices"]
+        if one is None:
+            row["efficiency"] = row["projected_efficiency"] = None
+            continue
+        speedup = one["step_s"] / row["step_s"]
+        row["efficiency"] = speedup / count if strong else speedup
+        compute = one["compute_s"] / count if strong else one["compute_s"]
+        projected = compute + row["projected_collectives_s"]
+        ratio = one["compute_s"] / projected if projected else 1.0
+        row["projected_efficiency"] = ratio / count if strong else ratio
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The scaling table: one row per mode and count of devices."""
     head = f"{'mode':<7}{'devices':>8}{'batch':>7}{'step ms':>10}{'compute':>9}"
-    head += f"{'collect.':>9}{'input':>8}{'host':>8}{'efficiency':>12}"
+    head += f"{'collect.':>9}{'input':>8}{'host':>8}{'efficiency':>12}{'projected':>11}"
     lines = [head]
     for mode in ("strong", "weak"):
         for row in summary[mode]:
-            efficiency = "" if row["efficiency"] is None else f"{row['efficiency']:.0%}"
+            measured, projected = row["efficiency"], row["projected_efficiency"]
             lines.append(
                 f"{mode:<7}{row['devices']:>8}{row['global_batch']:>7}{row['step_s'] * 1e3:>10.3g}"
                 f"{row['compute_s'] * 1e3:>9.3g}{row['collectives_s'] * 1e3:>9.3g}"
-                f"{row['input_wait_s'] * 1e3:>8.3g}{row['host_s'] * 1e3:>8.3g}{efficiency:>12}"
+                f"{row['input_wait_s'] * 1e3:>8.3g}{row['host_s'] * 1e3:>8.3g}"
+                f"{'' if measured is None else f'{measured:.0%}':>12}"
+                f"{'' if projected is None else f'{projected:.0%}':>11}"
             )
-    lines.append("(ms per step; efficiency: strong (T1/Tk)/k, weak T1/Tk)")
+    lines.append(
+        f"(ms per step, measured; efficiency: strong (T1/Tk)/k, weak T1/Tk; projected: the "
+        f"one device's compute plus plan's collectives on {PROJECTED_LINK}, no overlap)"
+    )
     return "\n".join(lines)
 
 
 def draw(summary: dict[str, Any], path: pathlib.Path) -> str | None:
-    """Efficiency against devices as a PNG at `path`; None (and a line) without matplotlib."""
+    """Efficiency against devices, measured and projected, as a PNG at `path`.
+
+    None (and a line) without matplotlib (the plot extra).
+    """
     try:
         import matplotlib
 
@@ -253,18 +290,20 @@ def draw(summary: dict[str, Any], path: pathlib.Path) -> str | None:
         needs = "--scaling: scaling.png needs matplotlib: pip install 'paisoar_jax[plot]'"
         output.note(needs, stderr=True)
         return None
-    figure, axes = pyplot.subplots(figsize=(5, 3.5))
-    for mode in ("strong", "weak"):
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    for mode, color in (("strong", "tab:blue"), ("weak", "tab:orange")):
         rows = [row for row in summary[mode] if row["efficiency"] is not None]
-        axes.plot(
-            [row["devices"] for row in rows], [row["efficiency"] for row in rows], "o-", label=mode
-        )
+        counts = [row["devices"] for row in rows]
+        axes.plot(counts, [row["efficiency"] for row in rows], "o-", color=color, label=mode)
+        projected = [row["projected_efficiency"] for row in rows]
+        label = f"{mode}, plan's projection ({PROJECTED_LINK})"
+        axes.plot(counts, projected, "x--", color=color, alpha=0.6, label=label)
     axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("devices")
     axes.set_ylabel("efficiency")
-    axes.set_title(f"scaling on {summary['device_kind']} (measured)")
-    axes.legend()
+    axes.set_title(f"scaling on {summary['device_kind']}: measured and projected")
+    axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     pyplot.close(figure)

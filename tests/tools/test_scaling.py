@@ -44,6 +44,9 @@ def test_strong_and_weak_scaling_on_one_to_eight_devices(measured):
             assert row["step_s"] > 0 and parts <= row["step_s"] * 1.05 + 1e-4
             assert 0 < row["efficiency"]
         assert rows[0]["collectives_s"] == 0.0  # one device exchanges nothing
+        assert rows[0]["collective_bytes"] == 0 and rows[0]["projected_efficiency"] == 1.0
+        assert all(row["collective_bytes"] > 0 for row in rows[1:])  # plan's count of them
+        assert all(0 < row["projected_efficiency"] <= 1.0 for row in rows)
         assert any(row["collectives_s"] > 0 for row in rows[1:])  # the profile saw them
         for row in rows:
             assert f"{mode:<7}{row['devices']:>8}{row['global_batch']:>7}" in table
