@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import TINY, train
 
-from paisoar_jax.config import load_config
+from paisoar_jax.config import FIT_CONFIG_NOTE, load_config
 from paisoar_jax.tools import bench
 from paisoar_jax.tools.doctor import command as doctor
 from paisoar_jax.tools.scaling import device_counts, scaled_overrides
@@ -89,24 +89,22 @@ def test_the_counts_and_the_mesh_each_count_runs_on():
     assert "mesh.fsdp=1" in scaled_overrides(config, 1, 16)  # fsdp=2 does not fit one device
 
 
-def test_bench_fit_measures_the_scaling_of_a_model_of_ones_own(tmp_path, devices):
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    import paisoar_jax
-
-    def loss(model, batch, rng):
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
-
-    data = {"x": np.ones((64, 8), np.float32), "y": np.zeros((64, 4), np.float32)}
-    summary = paisoar_jax.bench_fit(
-        None,
-        ["train.global_batch=16", f"run.dir={tmp_path}"],
-        model=lambda rngs: nnx.Linear(8, 4, rngs=rngs),
-        loss=loss,
-        data=data,
-        scaling=True,
-    )
-    assert [row["devices"] for row in summary["weak"]] == [1, 2, 4, 8]
-    assert json.loads((tmp_path / "scaling.json").read_text())["strong"][0]["efficiency"] == 1.0
+def test_the_doctor_measures_the_scaling_of_a_run_on_request(tmp_path, devices):
+    """`doctor RUN_DIR --measure-scaling`: bench --scaling on the run's config, then the
+    verdict from it; a run of fit's is told to measure through bench_fit."""
+    run_dir = tmp_path / "run"
+    settings = [*SMALL, "train.steps=2", "checkpoint.enabled=false", f"run.dir={run_dir}"]
+    train(load_config(None, settings))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert doctor.main([str(run_dir), "--measure-scaling", "--json"]) == 0
+    summary = json.loads((run_dir / "scaling.json").read_text())
+    assert [row["devices"] for row in summary["strong"]] == [1, 2, 4, 8]
+    names = {finding["name"] for finding in json.loads(out.getvalue())["findings"]}
+    assert ("poor-scaling" in names) == (summary["strong"][-1]["efficiency"] < 0.5)
+    config_yaml = run_dir / "config.yaml"  # as fit writes it: the model was the program's
+    config_yaml.write_text(FIT_CONFIG_NOTE + config_yaml.read_text())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert doctor.main([str(run_dir), "--measure-scaling"]) == 2
+    assert "was trained by paisoar_jax.fit: measure its scaling with" in err.getvalue()

@@ -32,6 +32,7 @@ metrics cannot be read.
     dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
     context-bound          plan.json: a slice's keys and values move slower than it is attended
 
+`--measure-scaling` first runs `bench --scaling` on the run's config into RUN_DIR/scaling.json.
 Measurements come first (metrics.jsonl, out_of_memory.json, scaling.json), projections
 (plan.json) after, and each finding's evidence says which it read. Missing or null
 metrics fields (memory on CPU, MFU without a known peak) skip their check. The checks and
@@ -50,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paisoar_jax import output
-from paisoar_jax.config import FIT_CONFIG_MARK, load_config
+from paisoar_jax.config import FIT_CONFIG_MARK, config_from_dict, load_config, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.oom import RECORD_NAME
 from paisoar_jax.tools.cli import exit_status
@@ -147,6 +148,21 @@ def _has_records(path: pathlib.Path) -> bool:
         return False
 
 
+def measure_scaling(directory: pathlib.Path, steps: int = 5) -> None:
+    """Runs bench --scaling on the run's config into the run directory (its scaling.json)."""
+    from paisoar_jax.tools.bench import BENCH_OVERRIDES
+    from paisoar_jax.tools.scaling import scaling
+
+    run = load_run(directory)
+    if run.by_fit:
+        raise UserError(
+            f"{directory} was trained by paisoar_jax.fit: measure its scaling with "
+            f"paisoar_jax.bench_fit(..., scaling=True, overrides=['run.dir={directory}'])"
+        )
+    overrides = ["data.source=synthetic", *BENCH_OVERRIDES, f"run.dir={directory}"]
+    scaling(config_from_dict(to_dict(run.config), overrides), steps=steps)
+
+
 def diagnose(run: Run) -> list[Finding]:
     """Every finding of every check, in the order of CHECKS (without records: what stopped it)."""
     checks = CHECKS if run.records else (out_of_memory,)
@@ -176,9 +192,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=pathlib.Path, help="a run directory (holds config.yaml)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    parser.add_argument(
+        "--measure-scaling",
+        action="store_true",
+        help="first measure the run's step on 1, 2, 4, ... devices (bench --scaling, into "
+        "RUN_DIR/scaling.json), then judge from it",
+    )
     args = parser.parse_args(argv)
 
     def work() -> None:
+        if args.measure_scaling:
+            measure_scaling(args.run_dir)
         run = load_run(args.run_dir)
         findings = diagnose(run)
         if args.json:
