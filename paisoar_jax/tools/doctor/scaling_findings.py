@@ -1,8 +1,8 @@
 """The doctor's check of more devices that are no faster, from what was measured.
 
-First the run directory's scaling.json (`python -m paisoar_jax.bench --scaling --config
-RUN_DIR/config.yaml run.dir=RUN_DIR`: the same step measured on 1, 2, 4, ... devices, with
-its collectives' share from a profile); without one, a run over several processes on CPUs,
+First the run directory's scaling.json (`doctor RUN_DIR --measure-scaling`, or `bench
+--scaling` with run.dir=RUN_DIR: the same step measured on 1, 2, 4, ... devices, with its
+collectives' share from a profile); without one, a run over several processes on CPUs,
 whose collectives cross processes through gloo over TCP, is said to be slow by nature, with
 the command that measures it.
 """
@@ -15,8 +15,8 @@ from paisoar_jax.tools.doctor.findings import Finding, Run, larger_batch, percen
 
 SCALING_LIMIT = 0.5  # a strong-scaling efficiency under 50% wastes half the devices
 MEASURE = (
-    "measure it: `python -m paisoar_jax.bench --scaling --config RUN_DIR/config.yaml "
-    "run.dir=RUN_DIR` (the step on 1, 2, 4, ... devices, split from a profile), then doctor"
+    "measure it: `python -m paisoar_jax.doctor RUN_DIR --measure-scaling` (the step on 1, 2, "
+    "4, ... devices, split from a profile, then judged)"
 )
 
 
