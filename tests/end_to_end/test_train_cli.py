@@ -84,3 +84,13 @@ def test_a_bad_key_is_refused_before_the_model_libraries_load(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "unknown config key train.stepz" in completed.stderr
+
+
+def test_a_run_resumed_by_a_new_process_continues_exactly(tiny_losses):
+    """The command line's resume: cut at step 3 (its checkpoint), a new process to step 6;
+    steps 4-6 give the losses of the uninterrupted run (tiny_losses: conftest.py's)."""
+    whole = tiny_losses(steps=6, name="whole")
+    tiny_losses(steps=3, name="cut")
+    resumed = tiny_losses(steps=6, name="cut")
+    assert list(resumed) == list(whole) == [1, 2, 3, 4, 5, 6]
+    assert [resumed[step] for step in (4, 5, 6)] == [whole[step] for step in (4, 5, 6)]
