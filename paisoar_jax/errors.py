@@ -16,6 +16,15 @@ HANG_EXIT_CODE = 3
 # Ctrl-C (SIGINT) stopped the run after saving: 128 + SIGINT, as a shell reports it, so that
 # `train && export` stops there. SIGTERM (a preemption) saves and exits 0.
 INTERRUPTED_EXIT_CODE = 130
+# Every exit status of a command, with its meaning (the docs site's reference prints it).
+EXIT_STATUSES = {
+    0: "done; or stopped by SIGTERM (a scheduler's preemption) after saving the step reached",
+    1: "the run diverged: a non-finite loss or params with no loss scaler to absorb it",
+    USER_ERROR_EXIT_CODE: "bad input: one line names it (a config key, a path, a mesh, ...)",
+    HANG_EXIT_CODE: "the hang watchdog stopped a run whose steps stopped finishing (saved first)",
+    INTERRUPTED_EXIT_CODE: "Ctrl-C: saved the step reached (or before the first step: nothing)",
+    143: "SIGTERM before the first step finished: nothing new to save",
+}
 
 
 class UserError(ValueError):

@@ -1,4 +1,4 @@
-"""The package's shape (docs/architecture.md): every module imports, the arrows point one way.
+"""The package's shape (docs/explanation/architecture.md): every module imports, one way.
 
 Tools (paisoar_jax/tools/) use the core; the core never imports a tool; config imports
 nothing of the package but its error type; a `python -m paisoar_jax.<tool>` module is only
@@ -249,9 +249,9 @@ def test_no_entry_point_prepares_hf_data_itself():
 
 
 def test_the_architecture_page_names_what_exists_and_every_wing():
-    """docs/architecture.md stays true: each module path it names exists, each wing (a
+    """docs/explanation/architecture.md stays true: each module path it names exists, each wing (a
     folder of the package with an __init__) is on it, its __init__ saying what it owns."""
-    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    page = (PACKAGE.parent / "docs" / "explanation" / "architecture.md").read_text()
     named = set(re.findall(r"\b((?:[a-z_]+/)+[a-z_]*(?:\.py)?)", page))
     missing = [
         path
@@ -272,7 +272,7 @@ def test_the_architecture_page_names_what_exists_and_every_wing():
     assert sorted(top) == ["__init__", "api", "errors", "output"]  # the faces; doors are short
 
 
-# The functions of the core that may take the whole Config (docs/architecture.md, "The
+# The functions of the core that may take the whole Config (docs/explanation/architecture.md, "The
 # config, resolved once"): the doors, the start of a run, the workload builders and setup.
 # Below them each piece gets its section or a built object.
 TAKE_THE_WHOLE_CONFIG = {

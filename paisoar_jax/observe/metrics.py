@@ -28,6 +28,50 @@ PEAK_TFLOPS = {
 }
 
 
+# Every field a metrics.jsonl record may hold, with its meaning: the reference the docs
+# site prints (docs/hooks.py), checked against real runs' records
+# (tests/observe/test_metrics.py). <name> stands for a part of the field's name.
+RECORD_FIELDS = {
+    "step": "the step this record is of (log steps, eval steps and the last step)",
+    "loss": "the step's mean training loss (fp32)",
+    "<metric>": "each metric the task's loss returns beside it (accuracy, ...)",
+    "lr": "the learning rate of the step (null when a user's optimizer hides it)",
+    "grad_norm": "the global norm of the gradients, unscaled",
+    "loss_scale": "the dynamic loss scale (1 without loss scaling)",
+    "skipped_steps": "steps skipped for non-finite gradients so far (cumulative)",
+    "step_time_s": "mean seconds per step since the last record",
+    "tokens_per_s": "tokens trained per second (language models)",
+    "examples_per_s": "examples (images) trained per second (other tasks)",
+    "mfu": "model FLOPs utilisation (null when the FLOPs or the device's peak are unknown)",
+    "data_wait_frac": "the share of the step time spent waiting for input",
+    "host_frac": "the share the host spent dispatching steps",
+    "device_step_s": "the step time with the input waits taken out",
+    "checkpoint_s": "seconds the loop blocked on saves since the last record",
+    "memory_in_use_bytes": "device memory in use now (null on CPU)",
+    "memory_peak_bytes": "the peak device memory so far (null on CPU)",
+    "memory_limit_bytes": "the device memory the allocator may use (null on CPU)",
+    "recompiles": "how many times the train step compiled again after the first",
+    "compile_s": "first record: seconds the train step took to compile",
+    "param_count": "first record: the model's parameters",
+    "platform": "first record: cpu or gpu",
+    "first_step_loss": "first record: the loss of the first step, before any update",
+    "process_count": "first record: the processes of the run",
+    "device_count": "first record: the devices of the run",
+    "host_cores": "first record: the cores this process could use",
+    "global_batch": "first record: examples per optimizer step",
+    "global_batch_changed": "first record of a resume with another batch: [saved, now]",
+    "lr_source": "first record: config (optim.*) or optimizer (fit's own)",
+    "before_update": "true on the record of a loss not finite at the first step",
+    "eval_loss": "the default eval set's mean loss over its rows",
+    "eval_<metric>": "each of its metrics (eval_perplexity for a language model)",
+    "eval_<name>_<metric>": "the named eval set <name>'s loss and metrics",
+    "<metric>/<source>": "an eval of a data mixture: each source's metrics",
+    "examples/<source>": "a data mixture: examples read from each source so far",
+    "moe_<statistic>": "a mixture of experts: router statistics (load, drops, losses)",
+    "moe_layer_<statistic>/<layer>": "a mixture of experts: one layer's router statistics",
+}
+
+
 def device_peak_tflops(configured: float = 0.0) -> float | None:
     """The per-device peak for MFU: the configured value, else the table's, else None."""
     if configured > 0:

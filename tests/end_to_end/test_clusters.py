@@ -76,8 +76,8 @@ def srun_job(cluster, tmp_path_factory):
 
 
 def docs_sbatch_script():
-    """The sbatch script of docs/multihost.md's 'to try on one machine', as it is written."""
-    text = (REPO / "docs" / "multihost.md").read_text()
+    """The sbatch script of the multi-host page's "to try on one machine", as written."""
+    text = (REPO / "docs" / "explanation" / "multihost.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
     [script] = [block for block in blocks if "--job-name=paisoar-try" in block]
     return script

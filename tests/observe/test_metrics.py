@@ -66,3 +66,36 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_p
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [
         1, 2, 3, 4, 5,
     ]  # fmt: skip
+
+
+def test_every_field_a_run_records_is_in_the_documented_table(tmp_path):
+    """RECORD_FIELDS (the docs' metrics.jsonl reference) names each field real runs write:
+    a language model with its evals, and an image classifier's metrics."""
+    import re
+
+    from conftest import TINY, TINY_RESNET, run_records, train
+
+    from paisoar_jax.config import load_config
+    from paisoar_jax.observe.metrics import RECORD_FIELDS
+
+    patterns = [
+        re.compile(
+            "^"
+            + re.sub(
+                r"<[a-z ]+>", "[^/]+", re.escape(field).replace(r"\<", "<").replace(r"\>", ">")
+            )
+            + "$"
+        )
+        for field in RECORD_FIELDS
+        if field != "<metric>"  # the task's own metrics, checked by name below
+    ]
+    runs = {"lm": [*TINY, "train.eval_every=2"], "images": [*TINY_RESNET, "train.eval_every=2"]}
+    for name, overrides in runs.items():
+        run_dir = tmp_path / name
+        settings = [*overrides, "train.steps=2", "train.log_every=1", f"run.dir={run_dir}"]
+        train(load_config(None, [*settings, "checkpoint.enabled=false"]))
+        metrics = {"accuracy"} if name == "images" else set()
+        for record in run_records(run_dir):
+            for key in record:
+                known = key in metrics or any(pattern.match(key) for pattern in patterns)
+                assert known, (name, key)

@@ -388,12 +388,12 @@ def test_a_sharded_checkpoint_imports_as_one_file_does(imported, devices, tmp_pa
 
 
 def readme_fine_tuning_commands():
-    """The fine-tuning sequence of the README's Hugging Face section, one argv per line."""
+    """The fine-tuning sequence of the Hugging Face page (docs/how-to), one argv per line."""
     import shlex
 
     from conftest import REPO
 
-    blocks = (REPO / "README.md").read_text().split("\n\n")
+    blocks = (REPO / "docs" / "how-to" / "huggingface.md").read_text().split("\n\n")
     block = next(block for block in blocks if "hf-import --input HF_MODEL_DIR" in block)
     lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     return [shlex.split(line) for line in lines if line.startswith("python -m paisoar_jax.")]
@@ -450,12 +450,12 @@ def test_data_of_another_tokenizer_is_refused_for_an_import(imported, tmp_path):
 
 
 def readme_supervised_fine_tuning_commands():
-    """The two command lines of the README's supervised fine-tuning block, as argv lists."""
+    """The two command lines of the supervised fine-tuning page's block, as argv lists."""
     import shlex
 
     from conftest import REPO
 
-    blocks = (REPO / "README.md").read_text().split("\n\n")
+    blocks = (REPO / "docs" / "how-to" / "sft.md").read_text().split("\n\n")
     block = next(block for block in blocks if "--format chat" in block)
     lines = block.replace("\\\n", " ").splitlines()
     return [shlex.split(line) for line in lines if "python -m paisoar_jax." in line]

@@ -1,0 +1,120 @@
+"""MkDocs hook: writes docs/reference/ from the code before each build, so it cannot drift.
+
+Every config key (the table `--help` lists), every command's `--help`, the metrics.jsonl
+fields, the exit statuses, the doctor's checks and the shipped configs; and the benchmarks
+page from benchmarks/RESULTS.md. The Python API page is mkdocstrings' (reference/api.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "reference"
+COMMANDS = ("train", "plan", "doctor", "bench", "convert", "export", "generate", "launch")
+
+
+def on_pre_build(config, **kwargs) -> None:
+    """Writes the generated pages (mkdocs calls it before it reads the docs)."""
+    REFERENCE.mkdir(exist_ok=True)
+    pages = {
+        "config.md": config_keys(),
+        "commands.md": commands(),
+        "metrics.md": metrics_fields(),
+        "exit-statuses.md": exit_statuses(),
+        "doctor.md": doctor_checks(),
+        "shipped-configs.md": shipped_configs(),
+    }
+    for name, text in pages.items():
+        path = REFERENCE / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    benchmarks = ROOT / "docs" / "benchmarks.md"
+    text = "<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n" + results
+    if not benchmarks.exists() or benchmarks.read_text() != text:
+        benchmarks.write_text(text)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def config_keys() -> str:
+    from paisoar_jax.config.keys import key_table
+
+    lines = [
+        "# Config keys",
+        "",
+        "Every key of a run's config, its default and its meaning: the table `python -m",
+        "paisoar_jax.train --help` lists, generated from the comments in",
+        "`paisoar_jax/config/sections.py`. Set one as `section.key=value` after the config.",
+        "",
+        "| key | default | meaning |",
+        "|---|---|---|",
+    ]
+    for key, default, meaning in key_table():
+        lines.append(f"| `{key}` | `{_cell(default)}` | {_cell(meaning)} |")
+    return "\n".join(lines) + "\n"
+
+
+def commands() -> str:
+    lines = ["# Commands", "", "Each command's `--help`, as it prints it."]
+    for name in COMMANDS:
+        module = importlib.import_module(f"paisoar_jax.{name}")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            module.main(["--help"])
+        lines += ["", f"## {name}", "", "```text", out.getvalue().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def metrics_fields() -> str:
+    from paisoar_jax.observe.metrics import RECORD_FIELDS
+
+    lines = [
+        "# metrics.jsonl",
+        "",
+        "Each line of `<run.dir>/metrics.jsonl` is one JSON object: a log step's record.",
+        "The fields (`<name>` stands for part of a field's name):",
+        "",
+        "| field | meaning |",
+        "|---|---|",
+    ]
+    lines += [f"| `{field}` | {_cell(meaning)} |" for field, meaning in RECORD_FIELDS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def exit_statuses() -> str:
+    from paisoar_jax.errors import EXIT_STATUSES
+
+    lines = ["# Exit statuses", "", "| status | meaning |", "|---|---|"]
+    lines += [f"| {status} | {_cell(meaning)} |" for status, meaning in EXIT_STATUSES.items()]
+    return "\n".join(lines) + "\n"
+
+
+def doctor_checks() -> str:
+    from paisoar_jax.tools.doctor import command
+
+    lines = ["# The doctor's checks", "", "```text", command.__doc__.strip(), "```", ""]
+    lines += ["In the order it reports them:", ""]
+    for check in command.CHECKS:
+        summary = (check.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"- `{check.__name__.replace('_', '-')}`: {summary}")
+    return "\n".join(lines) + "\n"
+
+
+def shipped_configs() -> str:
+    from paisoar_jax.config import CONFIG_DIR
+
+    lines = [
+        "# Shipped configs",
+        "",
+        "`--config NAME` (or `paisoar_jax.fit(NAME, ...)`) reads one of these; overrides follow.",
+    ]
+    for path in sorted(pathlib.Path(CONFIG_DIR).glob("*.yaml")):
+        lines += ["", f"## {path.stem}", "", "```yaml", path.read_text().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
