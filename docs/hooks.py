@@ -40,10 +40,12 @@ def on_pre_build(config, **kwargs) -> None:
 
 
 def _cell(text: str) -> str:
+    """`text` fit for a table cell (pipes escaped, one line)."""
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def config_keys() -> str:
+    """The config keys page: `--help`'s table of every key, default and meaning."""
     from paisoar_jax.config.keys import key_table
 
     lines = [
@@ -62,6 +64,7 @@ def config_keys() -> str:
 
 
 def commands() -> str:
+    """The commands page: each command's `--help`, as it prints it."""
     lines = ["# Commands", "", "Each command's `--help`, as it prints it."]
     for name in COMMANDS:
         module = importlib.import_module(f"paisoar_jax.{name}")
@@ -73,6 +76,7 @@ def commands() -> str:
 
 
 def metrics_fields() -> str:
+    """The metrics.jsonl page, from RECORD_FIELDS."""
     from paisoar_jax.observe.metrics import RECORD_FIELDS
 
     lines = [
@@ -89,6 +93,7 @@ def metrics_fields() -> str:
 
 
 def exit_statuses() -> str:
+    """The exit statuses page, from EXIT_STATUSES."""
     from paisoar_jax.errors import EXIT_STATUSES
 
     lines = ["# Exit statuses", "", "| status | meaning |", "|---|---|"]
@@ -97,6 +102,7 @@ def exit_statuses() -> str:
 
 
 def doctor_checks() -> str:
+    """The doctor's page: its command's docstring and each check's first line."""
     from paisoar_jax.tools.doctor import command
 
     lines = ["# The doctor's checks", "", "```text", command.__doc__.strip(), "```", ""]
@@ -108,6 +114,7 @@ def doctor_checks() -> str:
 
 
 def shipped_configs() -> str:
+    """The shipped configs page: each YAML file of paisoar_jax/configs."""
     from paisoar_jax.config import CONFIG_DIR
 
     lines = [
