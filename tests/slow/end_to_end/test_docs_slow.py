@@ -7,6 +7,7 @@ navigation, and the site's own search box finds config keys.
 
 import functools
 import http.server
+import pathlib
 import subprocess
 import sys
 import threading
@@ -42,6 +43,10 @@ def browser():
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
+    for program in ("/usr/bin/chromium", "/usr/bin/chromedriver"):
+        assert pathlib.Path(program).exists(), (
+            f"{program} is missing: apt-get install chromium chromium-driver (.ci/run does)"
+        )
     options = Options()
     # A desktop's width: narrower, the theme folds its navigation tabs into a menu.
     arguments = ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000")
