@@ -20,6 +20,7 @@ from paisoar_jax.tools.doctor.findings import (
 from paisoar_jax.tools.doctor.loss_findings import exploding, not_learning
 
 SKIPPED_LIMIT = 0.05
+MIN_SKIPPED = 3  # fewer skips after the start-up are overflows a dynamic scale expects
 
 
 def _scale(value: float) -> str:
@@ -76,14 +77,14 @@ def start_up(run: Run) -> tuple[int, int]:
 
 
 def skipped_steps(run: Run) -> Finding | None:
-    """Over 5% of the steps after the scale's start-up were skipped for non-finite gradients."""
+    """Over 5% (and 3 or more) of the steps after the scale's start-up were skipped."""
     skipped = series(run.records, "skipped_steps")
     if not skipped:
         return None
     start_step, start_count = start_up(run) if loss_scale_mode(run.config) == "dynamic" else (0, 0)
     last_step, last_count = skipped[-1]
     steps, count = last_step - start_step, last_count - start_count
-    if steps <= 0 or count / steps <= SKIPPED_LIMIT:
+    if steps <= 0 or count < MIN_SKIPPED or count / steps <= SKIPPED_LIMIT:
         return None
     precision = run.config.precision
     scales = [scale for _, scale in series(run.records, "loss_scale")]

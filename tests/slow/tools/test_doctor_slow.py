@@ -64,14 +64,18 @@ def test_a_slow_input_pipeline_is_input_bound(tmp_path, monkeypatch, healthy_run
     finding = found(run_dir)["input-bound"]
     share = int(re.search(r"waited for input (\d+)% of the step time", finding["evidence"])[1])
     assert share > 20, finding["evidence"]  # about 65% here; 5% makes a finding
-    assert any("`data.workers=2`" in fix for fix in finding["fixes"])
+    cores = read_records(run_dir)[0]["host_cores"]  # workers beyond them only contend
+    workers = min(2, max(1, cores - 1))
+    assert any(f"`data.workers={workers}`" in fix for fix in finding["fixes"])
     assert any("`data.prefetch=4`" in fix for fix in finding["fixes"])
     # The embedded corpus is in memory already: converting it would not help.
     assert not any("convert" in fix for fix in finding["fixes"])
 
 
-def test_fp16_forced_overflow_skips_many_steps(tmp_path, devices):
-    """fp16 starting at a loss scale of 2^24: the first steps overflow until it falls."""
+def test_fp16_starting_far_too_high_only_finds_its_level(tmp_path, devices):
+    """fp16 starting at a loss scale of 2^24: the first steps overflow until it falls to
+    where steps go through. Those halvings are the scaler finding its level (before: every
+    short fp16 run was told skipped-steps for them): no finding of the loss scale."""
     run_dir = tmp_path / "run"
     train_run(
         run_dir,
@@ -80,14 +84,11 @@ def test_fp16_forced_overflow_skips_many_steps(tmp_path, devices):
         "precision.policy=fp16",
         "precision.initial_scale=16777216",
     )
+    records = read_records(run_dir)
+    assert records[-1]["skipped_steps"] >= 5  # it did skip the start-up's steps
+    assert records[-1]["loss_scale"] < 16777216
     result = found(run_dir)
-    assert "skipped-steps" in result
-    assert not {"loss-scale-collapse", "diverging"} & set(result)  # the scale settled
-    last = read_records(run_dir)[-1]
-    finding = result["skipped-steps"]
-    assert finding["evidence"].startswith(f"{last['skipped_steps']} of 12 steps skipped")
-    assert finding["fixes"][0].startswith(f"`precision.initial_scale={last['loss_scale']:.0f}`")
-    assert any(fix.startswith("`precision.policy=bf16`") for fix in finding["fixes"])
+    assert not {"skipped-steps", "loss-scale-collapse", "diverging", "exploding"} & set(result)
 
 
 def test_fp16_exploding_gradients_collapse_the_loss_scale(tmp_path, devices):
