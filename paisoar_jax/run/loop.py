@@ -170,7 +170,8 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
             )
         except oom.OutOfMemoryError as error:  # kept for `doctor`: metrics.jsonl may be empty
             if is_main:
-                oom.write_record(run_dir, error, start_step + 1)
+                with contextlib.suppress(OSError):  # (the report is the error; the file a copy)
+                    oom.write_record(run_dir, error, start_step + 1)
             raise
     if is_main:
         run_records.print_summary(summary, task)

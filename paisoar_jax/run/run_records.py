@@ -138,7 +138,8 @@ def log_record(
         # chance), and where the run ran (its cores bound the input workers it proposes).
         record["first_step_loss"] = instruments.first_step_loss
         record["process_count"], record["device_count"] = jax.process_count(), jax.device_count()
-        record["host_cores"] = len(os.sched_getaffinity(0))
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
+        record["host_cores"] = len(affinity(0)) if affinity else os.cpu_count()
         batch, resumed_batch = parts.train.global_batch, parts.resumed_batch
         record["global_batch"] = batch
         if resumed_batch is not None and resumed_batch != batch:  # said in a line at start

@@ -212,6 +212,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=200, help="timed batches (--data-only)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches (--data-only)")
     args = parser.parse_intermixed_args(argv)
+    modes = [
+        flag
+        for flag, given in (
+            ("--scaling", args.scaling),
+            ("--data-only", args.data_only),
+            ("--overhead", args.overhead),
+        )
+        if given
+    ]
+    if len(modes) > 1:
+        output.error(f"{' and '.join(modes)}: choose one", program=parser.prog)
+        return 2
 
     def run(config: Config) -> None:
         if args.data_only:

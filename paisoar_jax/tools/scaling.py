@@ -28,6 +28,7 @@ from typing import Any
 
 from paisoar_jax import output
 from paisoar_jax.config import Config, config_from_dict, to_dict
+from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.errors import UserError
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -58,7 +59,7 @@ def scaled_overrides(config: Config, count: int, global_batch: int) -> list[str]
         f"mesh.data={count // (product if keep else 1)}",
         f"train.global_batch={global_batch}",
     ]
-    overrides += [f"mesh.dcn_{axis}=1" for axis in ("data", "fsdp", "stage")]
+    overrides += [f"mesh.{name}=1" for name in DCN_NAMES]  # one process, all its devices
     return overrides
 
 
@@ -194,6 +195,8 @@ def scaling(config: Config, workload: Any = None, steps: int = 10) -> dict[str, 
 
     from paisoar_jax.tasks.zoo import zoo_workload
 
+    if steps < 1:
+        raise UserError(f"--steps {steps}: time at least one step")
     devices = jax.devices()
     total = len(devices)
     per_device = config.train.global_batch // total
@@ -211,10 +214,14 @@ def scaling(config: Config, workload: Any = None, steps: int = 10) -> dict[str, 
                 skipped = f"--scaling: {mode} at {count} devices skipped (batch {batch})"
                 output.note(skipped, stderr=True)
                 continue
-            scaled = config_from_dict(to_dict(config), scaled_overrides(config, count, batch))
-            workload_k = zoo_workload(scaled) if workload is None else workload
-            trace = directory / f"{mode}_{count}"
-            measured = measure(scaled, workload_k, devices[:count], steps, trace)
+            try:
+                scaled = config_from_dict(to_dict(config), scaled_overrides(config, count, batch))
+                workload_k = zoo_workload(scaled) if workload is None else workload
+                trace = directory / f"{mode}_{count}"
+                measured = measure(scaled, workload_k, devices[:count], steps, trace)
+            except UserError as error:  # a count this step cannot run at: the others still
+                output.note(f"--scaling: {mode} at {count} devices skipped: {error}", stderr=True)
+                continue
             results[mode].append(dataclasses.asdict(measured))
             took = f"--scaling: {mode} {count} device(s): {measured.step_s * 1e3:.3g} ms/step"
             output.note(took, stderr=True)

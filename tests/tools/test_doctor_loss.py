@@ -115,3 +115,20 @@ def test_the_input_workers_proposed_fit_the_cores_the_run_had(tmp_path, cores, w
         assert fixes[-1].startswith(f"more cores for the input: data.workers={workers}")
     else:
         assert fixes[0].startswith(f"`data.workers={proposed}`")
+
+
+def test_a_fine_tune_or_skipped_updates_are_not_called_not_learning(tmp_path):
+    """A fine-tune's loss starts trained (checkpoint.init_from); a run that skipped most of
+    its updates did not learn because of the skips (skipped-steps says so)."""
+    records = [{"step": step, "loss": 2.0, "skipped_steps": 0} for step in (2, 4, 6, 8)]
+    records[0]["first_step_loss"] = 2.0
+
+    def names(*overrides):
+        config = load_config(None, [*SHORT, f"run.dir={tmp_path}", *overrides])
+        return {one.name for one in doctor.diagnose(Run(tmp_path, config, records, None))}
+
+    assert "not-learning" in names()
+    assert "not-learning" not in names(f"checkpoint.init_from={tmp_path}")
+    for record in records:
+        record["skipped_steps"] = record["step"] - 1
+    assert "not-learning" not in names()

@@ -74,6 +74,14 @@ def test_the_doctor_reads_the_measured_scaling(measured, tmp_path):
         finding = found["poor-scaling"]
         assert finding.evidence.startswith("measured (scaling.json, cpu)")
         assert finding.fixes[0].startswith("expected on CPUs")
+    # Known numbers, the finding said whatever this machine measured: 20% at 8 devices.
+    for row, efficiency in zip(summary["strong"], (1.0, 0.6, 0.4, 0.2), strict=True):
+        row["efficiency"] = efficiency
+    (run_dir / "scaling.json").write_text(json.dumps(summary))
+    finding = {one.name: one for one in doctor.diagnose(doctor.load_run(run_dir))}["poor-scaling"]
+    assert "a strong-scaling efficiency of 20%" in finding.evidence
+    assert finding.fixes[0].startswith("expected on CPUs")
+    assert any(fix.startswith("`train.global_batch=32`") for fix in finding.fixes)
     # The same run with a step that scales (its numbers made so): no finding.
     for row in summary["strong"]:
         row["step_s"], row["efficiency"] = 0.1 / row["devices"], 1.0
@@ -108,3 +116,19 @@ def test_the_doctor_measures_the_scaling_of_a_run_on_request(tmp_path, devices):
     with contextlib.redirect_stderr(err):
         assert doctor.main([str(run_dir), "--measure-scaling"]) == 2
     assert "was trained by paisoar_jax.fit: measure its scaling with" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--scaling", "--steps", "0"], "--steps 0: time at least one step"),
+        (["--scaling", "--data-only"], "--scaling and --data-only: choose one"),
+        (["--scaling", "train.global_batch=12"], "does not split over the 8 devices"),
+    ],
+)
+def test_a_scaling_that_cannot_be_measured_is_one_line(devices, tmp_path, arguments, message):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = bench.main([*TINY, *arguments, f"run.dir={tmp_path}"])
+    assert status == 2 and message in err.getvalue(), err.getvalue()
+    assert len(err.getvalue().strip().splitlines()) == 1

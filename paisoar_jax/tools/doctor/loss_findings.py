@@ -82,10 +82,20 @@ def exploding(run: Run) -> Finding | None:
 
 
 def not_learning(run: Run) -> Finding | None:
-    """The loss ends at 98% or more of the loss before any update (and did not explode)."""
+    """The loss ends at 98% or more of the loss before any update (and did not explode).
+
+    Not said of a fine-tune (checkpoint.init_from: the loss starts trained) or of a run
+    that skipped most of its updates (skipped-steps names that).
+    """
     reference = reference_loss(run)
     losses = [(step, loss) for step, loss in series(run.records, "loss") if math.isfinite(loss)]
     if reference is None or len(losses) < MIN_LOGS or exploding(run) is not None:
+        return None
+    if run.config.checkpoint.init_from:  # fine-tuning starts from a trained loss already
+        return None
+    last_record = run.records[-1]
+    skipped = last_record.get("skipped_steps") or 0
+    if skipped > last_record["step"] / 2:  # the updates were skipped: skipped-steps says why
         return None
     first = reference[0]
     last = statistics.median(loss for _, loss in losses[-LAST_LOGS:])

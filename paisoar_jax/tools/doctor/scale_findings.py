@@ -17,7 +17,7 @@ from paisoar_jax.tools.doctor.findings import (
     percent,
     series,
 )
-from paisoar_jax.tools.doctor.loss_findings import exploding, not_learning
+from paisoar_jax.tools.doctor.loss_findings import exploding
 
 SKIPPED_LIMIT = 0.05
 MIN_SKIPPED = 3  # fewer skips after the start-up are overflows a dynamic scale expects
@@ -89,8 +89,8 @@ def skipped_steps(run: Run) -> Finding | None:
     precision = run.config.precision
     scales = [scale for _, scale in series(run.records, "loss_scale")]
     fixes = []
-    if exploding(run) or not_learning(run):  # the updates overshoot: the scale is not the cause
-        fixes.append(lower_lr(run, ": the loss rose or stalled as the steps were skipped"))
+    if exploding(run):  # the updates overshoot: the scale is not the cause
+        fixes.append(lower_lr(run, ": the loss exploded as the steps were skipped"))
     # A scale that stopped falling settled where steps go through: start there. One still
     # falling has no such value (loss_scale_collapse reports it).
     if scales and scales[-1] < precision.initial_scale and loss_scale_collapse(run) is None:

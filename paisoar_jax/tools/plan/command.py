@@ -173,7 +173,7 @@ def run(config: Config, args: argparse.Namespace) -> None:
         effects = variants.flag_effects(config, devices, result, efficiency)
         result["target"]["flag_effects"] = effects
     if args.fit:  # the GPU target's numbers, or the CPU compiler's estimate
-        if args.target is None:
+        if "target" not in result:
             output.note(
                 "--fit without --target: judged on the CPU compiler's estimate of the step's "
                 "memory; a GPU's differs (plan --target h100|h200 --fit compiles for one)",

@@ -211,7 +211,7 @@ def plan_and_collectives(config, devices, link, efficiency, simulated, workload,
             config, target, compiled, memory_bytes, layout, task, mesh, communication, efficiency
         )
         found = {"target": report}
-    else:  # the CPU's own estimate, judged as the GPU target's is
+    elif devices[0].platform == "cpu":  # the CPU's own estimate, judged as a target's is
         found = {"memory_verdict": cpu_verdict(config, memory_bytes["total"], len(devices), mesh)}
     return {
         "model": model.name,
@@ -261,9 +261,14 @@ def cpu_verdict(config: Config, needed: int, devices: int, mesh: Any) -> dict[st
     fixes are the out-of-memory report's, in its order; the numbers are the CPU
     compiler's (a GPU's differ: plan --target compiles for one).
     """
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # a system without sysconf's page counts
+        total = 0
     if config.train.memory_limit_gb > 0:
         limit, source = int(config.train.memory_limit_gb * 2**30), "train.memory_limit_gb"
+    elif not total:
+        limit, source = needed, "no limit known (set train.memory_limit_gb)"
     else:
         limit, source = total // max(devices, 1), f"this host's memory over {devices} device(s)"
     verdict = {"needed_bytes": needed, "limit_bytes": limit, "limit_source": source}

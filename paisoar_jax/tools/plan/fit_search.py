@@ -80,8 +80,10 @@ def search(
     target = first.get("target")
     if target is not None:
         limit = limit_bytes(config, target["device_memory_bytes"])
-    else:  # the CPU estimate's limit (core.cpu_verdict)
+    elif "memory_verdict" in first:  # the CPU estimate's limit (core.cpu_verdict)
         limit = first["memory_verdict"]["limit_bytes"]
+    else:
+        raise UserError(f"--fit on {first['platform']} devices: give --target h100|h200")
     needed = first["memory_bytes"]["total"]
     result = {"fits": needed <= limit, "limit_bytes": limit, "needed_bytes": needed}
     result |= {"change": [] if needed <= limit else None, "tried": []}

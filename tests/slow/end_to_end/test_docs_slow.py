@@ -7,7 +7,7 @@ navigation, and the site's own search box finds config keys.
 
 import functools
 import http.server
-import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -43,17 +43,18 @@ def browser():
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
-    for program in ("/usr/bin/chromium", "/usr/bin/chromedriver"):
-        assert pathlib.Path(program).exists(), (
-            f"{program} is missing: apt-get install chromium chromium-driver (.ci/run does)"
-        )
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and chromedriver, (
+        "chromium or chromedriver is missing: apt-get install chromium chromium-driver "
+        "(.ci/run does)"
+    )
     options = Options()
     # A desktop's width: narrower, the theme folds its navigation tabs into a menu.
     arguments = ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000")
     for argument in (*arguments, "--disable-dev-shm-usage"):
         options.add_argument(argument)
-    options.binary_location = "/usr/bin/chromium"
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    options.binary_location = chromium
+    driver = webdriver.Chrome(service=Service(chromedriver), options=options)
     yield driver
     driver.quit()
 
