@@ -46,6 +46,7 @@ from paisoar_jax.data.writing import (
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import hf
 from paisoar_jax.tools.cli import exit_status
+from paisoar_jax.tools.hf.layouts import ARCHITECTURES
 
 PROGRAM = "paisoar_jax.convert"
 SHOWN_SKIPPED = 3
@@ -122,7 +123,8 @@ def _import_hf(args: argparse.Namespace) -> str:
 
 def _add_hf_commands(commands) -> None:
     """The `hf-import` and `hf-export` subcommands: Hugging Face checkpoints in and out."""
-    hf_in = commands.add_parser("hf-import", help="a Hugging Face GPT-2 or Llama, as params")
+    families = ", ".join(ARCHITECTURES.values())
+    hf_in = commands.add_parser("hf-import", help=f"a Hugging Face model as params ({families})")
     hf_in.add_argument("--input", required=True, metavar="HF_DIR", type=pathlib.Path)
     hf_in.add_argument("--output", required=True, metavar="DIR", type=pathlib.Path)
     hf_in.add_argument(
