@@ -49,3 +49,23 @@ def test_the_site_builds_strictly_with_its_pages_and_every_config_key(tmp_path):
         r"<[^>]+>", "", (site / "tutorials" / "own-model" / "index.html").read_text()
     )
     assert "result = paisoar_jax.fit(" in own_model  # the README's program, included
+
+
+def test_the_first_run_picture_is_drawn_from_a_runs_metrics(tmp_path, devices):
+    """docs/plot_run.py, which drew docs/images/first-run.png, on a tiny run of this test."""
+    from conftest import TINY, train
+
+    from paisoar_jax.config import load_config
+
+    run_dir = tmp_path / "run"
+    settings = [*TINY, "train.steps=4", "train.log_every=1", "train.eval_every=2"]
+    train(load_config(None, [*settings, "checkpoint.enabled=false", f"run.dir={run_dir}"]))
+    script = subprocess.run(
+        [sys.executable, str(REPO / "docs" / "plot_run.py"), str(run_dir), str(tmp_path / "a.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert script.returncode == 0, script.stderr[-2000:]
+    assert (tmp_path / "a.png").read_bytes().startswith(b"\x89PNG")
+    assert (REPO / "docs" / "images" / "first-run.png").read_bytes().startswith(b"\x89PNG")
