@@ -26,7 +26,6 @@ from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, evaluate
-from paisoar_jax.engine.step import jit_eval_step, jit_train_step
 from paisoar_jax.errors import DivergenceError, HangError, UserError
 from paisoar_jax.observe.monitor import IntervalTimer
 from paisoar_jax.parallel import sharding
@@ -323,18 +322,16 @@ def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep
 
     `untimed`: a context the step's later compiles (a new batch shape) run in.
     """
-    layout, mesh, options = parts.layout, parts.mesh, parts.compiler_options
-    limit_bytes = parts.limit_bytes
+    layout, mesh, limit_bytes = parts.layout, parts.mesh, parts.limit_bytes
     with oom.readable_out_of_memory(parts.memory, layout, limit_bytes):
-        accumulate = parts.train.grad_accum
-        jitted = jit_train_step(layout, parts.task, parts.lr_schedule, accumulate, mesh, options)
+        jitted = parts.jit_train_step()
         one_at_a_time = one_step_at_a_time(layout, mesh)
         train_step = CompiledStep(
             jitted, state, first_batch, one_at_a_time=one_at_a_time, untimed=untimed
         )
     if parts.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
         oom.check_fits(parts.memory, layout, train_step.compiled, limit_bytes)
-    return train_step, readable_errors_of(jit_eval_step(layout, parts.task, mesh, options))
+    return train_step, readable_errors_of(parts.jit_eval_step())
 
 
 def _next_batch(batches, ready, timer: IntervalTimer):

@@ -29,7 +29,6 @@ from jax.sharding import Mesh
 
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time
-from paisoar_jax.engine.step import jit_eval_step, jit_train_step
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.loop import open_input
 from paisoar_jax.run.resume import make_checkpointer, save, starting_point
@@ -63,20 +62,11 @@ class Prepared:
         """One step: (new state, metrics). `state` is donated: use the state it returns."""
         with jax.set_mesh(self.mesh):
             if self._train_step is None:
-                run = self.run
-                jitted = jit_train_step(
-                    run.layout,
-                    run.task,
-                    run.lr_schedule,
-                    run.train.grad_accum,
-                    self.mesh,
-                    run.compiler_options,
-                )
                 self._train_step = CompiledStep(
-                    jitted,
+                    self.run.jit_train_step(),
                     state,
                     batch,
-                    one_at_a_time=one_step_at_a_time(run.layout, self.mesh),
+                    one_at_a_time=one_step_at_a_time(self.run.layout, self.mesh),
                     untimed=contextlib.nullcontext,
                 )
             return self._train_step(state, batch)
@@ -85,10 +75,7 @@ class Prepared:
         """The task's per-row eval sums of `batch` (engine/evaluation.py reads them)."""
         with jax.set_mesh(self.mesh):
             if self._eval_step is None:
-                run = self.run
-                self._eval_step = jit_eval_step(
-                    run.layout, run.task, self.mesh, run.compiler_options
-                )
+                self._eval_step = self.run.jit_eval_step()
             return self._eval_step(state, batch)
 
     def save(self, state: Any) -> int:

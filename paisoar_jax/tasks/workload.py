@@ -44,6 +44,7 @@ from paisoar_jax.engine.optim import (
     wrap_optimizer,
 )
 from paisoar_jax.engine.state import LayoutSettings, StateLayout, state_layout
+from paisoar_jax.engine.step import jit_eval_step, jit_train_step
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics import precision, remat
 from paisoar_jax.parallel import pipeline, sharding
@@ -143,6 +144,21 @@ class Setup:
     record: dict[str, Any]  # the resolved config as sections: a checkpoint's and trackers' copy
     config_yaml: str  # the resolved config as the run writes it to config.yaml
     given_optimizer: dict[str, Any] | None = None  # fit's optimizer as trackers record it
+
+    def jit_train_step(self) -> jax.stages.Wrapped:
+        """The run's train step, jitted: its shardings, schedule, accumulation and options."""
+        return jit_train_step(
+            self.layout,
+            self.task,
+            self.lr_schedule,
+            self.train.grad_accum,
+            self.mesh,
+            self.compiler_options,
+        )
+
+    def jit_eval_step(self) -> Any:
+        """The run's eval step, jitted (engine/evaluation.py reads its per-row sums)."""
+        return jit_eval_step(self.layout, self.task, self.mesh, self.compiler_options)
 
 
 def model_builder(

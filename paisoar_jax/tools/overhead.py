@@ -58,7 +58,6 @@ def bare_loop_ms(config: Config) -> float:
     """Milliseconds per step of the same jitted step fed a fresh host batch each step."""
     from paisoar_jax.engine.compilation import one_step_at_a_time
     from paisoar_jax.engine.state import init_state
-    from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
     from paisoar_jax.tasks.workload import setup
     from paisoar_jax.tasks.zoo import zoo_workload
@@ -70,9 +69,7 @@ def bare_loop_ms(config: Config) -> float:
     vocab = config.model.vocab_size
     with jax.set_mesh(run.mesh):
         state = init_state(config.train.seed, run.layout)
-        options = run.compiler_options
-        accumulate = config.train.grad_accum
-        step = jit_train_step(run.layout, run.task, run.lr_schedule, accumulate, run.mesh, options)
+        step = run.jit_train_step()
         batch = lambda: jax.device_put(rng.integers(0, vocab, shape.shape, np.int32), where)
         state, metrics = step(state, batch())  # compiles
         jax.block_until_ready(metrics)

@@ -85,7 +85,6 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
 
     from paisoar_jax.data.prefetch import DevicePrefetcher
     from paisoar_jax.engine.state import init_state
-    from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
     from paisoar_jax.tasks.workload import setup
 
@@ -101,9 +100,7 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
         )
         try:
             state = init_state(train.seed, run.layout)
-            step = jit_train_step(
-                run.layout, task, run.lr_schedule, train.grad_accum, run.mesh, run.compiler_options
-            )
+            step = run.jit_train_step()
             for _ in range(3):  # the compile, then the first runs' own warm-up
                 state, metrics = step(state, next(batches))
             jax.block_until_ready(metrics)

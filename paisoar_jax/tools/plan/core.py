@@ -106,7 +106,6 @@ def compile_step(
     """
     import jax
 
-    from paisoar_jax.engine.step import jit_train_step
     from paisoar_jax.parallel import sharding
     from paisoar_jax.runtime.platform import compiling_for, is_target_compile_of
     from paisoar_jax.tasks.workload import setup
@@ -125,8 +124,7 @@ def compile_step(
             ),
             task.batch_shape(train.global_batch),
         )
-        options = gpu_flags.compiler_options(config.mesh.bucket_mb, devices)
-        step = jit_train_step(layout, task, run.lr_schedule, train.grad_accum, mesh, options)
+        step = run.jit_train_step()  # (setup chose the XLA options for these devices)
         lowered = step.lower(layout.abstract_state, batch)
         try:
             compiled = lowered.compile()
