@@ -23,6 +23,8 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     input_slot()                           (this process's share of each batch, shares)
     token_windows(dir, seq_len, ...)       (train, eval) examples of a converted dataset:
                                            windows, loss masks, packed documents
+    source_examples("images:DIR", image_size=64)  (train, eval) examples of any
+                                           data.source: image folders, arrayrecord:, hf:
     force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
     UserError                              bad input (one line, exit status 2 from the CLI)
 
@@ -53,6 +55,7 @@ _EXPORTS = {
     "scan_layers": "paisoar_jax.parallel.pipeline",
     "input_slot": "paisoar_jax.parallel.sharding",
     "token_windows": "paisoar_jax.data.sources",
+    "source_examples": "paisoar_jax.data.source_examples",
     "force_policy": "paisoar_jax.numerics.precision",
     "fp32_function": "paisoar_jax.numerics.precision",
     "UserError": "paisoar_jax.errors",

@@ -235,6 +235,37 @@ def transform_seed(seed: int, transform: int) -> int:
     return int(sequence.generate_state(1)[0])
 
 
+def image_stream(
+    source: ImageSource,
+    *,
+    seed: int,
+    image_size: int,
+    train: bool,
+    channels: int = 3,
+    min_crop_scale: float = 0.08,
+) -> grain.MapDataset:
+    """The endless stream of decoded {"image", "label"} examples `image_batches` batches.
+
+    Training shuffles by `seed` anew each epoch and augments (a random-resized crop, a
+    random flip); eval keeps the order and centre-crops. A source whose `augment` attribute
+    is False (digits, synthetic) is never augmented nor cropped, only resized.
+    """
+    augment = getattr(source, "augment", True)
+    if channels not in (1, 3):
+        raise UserError(f"images have 1 (grayscale) or 3 (RGB) channels, not {channels}")
+    tagged = grain.MapDataset.source(source).map_with_index(TagIndex())
+    # Decode and random transforms after repeat: their generator follows the position in
+    # the endless global stream, so every epoch crops and flips each image anew, and the
+    # crops of an example are the same whichever process reads it.
+    stream = example_stream(tagged, seed, shuffle=train).map(DecodeImage(channels, source))
+    if train and augment:
+        crop_seed, flip_seed = (transform_seed(seed, op) for op in (0, 1))
+        crop = RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0))
+        stream = stream.random_map(crop, seed=crop_seed)
+        return stream.random_map(RandomFlip(), seed=flip_seed)
+    return stream.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
+
+
 def image_batches(
     source: ImageSource,
     *,
@@ -255,21 +286,14 @@ def image_batches(
     `augment` attribute is False (digits, synthetic) is never augmented nor cropped: its
     whole images are resized to image_size, for training and eval alike.
     """
-    augment = getattr(source, "augment", True)
-    if channels not in (1, 3):
-        raise UserError(f"images have 1 (grayscale) or 3 (RGB) channels, not {channels}")
-    tagged = grain.MapDataset.source(source).map_with_index(TagIndex())
-    # Decode and random transforms after repeat: their generator follows the position in
-    # the endless global stream, so every epoch crops and flips each image anew, and the
-    # crops of an example are the same whichever process reads it.
-    stream = example_stream(tagged, seed, shuffle=train).map(DecodeImage(channels, source))
-    if train and augment:
-        crop_seed, flip_seed = (transform_seed(seed, op) for op in (0, 1))
-        crop = RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0))
-        stream = stream.random_map(crop, seed=crop_seed)
-        stream = stream.random_map(RandomFlip(), seed=flip_seed)
-    else:
-        stream = stream.map(CenterCrop(image_size, resize_ratio=0.875 if augment else 1.0))
+    stream = image_stream(
+        source,
+        seed=seed,
+        image_size=image_size,
+        train=train,
+        channels=channels,
+        min_crop_scale=min_crop_scale,
+    )
     return batch_dataset(
         source,
         global_batch=global_batch,

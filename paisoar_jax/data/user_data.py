@@ -59,7 +59,12 @@ class ExampleData:
         return self.source[index]
 
     def batches(self, global_batch: int, seed: int, shuffle: bool, workers: int):
-        """The rows of endless global batches this process reads (get_state/set_state)."""
+        """The rows of endless global batches this process reads (get_state/set_state).
+
+        A source with an `example_stream(seed, shuffle)` (`source_examples`' images) gives
+        its own endless stream: per-epoch augmentation drawn from the stream's positions.
+        """
+        own_stream = getattr(self.source, "example_stream", None)
         return batch_dataset(
             self.source,
             global_batch=global_batch,
@@ -67,6 +72,7 @@ class ExampleData:
             shuffle=shuffle,
             workers=workers,
             in_memory=isinstance(self.source, _Rows),  # numpy arrays; other sources may be files
+            stream=own_stream(seed, shuffle) if own_stream else None,
         )
 
     def batch_spec(self, global_batch: int) -> Any:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 
+import numpy as np
 import pytest
 from conftest import PYTHON, REPO, subprocess_env
 
@@ -49,3 +50,23 @@ def test_the_readme_program_runs(tmp_path):
     assert "paisoar_jax: done: 200 steps" in result.stdout
     # Its own run directory, named after the script: not the CLI's runs/default.
     assert (tmp_path / "runs" / "readme_program" / "metrics.jsonl").is_file()
+
+
+def test_own_image_folder_trains_a_cnn_on_a_folder_of_images(tmp_path):
+    """The vision tutorial's program on a folder of red and blue images, as a user runs it."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for channel, name in ((0, "red"), (2, "blue")):
+        (tmp_path / "photos" / name).mkdir(parents=True)
+        for index in range(24):
+            pixels = rng.integers(0, 90, (40, 48, 3), dtype=np.uint8)
+            pixels[..., channel] += 150
+            Image.fromarray(pixels).save(tmp_path / "photos" / name / f"{index}.png")
+    overrides = ["train.steps=30", "train.global_batch=8", "train.eval_every=30"]
+    program = str(EXAMPLES / "own_image_folder.py")
+    result = run_python(program, "photos", *QUIET, *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "classes ['blue', 'red']" in result.stdout
+    last = records(tmp_path / "runs" / "own_image_folder")[-1]
+    assert last["step"] == 30 and last["eval_accuracy"] == 1.0  # colour is easy to see
