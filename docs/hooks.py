@@ -1,7 +1,8 @@
 """MkDocs hook: writes docs/reference/ from the code before each build, so it cannot drift.
 
 Every config key (the table `--help` lists), every command's `--help`, the metrics.jsonl
-fields, the exit statuses, the doctor's checks and the shipped configs; and the benchmarks
+fields, the exit statuses, the doctor's checks, the shipped configs, the sharding rules and
+the model families the tests check (docs/model_families.py); and the benchmarks
 page from benchmarks/RESULTS.md. The Python API page is mkdocstrings' (reference/api.md).
 """
 
@@ -11,6 +12,10 @@ import contextlib
 import importlib
 import io
 import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import model_families  # noqa: E402 (docs/ is no package: its folder goes on the path first)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
@@ -27,6 +32,8 @@ def on_pre_build(config, **kwargs) -> None:
         "exit-statuses.md": exit_statuses(),
         "doctor.md": doctor_checks(),
         "shipped-configs.md": shipped_configs(),
+        "model-families.md": model_families.page(ROOT / "tests"),
+        "sharding-rules.md": sharding_rules(),
     }
     for name, text in pages.items():
         path = REFERENCE / name
@@ -124,4 +131,33 @@ def shipped_configs() -> str:
     ]
     for path in sorted(pathlib.Path(CONFIG_DIR).glob("*.yaml")):
         lines += ["", f"## {path.stem}", "", "```yaml", path.read_text().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def sharding_rules() -> str:
+    """The logical-axis table: where each named dimension of a parameter or activation goes."""
+    from paisoar_jax.parallel.sharding import ACTIVATION_RULES, parameter_rules
+
+    by_zero = {zero: parameter_rules(zero) for zero in (0, 1, 3)}
+    state = parameter_rules(1, optimizer_state=True)
+    lines = [
+        "# Sharding rules",
+        "",
+        "The table parallel/sharding.py holds: each logical axis name a zoo model gives a",
+        "dimension of its parameters, and the mesh axes that dimension is split over (none:",
+        "whole on every device), by `mesh.zero`; then the activations' names, which the models",
+        "constrain inside the step. Generated from the code at each build.",
+        "",
+        "| logical axis | params (zero 0, 1) | params (zero 3) | optimizer state (zero >= 1) |",
+        "|---|---|---|---|",
+    ]
+    show = lambda axes: ", ".join(axes) if axes else "whole"  # noqa: E731
+    for name in by_zero[0]:
+        lines.append(
+            f"| `{name}` | {show(by_zero[0][name])} | {show(by_zero[3][name])} | "
+            f"{show(state[name])} |"
+        )
+    lines += ["", "| activation axis | mesh axes |", "|---|---|"]
+    for name, axes in ACTIVATION_RULES.items():
+        lines.append(f"| `{name}` | {show((axes,) if isinstance(axes, str) else axes)} |")
     return "\n".join(lines) + "\n"

@@ -31,7 +31,8 @@ from paisoar_jax.errors import UserError
 __all__ = ["DataConfig", "LoraConfig", "MeshConfig", "RunConfig"]
 
 
-# One mesh-axis entry of a sharding rule: a mesh axis (data, fsdp, tensor), a logical name
+# One mesh-axis entry of a sharding rule: a mesh axis (data, stage, fsdp, expert, context,
+# tensor), a logical name
 # of the rules table (embed, mlp, heads, vocab, ...), several mesh axes, or None (whole).
 AxisEntry = str | tuple[str, ...] | None
 
@@ -72,7 +73,9 @@ class OptimConfig:
     # Global-norm clipping; 0 disables. Unset: 1.0 around the config's optimizer, none around
     # an optimizer given to fit (it runs as given; set this to clip it too).
     clip_norm: float | None = None
-    weight_decay: float = 0.1  # adamw: decoupled; sgd: L2 on the gradient; never norms, biases
+    # adamw, lamb: decoupled; sgd: L2 on the gradient; lars: before the trust ratio; never
+    # norms, biases
+    weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8

@@ -1,4 +1,6 @@
-"""The optax chain: clipping, then AdamW or SGD with a warmup-then-decay schedule.
+"""The optax chain: clipping, then AdamW, SGD, LAMB or LARS on a warmup-then-schedule lr.
+
+The schedule is a linear warmup, then cosine, linear or constant (optim.schedule).
 
 Weight decay is masked off norms and biases. The learning rate can be rescaled for the global
 batch (linear or sqrt against `optim.base_batch`), so a recipe tuned at one batch size moves

@@ -5,9 +5,9 @@ them to mesh axes. A model of one's own may have no annotations at all, so each 
 takes, in this order (ShardingConfig says the same in the config):
 
 1. the first `sharding.rules` entry whose regex is found in its dotted path
-   (`blocks.0.mlp.kernel`): one axis entry per dimension, each a mesh axis (data, fsdp,
-   tensor), a logical name of the table (embed, mlp, heads, vocab, ...), a list of mesh
-   axes, or null (whole);
+   (`blocks.0.mlp.kernel`): one axis entry per dimension, each a mesh axis (data, stage,
+   fsdp, expert, context, tensor), a logical name of the table (embed, mlp, heads, vocab,
+   ...), a list of mesh axes, or null (whole);
 2. its own logical axis names (flax `nnx.with_partitioning`), through the table;
 3. the default: whole on every device, except that under FSDP or ZeRO-3 a parameter of at
    least `sharding.min_split_size` elements is split on its largest dimension that the

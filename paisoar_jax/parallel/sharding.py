@@ -45,7 +45,8 @@ OPTIONAL_AXES = tuple(axis.name for axis in AXES if axis.optional)
 BATCH_AXES = tuple(axis.name for axis in AXES if axis.batch)
 
 # Logical activation axes -> mesh axes. Used by `constrain` inside the model so XLA keeps
-# the batch split over (data, fsdp) instead of inventing a layout from the weights.
+# the batch split over BATCH_AXES (data, fsdp, expert) instead of inventing a layout from
+# the weights.
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
     "length": "context",  # context parallelism: each device its slice of every sequence
@@ -203,7 +204,7 @@ def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a batch: leading dimension over (data, fsdp), the rest replicated."""
+    """Sharding of a batch: leading dimension over (data, fsdp, expert), the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 

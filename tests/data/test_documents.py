@@ -109,6 +109,7 @@ def test_the_masked_loss_is_the_mean_over_response_tokens(instructions):
     assert weighted == pytest.approx(float(loss), rel=1e-5)
 
 
+@pytest.mark.checks("sft", families=["zoo:gpt", "zoo:llama"])
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -157,6 +158,7 @@ def one_masked_step(overrides, devices, batch, data):
     return jax.device_get(metrics), jax.device_get(state.params)
 
 
+@pytest.mark.checks("sft", "sharded", families=["zoo:gpt"])
 @pytest.mark.parametrize(
     "overrides, count",
     [

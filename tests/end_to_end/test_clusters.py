@@ -77,9 +77,10 @@ def srun_job(cluster, tmp_path_factory):
 
 def docs_sbatch_script():
     """The sbatch script of the multi-host page's "to try on one machine", as written."""
-    text = (REPO / "docs" / "explanation" / "multihost.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
-    [script] = [block for block in blocks if "--job-name=paisoar-try" in block]
+    from doc_blocks import doc_block
+
+    script = doc_block("sbatch-script").text
+    assert "--job-name=paisoar-try" in script
     return script
 
 

@@ -19,8 +19,8 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, len(lines)
     first = "\n".join(lines[:40])
-    assert "    pip install -e . && python -m paisoar_jax.train" in first
-    assert '    pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile' in first
+    assert "\npip install -e . && python -m paisoar_jax.train\n" in first
+    assert '\npip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile\n' in first
     for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)]+)\)", "\n".join(lines)):
         assert (REPO / link).is_file(), link  # every page the README points to exists
 
@@ -69,3 +69,17 @@ def test_the_first_run_picture_is_drawn_from_a_runs_metrics(tmp_path, devices):
     assert script.returncode == 0, script.stderr[-2000:]
     assert (tmp_path / "a.png").read_bytes().startswith(b"\x89PNG")
     assert (REPO / "docs" / "images" / "first-run.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_readmes_gpu_figures_are_the_recorded_ones():
+    """Each row of the README's GPU table: its three figures on one row of RESULTS.md."""
+    readme = (REPO / "README.md").read_text().split("## Measured on a GPU", 1)[1]
+    section = readme.split("New to the code", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # no header
+    assert len(rows) >= 3, rows
+    recorded = (REPO / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    for row in rows:
+        figures = [cell.strip() for cell in row.strip("|").split("|")][1:]
+        assert any(
+            all(figure in line.replace("**", "") for figure in figures) for line in recorded
+        ), row

@@ -6,6 +6,7 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import PYTHON, REPO, subprocess_env
+from doc_blocks import argv, command_lines, doc_block
 
 EXAMPLES = REPO / "examples"
 QUIET = ["run.progress=false", "run.tensorboard=false"]
@@ -39,9 +40,7 @@ def test_every_example_has_a_docstring_with_its_command(name):
 
 def test_the_readme_program_runs(tmp_path):
     """The complete program of the README's "Your own model" section, as a user pastes it."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Your own model", 1)[1].split("## A tour", 1)[0]
-    program = section.split("```python\n", 1)[1].split("```", 1)[0]
+    program = doc_block("own-model").text
     assert len([line for line in program.splitlines() if line.strip()]) <= 20
     script = tmp_path / "readme_program.py"
     script.write_text(program)
@@ -63,9 +62,16 @@ def test_own_image_folder_trains_a_cnn_on_a_folder_of_images(tmp_path):
             pixels = rng.integers(0, 90, (40, 48, 3), dtype=np.uint8)
             pixels[..., channel] += 150
             Image.fromarray(pixels).save(tmp_path / "photos" / name / f"{index}.png")
-    overrides = ["train.steps=30", "train.global_batch=8", "train.eval_every=30"]
-    program = str(EXAMPLES / "own_image_folder.py")
-    result = run_python(program, "photos", *QUIET, *overrides, cwd=tmp_path)
+    # The page's command, on this folder, for 30 steps instead of its 400.
+    [line] = command_lines(doc_block("own-images-run"))
+    _, (python, program, folder, *overrides) = argv(line)
+    assert (python, program, folder) == ("python", "examples/own_image_folder.py", "photos")
+    # The page shows this program whole, and its reading lines, by including them.
+    assert doc_block("own-images-program").text.strip() == f'--8<-- "{program}"'
+    assert doc_block("own-images-read").text.strip() == f'--8<-- "{program}:read"'
+    assert "# --8<-- [start:read]" in (REPO / program).read_text()
+    overrides += ["train.steps=30", "train.global_batch=8", "train.eval_every=30"]
+    result = run_python(str(REPO / program), folder, *QUIET, *overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "classes ['blue', 'red']" in result.stdout
     last = records(tmp_path / "runs" / "own_image_folder")[-1]

@@ -86,6 +86,7 @@ def test_a_bad_key_is_refused_before_the_model_libraries_load(tmp_path):
     assert "unknown config key train.stepz" in completed.stderr
 
 
+@pytest.mark.checks("resume", families=["zoo:gpt"])
 def test_a_run_resumed_by_a_new_process_continues_exactly(tiny_losses):
     """The command line's resume: cut at step 3 (its checkpoint), a new process to step 6;
     steps 4-6 give the losses of the uninterrupted run (tiny_losses: conftest.py's)."""

@@ -88,6 +88,7 @@ def test_adapters_start_from_the_base_models_output(devices):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+@pytest.mark.checks("lora", "sharded", families=["zoo:llama"])
 @pytest.mark.parametrize(
     "mesh",
     [
@@ -144,6 +145,7 @@ def test_dropout_draws_per_step_and_is_off_in_eval(devices):
     assert dropped != other  # each step's key draws its own masks
 
 
+@pytest.mark.checks("lora", "resume", families=["zoo:llama"])
 def test_a_resumed_lora_run_continues_exactly(tmp_path):
     settings = [*LLAMA_LORA, "precision.policy=bf16", "train.grad_accum=2"]
     whole = resumable_run(tmp_path / "whole", settings, 6)
@@ -175,6 +177,7 @@ def examples(count=128):
     return {"x": x, "y": (x[:, :4].argmax(-1)).astype(np.int32)}
 
 
+@pytest.mark.checks("lora", families=["zoo:your own (fit)"])
 def test_a_model_of_ones_own_adapts_its_linear_layers(tmp_path):
     overrides = [
         "train.global_batch=16",

@@ -57,6 +57,7 @@ def reference(devices):
     return three_steps(["mesh.data=1"], devices[:1])
 
 
+@pytest.mark.checks("sharded", families=["zoo:gpt"])
 @pytest.mark.parametrize(
     "name",
     [pytest.param(name, marks=() if name in FAST_MESHES else pytest.mark.slow) for name in MESHES],

@@ -117,6 +117,7 @@ def reference(devices):
     return three_steps(["mesh.data=1"], devices[:1])
 
 
+@pytest.mark.checks("sharded", families=["zoo:your own (fit)"])
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -441,6 +442,7 @@ class Stateful(nnx.Module):
         return self.down(self.drop(jax.nn.relu(self.norm(self.up(x)))))
 
 
+@pytest.mark.checks("resume", families=["zoo:your own (fit)"])
 def test_model_state_with_rng_streams_resumes_exactly(tmp_path):
     """Typed PRNG keys in the model (nnx.Dropout's stream) are saved and restored, and a run
     resumed from step 3 logs what the uninterrupted run logged."""

@@ -88,6 +88,7 @@ def transformers_greedy(model, prompt, count):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.checks("greedy", families=["llama", "gpt2"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_greedy_generation_gives_transformers_tokens(imported, name, tmp_path):
     model, ours = imported[name]
@@ -121,6 +122,7 @@ def test_a_batch_of_prompts_gives_transformers_tokens_for_each_compiled_once(
     assert compiled._cache_size() == 2
 
 
+@pytest.mark.checks("greedy", families=["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("build", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
 def test_a_mixture_of_experts_generates_transformers_greedy_tokens(devices, tmp_path, build):
     """A mixture of experts decodes token by token through its router, as transformers does."""

@@ -23,6 +23,7 @@ def losses(overrides, devices, steps=3):
     return values, (initial, jax.device_get(state.params))
 
 
+@pytest.mark.checks("sharded", families=["zoo:llama"])
 def test_a_sharded_step_matches_one_device(devices):
     single, single_state = losses(["mesh.data=1"], devices[:1])
     sharded, sharded_state = losses(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], devices)

@@ -202,6 +202,7 @@ def test_flops_count_the_active_parameters():
     assert task.flops_per_unit(total) == 6 * active + attention
 
 
+@pytest.mark.checks("sharded", families=["zoo:llama + experts"])
 def test_a_sharded_moe_step_matches_one_device(devices):
     """data x fsdp x tensor against one device, with a capacity that drops choices."""
     from conftest import assert_steps_match, build_run, token_batches

@@ -187,6 +187,7 @@ def imported(tmp_path_factory):
 ARCHITECTURES = ["llama", "gpt2", "mixtral", "qwen3_moe", "qwen2", "mistral"]
 
 
+@pytest.mark.checks("import", "logits", families=ARCHITECTURES)
 @pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]])
 def test_imported_logits_match_transformers(imported, devices, name, mesh):
@@ -233,6 +234,7 @@ def test_both_spellings_of_rope_scaling_are_read(imported):
     assert hf.model_config_from_hf(spelled_4x, where).rope_factor == 8.0
 
 
+@pytest.mark.checks("export", "logits", families=ARCHITECTURES)
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, devices, tmp_path, name):
     _, _, ours = imported[name]
@@ -246,6 +248,7 @@ def test_export_loads_in_transformers_and_reimports_bit_for_bit(imported, device
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
 
 
+@pytest.mark.checks("import", "export", "logits", families=["llama", "gpt2", "qwen3"])
 @pytest.mark.parametrize("build", [lambda: llama(tied=True), lambda: gpt2(tied=False), qwen3])
 def test_tied_llama_and_untied_gpt2_round_trip_with_their_token_ids(build, devices, tmp_path):
     model = build()
@@ -389,14 +392,9 @@ def test_a_sharded_checkpoint_imports_as_one_file_does(imported, devices, tmp_pa
 
 def readme_fine_tuning_commands():
     """The fine-tuning sequence of the Hugging Face page (docs/how-to), one argv per line."""
-    import shlex
+    from doc_blocks import argv, command_lines, doc_block
 
-    from conftest import REPO
-
-    blocks = (REPO / "docs" / "how-to" / "huggingface.md").read_text().split("\n\n")
-    block = next(block for block in blocks if "hf-import --input HF_MODEL_DIR" in block)
-    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
-    return [shlex.split(line) for line in lines if line.startswith("python -m paisoar_jax.")]
+    return [argv(line)[1] for line in command_lines(doc_block("hf-sequence"))]
 
 
 def test_gpt2_with_256_positions_trains_on_32_and_exports_256(tmp_path):
@@ -451,11 +449,6 @@ def test_data_of_another_tokenizer_is_refused_for_an_import(imported, tmp_path):
 
 def readme_supervised_fine_tuning_commands():
     """The two command lines of the supervised fine-tuning page's block, as argv lists."""
-    import shlex
+    from doc_blocks import argv, command_lines, doc_block
 
-    from conftest import REPO
-
-    blocks = (REPO / "docs" / "how-to" / "sft.md").read_text().split("\n\n")
-    block = next(block for block in blocks if "--format chat" in block)
-    lines = block.replace("\\\n", " ").splitlines()
-    return [shlex.split(line) for line in lines if "python -m paisoar_jax." in line]
+    return [argv(line)[1] for line in command_lines(doc_block("sft-sequence"))]

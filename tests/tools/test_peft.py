@@ -116,6 +116,7 @@ def peft_model(base_dir, adapter_dir):
     return model
 
 
+@pytest.mark.checks("lora", families=["llama", "gpt2"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_peft_loads_the_adapter_and_gives_our_logits(tuned, tmp_path, name):
     base_dir, run_dir = tuned[name]

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from conftest import PYTHON, subprocess_env
+from doc_blocks import argv, command_lines, doc_block
 from test_examples import EXAMPLES, QUIET, records, run_example, run_python
 
 
@@ -21,6 +22,9 @@ def test_own_mlp_learns_the_spirals(tmp_path):
 def test_own_cnn_in_bf16_and_fp16_is_within_2_points_of_fp32_and_loads_for_inference(tmp_path):
     """BatchNorm, and Dropout keyed by the loss's rng; then paisoar_jax.load in plain Python."""
     accuracy = {}
+    [line] = command_lines(doc_block("own-cnn"))  # the tutorial's command, fp16
+    _, (_, program, shown) = argv(line)
+    assert (program, shown) == ("examples/own_cnn.py", "precision.policy=fp16")
     for policy in ("fp32", "bf16", "fp16"):
         result = run_example(
             "own_cnn.py", f"precision.policy={policy}", f"run.name={policy}", cwd=tmp_path

@@ -8,6 +8,7 @@ import pytest
 from test_moe import LLAMA, MOE
 
 
+@pytest.mark.checks("resume", families=["zoo:llama + experts"])
 def test_a_moe_run_resumes_exactly_on_another_expert_split(tmp_path):
     """3 steps on mesh.expert=2, resumed to 6 on one expert shard = 6 steps straight."""
     from conftest import resumable_run

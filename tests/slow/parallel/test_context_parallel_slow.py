@@ -10,6 +10,7 @@ from test_context_parallel import LLAMA
 from paisoar_jax.config import load_config
 
 
+@pytest.mark.checks("resume", families=["zoo:llama"])
 def test_a_run_resumes_exactly_on_another_context_split(tmp_path):
     """3 steps on mesh.context=4, resumed to 6 on context=2 = 6 steps straight."""
     from conftest import resumable_run

@@ -94,6 +94,7 @@ def test_a_checkpoint_resumes_with_or_without_stages(first, second, tmp_path):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5)
 
 
+@pytest.mark.checks("sharded", families=["zoo:vit"])
 def test_a_pipelined_vit_trains_as_one_device_does(tmp_path):
     pipelined = vit_losses(tmp_path / "staged", ["mesh.stage=2", "mesh.data=4"])
     flat = vit_losses(tmp_path / "flat", ["mesh.data=8"])

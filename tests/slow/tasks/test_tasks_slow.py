@@ -23,6 +23,7 @@ from paisoar_jax.config import load_config
 from paisoar_jax.parallel import sharding
 
 
+@pytest.mark.checks("sharded", families=["zoo:resnet"])
 @pytest.mark.parametrize(
     "mesh", [["mesh.data=8"], ["mesh.data=2", "mesh.fsdp=4", "mesh.zero=3"]], ids=["dp", "fsdp"]
 )
@@ -97,6 +98,7 @@ def test_skipped_fp16_step_keeps_the_statistics(devices):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.model_state), before)
 
 
+@pytest.mark.checks("resume", families=["zoo:resnet"])
 def test_resume_restores_the_statistics_and_continues_exactly(tmp_path):
     """Stopping at step 3 and resuming gives the losses and state of an unbroken run."""
     common = [*TINY_RESNET, "train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]

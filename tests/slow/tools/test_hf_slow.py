@@ -4,6 +4,9 @@ Hugging Face checkpoints in and out, checked against transformers itself (no hub
 """
 
 import json
+import os
+import re
+import shutil
 import subprocess
 
 import jax
@@ -29,6 +32,7 @@ from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
 
 
+@pytest.mark.checks("resume", "export", families=["llama", "mixtral"])
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_an_imported_model_fine_tunes_resumes_exactly_and_exports(
     imported, devices, tmp_path, name
@@ -116,8 +120,20 @@ def test_the_readme_fine_tuning_sequence_runs_as_written(tmp_path):
     assert "data.source=embedded is byte-level text, but this model reads the tokens of" in (
         refused.stderr
     )
+    # The README's LoRA quick start, in a folder of its own with the same texts.
+    from doc_blocks import argv, command_lines, doc_block
+
+    quick = tmp_path / "quick"
+    shutil.copytree(tmp_path / "my_texts", quick / "my_texts")
+    for line in command_lines(doc_block("quick-lora")):
+        words = argv(line.replace("HF_MODEL_DIR", str(tmp_path / "hf")))[1]
+        command = [PYTHON, *words[1:]] + (small if "paisoar_jax.train" in words else [])
+        result = subprocess.run(command, cwd=quick, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+    assert json.loads((quick / "my_adapter" / "adapter_config.json").read_text())["r"] == 16
 
 
+@pytest.mark.checks("sft", families=["llama"])
 def test_the_readme_supervised_fine_tuning_commands_run_as_written(chat_tokenizer, tmp_path):
     """Chats converted with the imported model's template, trained on the responses alone
     (packed documents), exported, and loaded by transformers."""
@@ -150,3 +166,24 @@ def test_the_readme_supervised_fine_tuning_commands_run_as_written(chat_tokenize
     )["input_ids"]
     generated = tuned.generate(prompt, max_new_tokens=2, do_sample=False)
     assert generated.shape[1] > prompt.shape[1]
+    # Then the page's generation: the command line on the import and on the run, and Python.
+    from doc_blocks import argv, command_lines, doc_block
+
+    for line in command_lines(doc_block("generate")):
+        line = re.sub(r" \[[^\]]*\]", "", line).replace("runs/default", "runs/sft")
+        result = subprocess.run(
+            [PYTHON, *argv(line)[1][1:]], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert result.returncode == 0, (line, result.stderr[-2000:])
+        assert result.stdout.strip()  # the completion it generated
+    questions, expected = ["Hi", "Hello there"], ["a", "b"]
+    program = doc_block("generator-python").text
+    names = {"questions": questions, "expected": expected}
+    previous = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(program, names)  # the page's Python, as written, on this run
+    finally:
+        os.chdir(previous)
+    assert len(names["answers"]) == 2 and all(isinstance(a, str) for a in names["answers"])
+    assert len(names["tokens"]) == 2 and 0 <= names["exact"] <= 1

@@ -1,0 +1,163 @@
+"""The pages' commands, run as written on tiny shapes: each block in a folder of its own.
+
+The commands are the page's; the tests add the overrides that make them tiny (the model of
+conftest.TINY, a few steps), fill the placeholders (RUN_DIR, a folder of text) and drop the
+optional `[...]` parts. Each must exit 0 and leave what the page says it leaves.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+
+from conftest import PYTHON, REPO, TINY, subprocess_env
+from doc_blocks import argv, command_lines, doc_block
+
+SHORT = ["train.steps=4", "train.eval_every=2", "train.log_every=1"]
+QUIET = ["run.progress=false", "run.tensorboard=false"]
+TAKES_OVERRIDES = ("paisoar_jax.train", "paisoar_jax.plan", "paisoar_jax.bench")
+
+
+def run_line(line, cwd, extra=(), timeout=600):
+    """One command line of a page, in `cwd`, with `extra` overrides; its CompletedProcess."""
+    line = re.sub(r" \[(?:--|same )[^\]]*\]", "", line)  # "[--json]", "[same overrides ...]"
+    line = line.split(" && ", 1)[-1]  # "pip install -e . && python -m ...": the install is ours
+    environment, words = argv(line)
+    module = words[2] if words[:2] == ["python", "-m"] else ""
+    if module in TAKES_OVERRIDES or module == "paisoar_jax.launch" or module == "":
+        words = [*words, *extra]
+    result = subprocess.run(
+        [PYTHON, *words[1:]] if words[0] == "python" else words,
+        cwd=cwd,
+        env={**subprocess_env(), **environment},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, (line, result.stdout[-1500:], result.stderr[-3000:])
+    return result
+
+
+def run_block(name, cwd, extra=(), replace=None):
+    """Every line of the block NAME; their CompletedProcesses."""
+    results = []
+    for line in command_lines(doc_block(name)):
+        for old, new in (replace or {}).items():
+            line = line.replace(old, new)
+        results.append(run_line(line, cwd, extra))
+    return results
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_first_run_tutorial(tmp_path):
+    """Train, read metrics.jsonl, ask the doctor, change what runs: the tutorial's commands."""
+    run_block("first-run-train", tmp_path, [*TINY, *SHORT])
+    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+    [printed] = run_block("first-run-metrics", tmp_path)
+    assert printed.stdout.splitlines()[-1].startswith("4 ")  # step and loss per record
+    [doctor] = run_block("first-run-doctor", tmp_path)
+    assert "paisoar_jax.doctor" in doctor.stdout + doctor.stderr or doctor.stdout.strip()
+    shutil.rmtree(tmp_path / "runs")
+    run_block("first-run-overrides", tmp_path, [*TINY, *SHORT])
+    assert (tmp_path / "runs" / "gpt2_124m" / "metrics.jsonl").is_file()
+
+
+def test_configs_and_overrides(tmp_path):
+    (tmp_path / "my_run.yaml").write_text("train:\n  steps: 3\n")
+    run_block("shipped-configs", tmp_path, [*TINY, *SHORT])
+    run_block("overrides", tmp_path, [*TINY, *SHORT])
+    for name in ("gpt2_124m", "gpt_1b", "my_run"):
+        assert records(tmp_path / "runs" / name)[-1]["step"] == 4, name
+
+
+def test_a_stopped_run_resumes_on_another_mesh(tmp_path):
+    first, second = command_lines(doc_block("resume-on-another-mesh"))
+    run_line(first, tmp_path, [*TINY, *QUIET, "train.steps=3", "train.log_every=1"])
+    resumed = run_line(second, tmp_path, [*TINY, *QUIET, "train.steps=6", "train.log_every=1"])
+    assert "resum" in resumed.stdout + resumed.stderr
+    assert [record["step"] for record in records(tmp_path / "runs" / "default")] == [*range(1, 7)]
+
+
+def test_the_meshes_pipeline_and_compressed_gradients(tmp_path):
+    for name, extra in (
+        ("three-axis-mesh", []),
+        ("pipeline", ["model.layers=4"]),  # a layer or more per stage of 4
+        ("int8-gradients", []),
+    ):
+        run_block(name, tmp_path, [*TINY, *SHORT, *extra, f"run.dir={name}"])
+        assert records(tmp_path / name)[-1]["step"] == 4, name
+
+
+def test_text_conversion_mixtures_and_the_input_bench(tmp_path):
+    corpus = tmp_path / "corpus" / "stdlib"
+    corpus.mkdir(parents=True)
+    for path in sorted((REPO / "paisoar_jax" / "data").glob("*.py"))[:8]:
+        (corpus / f"{path.stem}.txt").write_text(path.read_text())
+    run_block("convert-text", tmp_path, [*TINY, *SHORT])
+    assert (tmp_path / "data" / "corpus" / "manifest.json").is_file()
+    shutil.copytree(tmp_path / "data" / "corpus", tmp_path / "data" / "code")
+    run_block("mixture", tmp_path, [*TINY, *SHORT, "run.dir=runs/mixture"])
+    assert records(tmp_path / "runs" / "mixture")[-1]["step"] == 4
+    run_block("bench-data", tmp_path, [*TINY, "train.steps=3"])
+
+
+def test_export_then_fine_tune_from_it(tmp_path):
+    run_line("python -m paisoar_jax.train", tmp_path, [*TINY, *SHORT])
+    run_block("export-fine-tune", tmp_path, [*TINY, *SHORT])
+    assert records(tmp_path / "runs" / "tuned")[-1]["step"] == 4
+
+
+def test_the_shipped_digits_config(tmp_path):
+    run_block("digits", tmp_path, [*QUIET, *SHORT])
+    assert "eval_accuracy" in records(tmp_path / "runs" / "digits")[-1]
+
+
+def test_plan_profile_and_the_doctors_scaling(tmp_path):
+    [plan] = run_block("plan", tmp_path, [*TINY])
+    assert "per device" in plan.stdout
+    run_block("profile", tmp_path, [*TINY, *QUIET, "train.steps=26", "train.eval_every=0"])
+    assert any((tmp_path / "runs" / "default" / "profile").rglob("*.xplane.pb"))
+    run_line("python -m paisoar_jax.train run.dir=run", tmp_path, [*TINY, *SHORT])
+    run_block(
+        "doctor-scaling",
+        tmp_path,
+        replace={"RUN_DIR": "run", "[same overrides as the run]": " ".join(TINY)},
+    )
+    assert all((tmp_path / "run" / name).is_file() for name in ("scaling.json", "plan.json"))
+
+
+def test_the_launcher_with_restarts_and_with_a_script_of_ones_own(tmp_path):
+    run_block("launch-restarts", tmp_path, [*TINY, *SHORT], replace={"train.steps=100": ""})
+    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    run_block("launch-own-script", tmp_path, [*QUIET], replace={"train.steps=100": "train.steps=4"})
+
+
+def test_the_prepare_loop_runs_on_the_readmes_definitions(tmp_path, monkeypatch):
+    """The tutorial's loop over prepare, after the README program's model, loss and data."""
+    program = doc_block("own-model").text.split('if __name__ == "__main__":')[0]
+    loop = doc_block("prepare-loop").text.replace("301", "5")  # 4 steps, not 300
+    monkeypatch.chdir(tmp_path)
+    names = {}
+    exec(program, names)
+    settings = '["mesh.fsdp=2", "run.dir=loop", "run.progress=false"]'
+    exec(loop.replace('["mesh.fsdp=2"]', settings), names)
+    assert names["step"] == 4 and (tmp_path / "loop").is_dir()
+
+
+def test_a_run_directory_holds_what_the_page_lists(tmp_path):
+    """The run-directory listing: each name it gives is in a run (profile/ with profile_steps)."""
+    listed = re.findall(r"^(\S+)\s", doc_block("run-directory").text, re.M)
+    assert listed[:2] == ["config.yaml", "metrics.jsonl"]
+    overrides = [*TINY, *SHORT, "run.tensorboard=true", "train.profile_steps=[2,3]"]
+    run_line("python -m paisoar_jax.train run.dir=run", tmp_path, overrides)
+    for name in listed:
+        assert (tmp_path / "run" / name.rstrip("/")).exists(), name
+
+
+def test_the_readmes_command_line_quick_start(tmp_path):
+    run_block("quick-cli", tmp_path, [*TINY, *SHORT])
+    assert records(tmp_path / "runs" / "gpt2_124m")[-1]["step"] == 4
