@@ -2,7 +2,8 @@
 
 Every config key (the table `--help` lists), every command's `--help`, the metrics.jsonl
 fields, the exit statuses, the doctor's checks, the shipped configs, the sharding rules and
-the model families the tests check (docs/model_families.py); and the benchmarks
+the model families the tests check (docs/model_families.py); and what plan and the doctor
+print (docs/outputs.py); and the benchmarks
 page from benchmarks/RESULTS.md. The Python API page is mkdocstrings' (reference/api.md).
 """
 
@@ -16,6 +17,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import model_families  # noqa: E402 (docs/ is no package: its folder goes on the path first)
+import outputs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
@@ -25,6 +27,7 @@ COMMANDS = ("train", "plan", "doctor", "bench", "convert", "export", "generate",
 def on_pre_build(config, **kwargs) -> None:
     """Writes the generated pages (mkdocs calls it before it reads the docs)."""
     REFERENCE.mkdir(exist_ok=True)
+    outputs.write_outputs()
     pages = {
         "config.md": config_keys(),
         "commands.md": commands(),

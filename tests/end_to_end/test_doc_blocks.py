@@ -132,3 +132,26 @@ def test_every_importable_architecture_is_tested_for_import_export_and_logits():
     assert ("sharded", "zoo:gpt") in found and ("resume", "zoo:gpt") in found
     page = model_families.page(TESTS)
     assert "| qwen3_moe | ✓ | ✓ | ✓ |" in page  # a table row, marks in the order of columns
+
+
+def test_the_plan_and_doctor_outputs_are_printed_by_the_pages_commands():
+    """The pages include what docs/outputs.py ran at build: the plan of the page's command
+    (two layers), and the doctor on a run the page describes; the build test reads them."""
+    sys.path.insert(0, str(REPO / "docs"))
+    import outputs
+
+    assert doc_block("plan-output").text.strip() == '--8<-- "docs/generated/plan.txt"'
+    assert doc_block("doctor-output").text.strip() == '--8<-- "docs/generated/doctor.txt"'
+    [shown] = command_lines(doc_block("plan"))
+    page_words = [word for word in argv(shown)[1][3:] if not word.startswith("[")]
+    assert set(page_words) - {"mesh.data=1"} <= set(outputs.PLAN[1:])  # the page's, cut short
+    assert "optim.lr=30" in outputs.TOO_FAST and outputs.DOCTOR[1] in " ".join(outputs.TOO_FAST)
+
+
+def test_the_bottleneck_pages_table_names_the_doctors_checks():
+    from paisoar_jax.tools.doctor import command
+
+    page = (REPO / "docs" / "how-to" / "bottleneck.md").read_text()
+    named = set(re.findall(r"^\| ([a-z]+(?:-[a-z]+)*) \|", page, re.M)) - {"finding"}
+    checks = {check.__name__.replace("_", "-") for check in command.CHECKS}
+    assert named == checks, (sorted(named - checks), sorted(checks - named))

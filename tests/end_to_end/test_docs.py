@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from paisoar_jax.config.keys import key_table
@@ -49,6 +50,14 @@ def test_the_site_builds_strictly_with_its_pages_and_every_config_key(tmp_path):
         r"<[^>]+>", "", (site / "tutorials" / "own-model" / "index.html").read_text()
     )
     assert "result = paisoar_jax.fit(" in own_model  # the README's program, included
+    text = lambda page: re.sub(r"<[^>]+>", "", (site / page / "index.html").read_text())  # noqa: E731
+    # What plan and the doctor printed at this build (docs/outputs.py), on their pages.
+    assert "memory per device" in text("how-to/plan") and "collectives per step" in text(
+        "how-to/plan"
+    )
+    assert "1. exploding: the loss exploded" in text("how-to/bottleneck")
+    families = (site / "reference" / "model-families" / "index.html").read_text()
+    assert "<td>qwen3_moe</td>" in families
 
 
 def test_the_first_run_picture_is_drawn_from_a_runs_metrics(tmp_path, devices):
@@ -83,3 +92,17 @@ def test_the_readmes_gpu_figures_are_the_recorded_ones():
         assert any(
             all(figure in line.replace("**", "") for figure in figures) for line in recorded
         ), row
+
+
+@pytest.mark.parametrize("page", ["how-to/lora.md", "how-to/experts.md", "how-to/mixtures.md"])
+def test_the_gpu_figures_of_a_page_are_recorded_ones(page):
+    """Memory, time and throughput a page quotes from a GPU plan or run: each on RESULTS.md."""
+    text = (REPO / "docs" / page).read_text()
+    figures = re.findall(r"\b\d[\d,]*(?:\.\d+)?(?:k tokens/s| GiB| MiB| ms|k\b|M\b)", text)
+    assert figures, page
+    recorded = (REPO / "benchmarks" / "RESULTS.md").read_text().replace("**", "")
+    numbers = [figure.split()[0].rstrip("kM") for figure in figures]
+    missing = [
+        n for n in numbers if not re.search(rf"(?<![\d.,]){re.escape(n)}(?![\d,])", recorded)
+    ]
+    assert not missing, (page, missing)
