@@ -3,7 +3,7 @@
 Every config key (the table `--help` lists), every command's `--help`, the metrics.jsonl
 fields, the exit statuses, the doctor's checks, the shipped configs, the sharding rules and
 the model families the tests check (docs/model_families.py); and what plan and the doctor
-print (docs/outputs.py); and the benchmarks
+print (docs/outputs.py); the data flow and mesh pictures (docs/diagrams.py); and the benchmarks
 page from benchmarks/RESULTS.md. The Python API page is mkdocstrings' (reference/api.md).
 """
 
@@ -16,7 +16,8 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import model_families  # noqa: E402 (docs/ is no package: its folder goes on the path first)
+import diagrams  # noqa: E402 (docs/ is no package: its folder goes on the path first)
+import model_families  # noqa: E402
 import outputs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -28,6 +29,7 @@ def on_pre_build(config, **kwargs) -> None:
     """Writes the generated pages (mkdocs calls it before it reads the docs)."""
     REFERENCE.mkdir(exist_ok=True)
     outputs.write_outputs()
+    diagrams.write(ROOT / "docs" / "images" / "generated")
     pages = {
         "config.md": config_keys(),
         "commands.md": commands(),

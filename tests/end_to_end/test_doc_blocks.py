@@ -155,3 +155,25 @@ def test_the_bottleneck_pages_table_names_the_doctors_checks():
     named = set(re.findall(r"^\| ([a-z]+(?:-[a-z]+)*) \|", page, re.M)) - {"finding"}
     checks = {check.__name__.replace("_", "-") for check in command.CHECKS}
     assert named == checks, (sorted(named - checks), sorted(checks - named))
+
+
+def test_the_pictures_are_drawn_from_the_code():
+    """docs/diagrams.py: the flow's modules exist; the mesh picture names every axis of the
+    code's table with what it splits; both are SVG a browser renders without a script."""
+    sys.path.insert(0, str(REPO / "docs"))
+    import diagrams
+
+    from paisoar_jax.config.mesh import AXES
+
+    for _, modules in diagrams.FLOW:
+        for module in modules.split(", "):
+            assert (REPO / "paisoar_jax" / module).exists(), module
+    mesh = diagrams.mesh_axes()
+    for axis in AXES:
+        assert f"mesh.{axis.name}<" in mesh and axis.splits.split()[0] in mesh, axis.name
+    for svg in (mesh, diagrams.data_flow()):
+        assert svg.startswith("<svg xmlns='http://www.w3.org/2000/svg'") and "<script" not in svg
+    pages = {"index.md": "data-flow.svg", "explanation/data-flow.md": "data-flow.svg"}
+    pages["how-to/meshes.md"] = "mesh-axes.svg"
+    for page, picture in pages.items():
+        assert f"images/generated/{picture})" in (REPO / "docs" / page).read_text(), page

@@ -56,6 +56,8 @@ def test_the_site_builds_strictly_with_its_pages_and_every_config_key(tmp_path):
         "how-to/plan"
     )
     assert "1. exploding: the loss exploded" in text("how-to/bottleneck")
+    for picture in ("data-flow.svg", "mesh-axes.svg"):  # docs/diagrams.py drew them
+        assert (site / "images" / "generated" / picture).read_text().startswith("<svg")
     families = (site / "reference" / "model-families" / "index.html").read_text()
     assert "<td>qwen3_moe</td>" in families
 
