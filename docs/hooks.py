@@ -46,7 +46,9 @@ def on_pre_build(config, **kwargs) -> None:
             path.write_text(text)
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     benchmarks = ROOT / "docs" / "benchmarks.md"
-    text = "<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n" + results
+    title, _, rest = results.partition("\n")
+    text = "<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n" + title + "\n"
+    text += recorded_runs() + rest
     if not benchmarks.exists() or benchmarks.read_text() != text:
         benchmarks.write_text(text)
 
@@ -165,4 +167,45 @@ def sharding_rules() -> str:
     lines += ["", "| activation axis | mesh axes |", "|---|---|"]
     for name, axes in ACTIVATION_RULES.items():
         lines.append(f"| `{name}` | {show((axes,) if isinstance(axes, str) else axes)} |")
+    return "\n".join(lines) + "\n"
+
+
+def recorded_runs() -> str:
+    """A table of every GPU run benchmarks/<card>_runs/*.jsonl holds, one row per line."""
+    import json
+
+    lines = [
+        "",
+        "## Every recorded GPU run",
+        "",
+        "Generated from the files the device calls wrote (benchmarks/*_runs/DATE.jsonl), one",
+        "row per recorded item: ours (`bench`) and the peers' in the same call. A run that",
+        "was killed has no figures. Peak memory: ours in GB (1e9 bytes, jax's peak_bytes_in_use),",
+        "the PyTorch peers' as their scripts print it.",
+        "",
+        "| date | run | step ms | tokens/s or images/s | MFU | compile or warm-up s | peak mem |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(ROOT.glob("benchmarks/*_runs/*.jsonl")):
+        for record in map(json.loads, path.read_text().splitlines()):
+            result = record.get("result") or {}
+            rate = (
+                result.get("tokens_per_s")
+                or result.get("images_per_s")
+                or result.get("examples_per_s")
+            )
+            mfu = result.get("mfu", result.get("mfu_vs_989"))
+            peak = result.get("peak_memory_gb", result.get("peak_mem_gb"))
+            cells = [
+                path.stem,
+                f"`{record['name']}`",
+                f"{result['step_ms']:.2f}" if "step_ms" in result else "killed",
+                f"{rate:,.0f}" if rate else "",
+                f"{mfu:.1%}" if mfu else "",
+                f"{result.get('compile_s', result.get('warmup_s', 0)):.1f}" if result else "",
+                f"{peak:.2f}"
+                if (peak := result.get("peak_memory_gb", result.get("peak_mem_gb")))
+                else "",
+            ]
+            lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"

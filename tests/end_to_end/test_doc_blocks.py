@@ -177,3 +177,14 @@ def test_the_pictures_are_drawn_from_the_code():
     pages["how-to/meshes.md"] = "mesh-axes.svg"
     for page, picture in pages.items():
         assert f"images/generated/{picture})" in (REPO / "docs" / page).read_text(), page
+
+
+def test_the_files_a_run_may_write_are_the_codes():
+    """The run-directory page's table of files written when needed: each name is in the code."""
+    page = (REPO / "docs" / "reference" / "run-directory.md").read_text()
+    names = re.findall(r"^\| `([\w.]+)/?`(?:, `([\w.]+)`)? \|", page, re.M)
+    names = [name for pair in names for name in pair if name]
+    assert len(names) >= 6, names
+    code = " ".join(path.read_text() for path in (REPO / "paisoar_jax").rglob("*.py"))
+    for name in names:
+        assert name in code, name

@@ -56,6 +56,8 @@ def test_the_site_builds_strictly_with_its_pages_and_every_config_key(tmp_path):
         "how-to/plan"
     )
     assert "1. exploding: the loss exploded" in text("how-to/bottleneck")
+    benchmarks = text("benchmarks")  # every recorded GPU run, a row each, then RESULTS.md
+    assert "Every recorded GPU run" in benchmarks and "gpt2_unrolled_chunked" in benchmarks
     for picture in ("data-flow.svg", "mesh-axes.svg"):  # docs/diagrams.py drew them
         assert (site / "images" / "generated" / picture).read_text().startswith("<svg")
     families = (site / "reference" / "model-families" / "index.html").read_text()
@@ -96,7 +98,7 @@ def test_the_readmes_gpu_figures_are_the_recorded_ones():
         ), row
 
 
-@pytest.mark.parametrize("page", ["how-to/lora.md", "how-to/experts.md", "how-to/mixtures.md"])
+@pytest.mark.parametrize("page", ["how-to/lora.md", "how-to/experts.md", "how-to/speed.md"])
 def test_the_gpu_figures_of_a_page_are_recorded_ones(page):
     """Memory, time and throughput a page quotes from a GPU plan or run: each on RESULTS.md."""
     text = (REPO / "docs" / page).read_text()
@@ -108,3 +110,9 @@ def test_the_gpu_figures_of_a_page_are_recorded_ones(page):
         n for n in numbers if not re.search(rf"(?<![\d.,]){re.escape(n)}(?![\d,])", recorded)
     ]
     assert not missing, (page, missing)
+
+
+def test_the_images_page_promises_what_the_digits_test_checks():
+    page = (REPO / "docs" / "how-to" / "images.md").read_text()
+    checked = (REPO / "tests" / "slow" / "tasks" / "test_tasks_slow.py").read_text()
+    assert "to over 95%" in page and 'final["eval_accuracy"] >= 0.95' in checked

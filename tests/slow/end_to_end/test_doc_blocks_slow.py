@@ -161,3 +161,10 @@ def test_a_run_directory_holds_what_the_page_lists(tmp_path):
 def test_the_readmes_command_line_quick_start(tmp_path):
     run_block("quick-cli", tmp_path, [*TINY, *SHORT])
     assert records(tmp_path / "runs" / "gpt2_124m")[-1]["step"] == 4
+
+
+def test_gradient_accumulation_at_the_pages_batch(tmp_path):
+    """The page's global batch of 64 in 4 micro-batches (TINY's batch of 16 left out)."""
+    model = [setting for setting in TINY if not setting.startswith("train.global_batch")]
+    run_block("grad-accum", tmp_path, [*model, *SHORT])
+    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
