@@ -168,3 +168,31 @@ def test_gradient_accumulation_at_the_pages_batch(tmp_path):
     model = [setting for setting in TINY if not setting.startswith("train.global_batch")]
     run_block("grad-accum", tmp_path, [*model, *SHORT])
     assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+
+
+def run_python_block(name, cwd):
+    """The block NAME as a script in cwd, run as a user runs it; what it printed."""
+    script = cwd / f"{name}.py"
+    script.write_text(doc_block(name).text)
+    result = subprocess.run(
+        [PYTHON, str(script)], cwd=cwd, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, (name, result.stderr[-3000:])
+    return result.stdout
+
+
+def test_the_fine_tuning_tutorial(tmp_path):
+    """Make a tiny Llama, import, fine-tune, generate, export, load in transformers and peft."""
+    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    run_python_block("ft-make-model", tmp_path)
+    quiet = [*QUIET, "train.log_every=50"]
+    for line in command_lines(doc_block("ft-import-train")):
+        run_line(f"XLA_FLAGS={one_device['XLA_FLAGS']} {line}", tmp_path, quiet)
+    logged = records(tmp_path / "runs" / "tuned")
+    # From the random model's ln 256 before any update, it learns the bytes of Python.
+    assert logged[-1]["loss"] < 0.5 * logged[0]["first_step_loss"], logged[0]
+    run_block("ft-export", tmp_path)
+    assert run_python_block("ft-transformers", tmp_path).split()[-1] == "True"
+    for line in command_lines(doc_block("ft-lora")):
+        run_line(f"XLA_FLAGS={one_device['XLA_FLAGS']} {line}", tmp_path, quiet)
+    assert run_python_block("ft-peft", tmp_path).split()[-1] == "16"
