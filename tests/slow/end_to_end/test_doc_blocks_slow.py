@@ -196,3 +196,14 @@ def test_the_fine_tuning_tutorial(tmp_path):
     for line in command_lines(doc_block("ft-lora")):
         run_line(f"XLA_FLAGS={one_device['XLA_FLAGS']} {line}", tmp_path, quiet)
     assert run_python_block("ft-peft", tmp_path).split()[-1] == "16"
+
+
+def test_the_cluster_tutorial_gives_the_same_losses_on_two_processes(tmp_path):
+    """One process of eight devices, then two of four: the page's promise, step for step."""
+    settings = [*TINY, "train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]
+    run_block("cluster-one", tmp_path, settings, replace={"train.steps=100": "train.steps=6"})
+    run_block("cluster-two", tmp_path, settings, replace={"train.steps=100": "train.steps=6"})
+    one, two = (records(tmp_path / "runs" / name) for name in ("one", "two"))
+    assert [record["step"] for record in two] == [*range(1, 7)]
+    for mine, theirs in zip(one, two, strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(mine["loss"]), (mine, theirs)
