@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from paisoar_jax import output
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset, example_stream
 from paisoar_jax.data.records import MANIFEST_NAME, ImageFolder, ImageRecords
 from paisoar_jax.errors import UserError
@@ -117,6 +118,18 @@ def open_image_source(
         ImageSubset(dataset, np.flatnonzero(is_eval)),
         dataset.classes,
     )
+
+
+def warn_of_skipped_files(*sources: ImageSource) -> None:
+    """One warning per image folder whose scan skipped files Pillow could not read."""
+    folders = {id(folder): folder for folder in (getattr(s, "source", s) for s in sources)}
+    for folder in folders.values():
+        skipped = getattr(folder, "skipped", [])
+        if skipped:
+            output.warning(
+                f"skipped {len(skipped)} unreadable image file(s) in "
+                f"{folder.directory} (the first: {skipped[0]})"
+            )
 
 
 class TagIndex(grain.transforms.MapWithIndex):

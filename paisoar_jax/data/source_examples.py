@@ -128,6 +128,7 @@ def _image_examples(
     if channels not in (1, 3):
         raise UserError(f"source_examples: channels is 1 (grayscale) or 3 (RGB), not {channels}")
     train, held_out, _ = images.open_image_source(data_config.source, data_config.eval_fraction)
+    images.warn_of_skipped_files(train, held_out)  # as a run warns (each process here)
     settings = {"image_size": image_size, "channels": channels}
     settings |= {"min_crop_scale": data_config.min_crop_scale}
     return (

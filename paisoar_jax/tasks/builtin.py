@@ -235,7 +235,8 @@ class ImageClassification:
         data, model = self.data, self.model_config
         if data.source.startswith("images:"):
             train, held_out, _ = image_data.open_image_source(data.source, data.eval_fraction)
-            _warn_of_skipped_files(train, held_out)
+            if jax.process_index() == 0:
+                image_data.warn_of_skipped_files(train, held_out)
         elif data.source == "digits":
             train, held_out = open_digits(data.eval_fraction)
         elif data.source == "synthetic":
@@ -324,18 +325,6 @@ class ImageClassification:
     def closing_sample(self, layout, state, mesh) -> None:
         """An image classifier has no sample to show."""
         return None
-
-
-def _warn_of_skipped_files(*sources) -> None:
-    """One warning per image folder whose scan skipped files Pillow could not read."""
-    folders = {id(folder): folder for folder in (getattr(s, "source", s) for s in sources)}
-    for folder in folders.values():
-        skipped = getattr(folder, "skipped", [])
-        if skipped and jax.process_index() == 0:
-            output.warning(
-                f"skipped {len(skipped)} unreadable image file(s) in "
-                f"{folder.directory} (the first: {skipped[0]})"
-            )
 
 
 def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:

@@ -142,3 +142,9 @@ def test_a_converted_image_dataset_reads_as_its_folder(tmp_path):
     files, _ = paisoar_jax.source_examples(f"images:{folder}", image_size=8)
     assert len(records) == len(files)
     np.testing.assert_array_equal(records[3]["image"], files[3]["image"])
+
+
+def test_an_unreadable_image_is_skipped_with_the_runs_warning(tmp_path, capsys):
+    folder = make_tree(tmp_path / "photos")  # holds bee/broken.jpg, which Pillow cannot read
+    paisoar_jax.source_examples(f"images:{folder}", image_size=8)
+    assert "skipped 1 unreadable image file(s)" in capsys.readouterr().err
