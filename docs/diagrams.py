@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import itertools
-import pathlib
 import textwrap
 
 # A run's steps, top to bottom: (what happens, the modules that do it).
@@ -104,10 +103,6 @@ def mesh_axes() -> str:
     return _svg(20 + len(AXES) * column, 300, body, "The mesh axes")
 
 
-def write(folder: pathlib.Path) -> None:
-    """Writes data-flow.svg and mesh-axes.svg into `folder` (when they changed)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, svg in (("data-flow.svg", data_flow()), ("mesh-axes.svg", mesh_axes())):
-        path = folder / name
-        if not path.exists() or path.read_text() != svg:
-            path.write_text(svg)
+def pictures() -> dict[str, str]:
+    """{file name: SVG} of the site's pictures (docs/hooks.py writes them)."""
+    return {"data-flow.svg": data_flow(), "mesh-axes.svg": mesh_axes()}

@@ -27,9 +27,7 @@ COMMANDS = ("train", "plan", "doctor", "bench", "convert", "export", "generate",
 
 def on_pre_build(config, **kwargs) -> None:
     """Writes the generated pages (mkdocs calls it before it reads the docs)."""
-    REFERENCE.mkdir(exist_ok=True)
     outputs.write_outputs()
-    diagrams.write(ROOT / "docs" / "images" / "generated")
     pages = {
         "config.md": config_keys(),
         "commands.md": commands(),
@@ -40,17 +38,21 @@ def on_pre_build(config, **kwargs) -> None:
         "model-families.md": model_families.page(ROOT / "tests"),
         "sharding-rules.md": sharding_rules(),
     }
-    for name, text in pages.items():
-        path = REFERENCE / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+    files = {REFERENCE / name: text for name, text in pages.items()}
+    pictures = ROOT / "docs" / "images" / "generated"
+    files |= {pictures / name: svg for name, svg in diagrams.pictures().items()}
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    benchmarks = ROOT / "docs" / "benchmarks.md"
     title, _, rest = results.partition("\n")
-    text = "<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n" + title + "\n"
-    text += recorded_runs() + rest
-    if not benchmarks.exists() or benchmarks.read_text() != text:
-        benchmarks.write_text(text)
+    files[ROOT / "docs" / "benchmarks.md"] = (
+        f"<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n{title}\n"
+        + recorded_runs()
+        + rest
+    )
+    for path, text in files.items():
+        # Only what changed: `mkdocs serve` rebuilds when a file it watches is written.
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
 
 
 def _cell(text: str) -> str:
@@ -203,9 +205,7 @@ def recorded_runs() -> str:
                 f"{rate:,.0f}" if rate else "",
                 f"{mfu:.1%}" if mfu else "",
                 f"{result.get('compile_s', result.get('warmup_s', 0)):.1f}" if result else "",
-                f"{peak:.2f}"
-                if (peak := result.get("peak_memory_gb", result.get("peak_mem_gb")))
-                else "",
+                f"{peak:.2f}" if peak else "",
             ]
             lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ document segments under data.packing / data.loss_on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import grain
@@ -49,15 +50,17 @@ class ImageExamples:
         self.source, self.image_size, self.channels = source, image_size, channels
         self.augment, self.min_crop_scale = augment, min_crop_scale
         self.classes = source.classes
-        self._decode = images.DecodeImage(channels, source)
-        self._crop = images.CenterCrop(image_size)
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, index: int) -> dict:
-        item = self.source[index]
-        return self._crop.map(self._decode.map({"index": index, **item}))
+        return self._in_order[index]
+
+    @functools.cached_property
+    def _in_order(self) -> grain.MapDataset:
+        """The eval stream, built once (its first epoch: the source in order, as eval reads it)."""
+        return self.example_stream(seed=0, shuffle=False)
 
     def example_stream(self, seed: int, shuffle: bool) -> grain.MapDataset:
         """The endless stream of examples, reshuffled and augmented each epoch when training."""

@@ -66,6 +66,11 @@ def command_lines(block: Block) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
+def without_optional(line: str) -> str:
+    """The line without its optional parts: "[--json]", "[--greedy | ...]", "[same ...]"."""
+    return re.sub(r" \[(?:--|same )[^\]]*\]", "", line)
+
+
 def argv(line: str) -> tuple[dict[str, str], list[str]]:
     """(environment assignments before the command, the command's words) of one line."""
     words = shlex.split(line)

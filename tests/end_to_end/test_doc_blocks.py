@@ -5,6 +5,7 @@ name to a test, checks the blocks that are maps of the code and the ones that pr
 tests/slow/end_to_end/test_doc_blocks_slow.py runs the pages' commands on tiny shapes.
 """
 
+import importlib
 import re
 import sys
 
@@ -13,6 +14,13 @@ from conftest import REPO, run_module
 from doc_blocks import argv, command_lines, doc_block, doc_blocks
 
 TESTS = REPO / "tests"
+
+
+def docs_module(name: str):
+    """A module of docs/ (the site's build helpers, no package): imported from its folder."""
+    if str(REPO / "docs") not in sys.path:
+        sys.path.insert(0, str(REPO / "docs"))
+    return importlib.import_module(name)
 
 
 def names_taken_by_tests() -> set[str]:
@@ -120,8 +128,7 @@ def test_the_configs_page_names_every_section_and_choice():
 def test_every_importable_architecture_is_tested_for_import_export_and_logits():
     """The model-families page (docs/model_families.py) from the tests' checks markers: each
     architecture hf-import reads has a test of each of the three, or the page shows a gap."""
-    sys.path.insert(0, str(REPO / "docs"))
-    import model_families
+    model_families = docs_module("model_families")
 
     from paisoar_jax.tools.hf.layouts import ARCHITECTURES
 
@@ -137,8 +144,7 @@ def test_every_importable_architecture_is_tested_for_import_export_and_logits():
 def test_the_plan_and_doctor_outputs_are_printed_by_the_pages_commands():
     """The pages include what docs/outputs.py ran at build: the plan of the page's command
     (two layers), and the doctor on a run the page describes; the build test reads them."""
-    sys.path.insert(0, str(REPO / "docs"))
-    import outputs
+    outputs = docs_module("outputs")
 
     assert doc_block("plan-output").text.strip() == '--8<-- "docs/generated/plan.txt"'
     assert doc_block("doctor-output").text.strip() == '--8<-- "docs/generated/doctor.txt"'
@@ -160,8 +166,7 @@ def test_the_bottleneck_pages_table_names_the_doctors_checks():
 def test_the_pictures_are_drawn_from_the_code():
     """docs/diagrams.py: the flow's modules exist; the mesh picture names every axis of the
     code's table with what it splits; both are SVG a browser renders without a script."""
-    sys.path.insert(0, str(REPO / "docs"))
-    import diagrams
+    diagrams = docs_module("diagrams")
 
     from paisoar_jax.config.mesh import AXES
 

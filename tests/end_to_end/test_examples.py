@@ -1,11 +1,10 @@
 """The scripts in examples/ run as a user runs them, and a stopped one resumes bit for bit."""
 
-import json
 import subprocess
 
 import numpy as np
 import pytest
-from conftest import PYTHON, REPO, subprocess_env
+from conftest import PYTHON, REPO, run_records, subprocess_env
 from doc_blocks import argv, command_lines, doc_block
 
 EXAMPLES = REPO / "examples"
@@ -26,10 +25,6 @@ def run_python(*arguments, cwd, env=None, timeout=300):
 
 def run_example(name, *overrides, cwd, env=None):
     return run_python(str(EXAMPLES / name), *QUIET, *overrides, cwd=cwd, env=env)
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.py")))
@@ -74,5 +69,5 @@ def test_own_image_folder_trains_a_cnn_on_a_folder_of_images(tmp_path):
     result = run_python(str(REPO / program), folder, *QUIET, *overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "classes ['blue', 'red']" in result.stdout
-    last = records(tmp_path / "runs" / "own_image_folder")[-1]
+    last = run_records(tmp_path / "runs" / "own_image_folder")[-1]
     assert last["step"] == 30 and last["eval_accuracy"] == 1.0  # colour is easy to see

@@ -5,13 +5,13 @@ conftest.TINY, a few steps), fill the placeholders (RUN_DIR, a folder of text) a
 optional `[...]` parts. Each must exit 0 and leave what the page says it leaves.
 """
 
-import json
 import re
 import shutil
 import subprocess
 
-from conftest import PYTHON, REPO, TINY, subprocess_env
-from doc_blocks import argv, command_lines, doc_block
+from conftest import PYTHON, REPO, TINY, run_records, subprocess_env
+from doc_blocks import argv, command_lines, doc_block, without_optional
+from test_examples import run_python
 
 SHORT = ["train.steps=4", "train.eval_every=2", "train.log_every=1"]
 QUIET = ["run.progress=false", "run.tensorboard=false"]
@@ -20,7 +20,7 @@ TAKES_OVERRIDES = ("paisoar_jax.train", "paisoar_jax.plan", "paisoar_jax.bench")
 
 def run_line(line, cwd, extra=(), timeout=600):
     """One command line of a page, in `cwd`, with `extra` overrides; its CompletedProcess."""
-    line = re.sub(r" \[(?:--|same )[^\]]*\]", "", line)  # "[--json]", "[same overrides ...]"
+    line = without_optional(line)
     line = line.split(" && ", 1)[-1]  # "pip install -e . && python -m ...": the install is ours
     environment, words = argv(line)
     module = words[2] if words[:2] == ["python", "-m"] else ""
@@ -48,14 +48,10 @@ def run_block(name, cwd, extra=(), replace=None):
     return results
 
 
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_the_first_run_tutorial(tmp_path):
     """Train, read metrics.jsonl, ask the doctor, change what runs: the tutorial's commands."""
     run_block("first-run-train", tmp_path, [*TINY, *SHORT])
-    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "default")[-1]["step"] == 4
     [printed] = run_block("first-run-metrics", tmp_path)
     assert printed.stdout.splitlines()[-1].startswith("4 ")  # step and loss per record
     [doctor] = run_block("first-run-doctor", tmp_path)
@@ -70,7 +66,7 @@ def test_configs_and_overrides(tmp_path):
     run_block("shipped-configs", tmp_path, [*TINY, *SHORT])
     run_block("overrides", tmp_path, [*TINY, *SHORT])
     for name in ("gpt2_124m", "gpt_1b", "my_run"):
-        assert records(tmp_path / "runs" / name)[-1]["step"] == 4, name
+        assert run_records(tmp_path / "runs" / name)[-1]["step"] == 4, name
 
 
 def test_a_stopped_run_resumes_on_another_mesh(tmp_path):
@@ -78,7 +74,9 @@ def test_a_stopped_run_resumes_on_another_mesh(tmp_path):
     run_line(first, tmp_path, [*TINY, *QUIET, "train.steps=3", "train.log_every=1"])
     resumed = run_line(second, tmp_path, [*TINY, *QUIET, "train.steps=6", "train.log_every=1"])
     assert "resum" in resumed.stdout + resumed.stderr
-    assert [record["step"] for record in records(tmp_path / "runs" / "default")] == [*range(1, 7)]
+    assert [record["step"] for record in run_records(tmp_path / "runs" / "default")] == [
+        *range(1, 7)
+    ]
 
 
 def test_the_meshes_pipeline_and_compressed_gradients(tmp_path):
@@ -88,7 +86,7 @@ def test_the_meshes_pipeline_and_compressed_gradients(tmp_path):
         ("int8-gradients", []),
     ):
         run_block(name, tmp_path, [*TINY, *SHORT, *extra, f"run.dir={name}"])
-        assert records(tmp_path / name)[-1]["step"] == 4, name
+        assert run_records(tmp_path / name)[-1]["step"] == 4, name
 
 
 def test_text_conversion_mixtures_and_the_input_bench(tmp_path):
@@ -100,19 +98,19 @@ def test_text_conversion_mixtures_and_the_input_bench(tmp_path):
     assert (tmp_path / "data" / "corpus" / "manifest.json").is_file()
     shutil.copytree(tmp_path / "data" / "corpus", tmp_path / "data" / "code")
     run_block("mixture", tmp_path, [*TINY, *SHORT, "run.dir=runs/mixture"])
-    assert records(tmp_path / "runs" / "mixture")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "mixture")[-1]["step"] == 4
     run_block("bench-data", tmp_path, [*TINY, "train.steps=3"])
 
 
 def test_export_then_fine_tune_from_it(tmp_path):
     run_line("python -m paisoar_jax.train", tmp_path, [*TINY, *SHORT])
     run_block("export-fine-tune", tmp_path, [*TINY, *SHORT])
-    assert records(tmp_path / "runs" / "tuned")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "tuned")[-1]["step"] == 4
 
 
 def test_the_shipped_digits_config(tmp_path):
     run_block("digits", tmp_path, [*QUIET, *SHORT])
-    assert "eval_accuracy" in records(tmp_path / "runs" / "digits")[-1]
+    assert "eval_accuracy" in run_records(tmp_path / "runs" / "digits")[-1]
 
 
 def test_plan_profile_and_the_doctors_scaling(tmp_path):
@@ -131,7 +129,7 @@ def test_plan_profile_and_the_doctors_scaling(tmp_path):
 
 def test_the_launcher_with_restarts_and_with_a_script_of_ones_own(tmp_path):
     run_block("launch-restarts", tmp_path, [*TINY, *SHORT], replace={"train.steps=100": ""})
-    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "default")[-1]["step"] == 4
     shutil.copytree(REPO / "examples", tmp_path / "examples")
     run_block("launch-own-script", tmp_path, [*QUIET], replace={"train.steps=100": "train.steps=4"})
 
@@ -163,23 +161,21 @@ def test_a_run_directory_holds_what_the_page_lists(tmp_path):
 
 def test_the_readmes_command_line_quick_start(tmp_path):
     run_block("quick-cli", tmp_path, [*TINY, *SHORT])
-    assert records(tmp_path / "runs" / "gpt2_124m")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "gpt2_124m")[-1]["step"] == 4
 
 
 def test_gradient_accumulation_at_the_pages_batch(tmp_path):
     """The page's global batch of 64 in 4 micro-batches (TINY's batch of 16 left out)."""
     model = [setting for setting in TINY if not setting.startswith("train.global_batch")]
     run_block("grad-accum", tmp_path, [*model, *SHORT])
-    assert records(tmp_path / "runs" / "default")[-1]["step"] == 4
+    assert run_records(tmp_path / "runs" / "default")[-1]["step"] == 4
 
 
 def run_python_block(name, cwd):
     """The block NAME as a script in cwd, run as a user runs it; what it printed."""
     script = cwd / f"{name}.py"
     script.write_text(doc_block(name).text)
-    result = subprocess.run(
-        [PYTHON, str(script)], cwd=cwd, env=subprocess_env(), capture_output=True, text=True
-    )
+    result = run_python(str(script), cwd=cwd)
     assert result.returncode == 0, (name, result.stderr[-3000:])
     return result.stdout
 
@@ -191,7 +187,7 @@ def test_the_fine_tuning_tutorial(tmp_path):
     quiet = [*QUIET, "train.log_every=50"]
     for line in command_lines(doc_block("ft-import-train")):
         run_line(f"XLA_FLAGS={one_device['XLA_FLAGS']} {line}", tmp_path, quiet)
-    logged = records(tmp_path / "runs" / "tuned")
+    logged = run_records(tmp_path / "runs" / "tuned")
     # From the random model's ln 256 before any update, it learns the bytes of Python.
     assert logged[-1]["loss"] < 0.5 * logged[0]["first_step_loss"], logged[0]
     run_block("ft-export", tmp_path)
@@ -206,7 +202,7 @@ def test_the_cluster_tutorial_gives_the_same_losses_on_two_processes(tmp_path):
     settings = [*TINY, "train.log_every=1", "train.eval_every=0", "checkpoint.every=3"]
     run_block("cluster-one", tmp_path, settings, replace={"train.steps=100": "train.steps=6"})
     run_block("cluster-two", tmp_path, settings, replace={"train.steps=100": "train.steps=6"})
-    one, two = (records(tmp_path / "runs" / name) for name in ("one", "two"))
+    one, two = (run_records(tmp_path / "runs" / name) for name in ("one", "two"))
     assert [record["step"] for record in two] == [*range(1, 7)]
     for mine, theirs in zip(one, two, strict=True):
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(mine["loss"]), (mine, theirs)

@@ -8,12 +8,10 @@ navigation, and the site's own search box finds config keys.
 import functools
 import http.server
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
-from conftest import REPO
+from test_docs import build_site
 
 WAIT_S = 30
 
@@ -22,14 +20,7 @@ WAIT_S = 30
 def site_url(tmp_path_factory):
     """The site built as CI builds it, served on 127.0.0.1 (search fetches its index)."""
     site = tmp_path_factory.mktemp("site")
-    build = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
+    build_site(site)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

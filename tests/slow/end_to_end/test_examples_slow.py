@@ -7,9 +7,9 @@ import signal
 import subprocess
 import time
 
-from conftest import PYTHON, subprocess_env
+from conftest import PYTHON, run_records, subprocess_env
 from doc_blocks import argv, command_lines, doc_block
-from test_examples import EXAMPLES, QUIET, records, run_example, run_python
+from test_examples import EXAMPLES, QUIET, run_example, run_python
 
 
 def test_own_mlp_learns_the_spirals(tmp_path):
@@ -48,7 +48,7 @@ def test_own_transformer_runs_on_fsdp_and_tensor(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh {'data': 1, 'fsdp': 2, 'tensor': 2}, 4 cpu devices" in result.stdout
-    losses = [record["loss"] for record in records(tmp_path / "runs" / "own_transformer")]
+    losses = [record["loss"] for record in run_records(tmp_path / "runs" / "own_transformer")]
     assert losses[-1] < losses[0]
 
 
@@ -56,8 +56,8 @@ def test_fine_tune_starts_from_the_export(tmp_path):
     result = run_example("fine_tune.py", "train.steps=60", "train.log_every=10", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "runs" / "spirals_pretrain" / "export" / "params").is_dir()
-    pre_trained = records(tmp_path / "runs" / "spirals_pretrain")
-    tuned = records(tmp_path / "runs" / "spirals_finetune")
+    pre_trained = run_records(tmp_path / "runs" / "spirals_pretrain")
+    tuned = run_records(tmp_path / "runs" / "spirals_finetune")
     # Started from the pre-trained weights, not from scratch: its first loss is already low.
     assert tuned[0]["loss"] < pre_trained[0]["loss"] / 2
 
@@ -97,14 +97,14 @@ def test_sigterm_then_resume_continues_bit_for_bit(tmp_path):
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr[-2000:]
     assert "stopped by SIGTERM" in stdout
-    stopped_at = records(tmp_path / "cut")[-1]["step"]
+    stopped_at = run_records(tmp_path / "cut")[-1]["step"]
     assert stopped_at < 40
     resumed = run_example("own_grain_pipeline.py", *settings, "run.dir=cut", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from step {stopped_at}" in resumed.stdout
     fields = ("loss", "accuracy", "grad_norm", "eval_loss")
-    want = {r["step"]: tuple(r.get(f) for f in fields) for r in records(tmp_path / "reference")}
-    got = {r["step"]: tuple(r.get(f) for f in fields) for r in records(tmp_path / "cut")}
+    want = {r["step"]: tuple(r.get(f) for f in fields) for r in run_records(tmp_path / "reference")}
+    got = {r["step"]: tuple(r.get(f) for f in fields) for r in run_records(tmp_path / "cut")}
     assert got == want
 
 

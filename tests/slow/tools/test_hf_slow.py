@@ -5,7 +5,6 @@ Hugging Face checkpoints in and out, checked against transformers itself (no hub
 
 import json
 import os
-import re
 import shutil
 import subprocess
 
@@ -167,10 +166,10 @@ def test_the_readme_supervised_fine_tuning_commands_run_as_written(chat_tokenize
     generated = tuned.generate(prompt, max_new_tokens=2, do_sample=False)
     assert generated.shape[1] > prompt.shape[1]
     # Then the page's generation: the command line on the import and on the run, and Python.
-    from doc_blocks import argv, command_lines, doc_block
+    from doc_blocks import argv, command_lines, doc_block, without_optional
 
     for line in command_lines(doc_block("generate")):
-        line = re.sub(r" \[[^\]]*\]", "", line).replace("runs/default", "runs/sft")
+        line = without_optional(line).replace("runs/default", "runs/sft")
         result = subprocess.run(
             [PYTHON, *argv(line)[1][1:]], cwd=tmp_path, env=env, capture_output=True, text=True
         )
