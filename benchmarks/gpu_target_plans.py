@@ -3,7 +3,7 @@
     python benchmarks/gpu_target_plans.py [h200 h100] [CONFIG ...]   # the gpu-aot extra
 
 Each config as it ships (its own mesh, batch and precision), compiled by XLA's GPU
-compiler for the target (`plan --target`, tools/gpu_target.py). Per config: memory per
+compiler for the target (`plan --target`, tools/plan/gpu_target.py). Per config: memory per
 device and whether it fits, the estimated step time and MFU (a roofline of the compiled
 kernels: compiled, not run), the compile time and the kernels (attention, gemm operand
 types, fp32 gemms, async collectives overlapped).
@@ -17,7 +17,8 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin loads without a driver so
 
 from paisoar_jax.config import load_config  # noqa: E402
-from paisoar_jax.tools import gpu_target, plan  # noqa: E402
+from paisoar_jax.tools import plan
+from paisoar_jax.tools.plan import gpu_target  # noqa: E402
 
 CONFIGS = sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
 

@@ -25,8 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import paisoar_jax
 from paisoar_jax.config import load_config
 from paisoar_jax.parallel import grad_comm, sharding
-from paisoar_jax.tools import hlo
-from paisoar_jax.tools.plan import LINKS
+from paisoar_jax.tools.plan import LINKS, hlo
 
 
 def exchange_function(setting: str, values: int):

@@ -41,8 +41,11 @@ import numpy as np  # noqa: E402
 
 from paisoar_jax.config import load_config  # noqa: E402
 from paisoar_jax.engine.memory import step_total  # noqa: E402
-from paisoar_jax.tools import gpu_target  # noqa: E402
-from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, plan  # noqa: E402
+from paisoar_jax.tools.plan import (  # noqa: E402
+    DEFAULT_EFFICIENCY,
+    gpu_target,  # noqa: E402
+    plan,
+)
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peers" / "gpt_jax.py"
 ROWS = {  # name: (config, devices, overrides)

@@ -18,8 +18,7 @@ import sys
 import jax
 
 from paisoar_jax.config import load_config
-from paisoar_jax.tools import hlo
-from paisoar_jax.tools.plan import LINKS, plan
+from paisoar_jax.tools.plan import LINKS, hlo, plan
 
 CIRCULAR = "train.pipeline_repeats=2"
 BATCHES = {"gpt_1b": ["train.global_batch=64"], "llama3_8b": ["train.global_batch=32"]}

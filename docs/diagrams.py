@@ -15,7 +15,7 @@ import textwrap
 # A run's steps, top to bottom: (what happens, the modules that do it).
 FLOW = (
     ("config: YAML + key=value overrides, checked", "config/"),
-    ("setup: mesh, rules, optimizer, state layout", "tasks/workload.py, parallel/"),
+    ("setup: mesh, rules, optimizer, state layout", "run/setup.py, parallel/"),
     ("the sharded train state (restored on resume)", "engine/state.py, checkpointing/"),
     ("grain: the global sampler, this process's rows", "data/pipeline.py"),
     ("device prefetch: global arrays a few batches ahead", "data/prefetch.py"),

@@ -7,8 +7,9 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
                                            returns a FitResult: the summary and .model, the
                                            trained module
     Eval(data, every=STEPS)                an eval set of fit's eval_sets with its own cadence
-    prepare(config, overrides, *, model, ...)  fit's pieces for a loop of one's own: .state,
-                                           .batches(), .train_step, .eval_step, .save, .model
+    prepare(config, overrides, *, model, ...)  fit's pieces for a loop of one's own, a Prepared:
+                                           .state, .batches(), .train_step, .evaluate,
+                                           .should_stop, .save, .log, .model
     load(run_dir_or_step, model=factory)   the trained module again, from disk (a zoo
                                            run or an import needs no factory)
     plan_fit(...), bench_fit(...)          the plan and the measured speed of the same run
@@ -28,14 +29,39 @@ public API (paisoar_jax/api.py and the helpers a model of one's own uses):
     force_policy(module, "fp32"), fp32_function   keep parts of a model in fp32
     UserError                              bad input (one line, exit status 2 from the CLI)
 
-Names are imported on first use, so `python -m paisoar_jax.train --help` starts fast.
+Names are imported on first use, so `python -m paisoar_jax.train --help` starts fast; type
+checkers and editors see them all, typed (the package ships py.typed).
 Importing the package changes nothing of the process (no environment variable, no jax
 setting): the platform is chosen where a run starts (runtime/platform.py).
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ loads them
+    from paisoar_jax.api import (
+        Eval,
+        FitResult,
+        bench_fit,
+        export_run,
+        fit,
+        initialize,
+        load,
+        plan_fit,
+        prepare,
+    )
+    from paisoar_jax.config import Config, load_config
+    from paisoar_jax.data.source_examples import source_examples
+    from paisoar_jax.data.sources import token_windows
+    from paisoar_jax.errors import UserError
+    from paisoar_jax.inference.generator import Generator
+    from paisoar_jax.numerics.precision import force_policy, fp32_function
+    from paisoar_jax.numerics.remat import remat_block
+    from paisoar_jax.parallel.pipeline import scan_layers
+    from paisoar_jax.parallel.sharding import input_slot
+    from paisoar_jax.run.prepared import Prepared
 
 
 _EXPORTS = {
@@ -59,8 +85,32 @@ _EXPORTS = {
     "force_policy": "paisoar_jax.numerics.precision",
     "fp32_function": "paisoar_jax.numerics.precision",
     "UserError": "paisoar_jax.errors",
+    "Prepared": "paisoar_jax.run.prepared",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [  # written out, so that linters and type checkers read it
+    "fit",
+    "FitResult",
+    "Eval",
+    "load",
+    "prepare",
+    "plan_fit",
+    "bench_fit",
+    "initialize",
+    "export_run",
+    "Generator",
+    "load_config",
+    "Config",
+    "remat_block",
+    "scan_layers",
+    "input_slot",
+    "token_windows",
+    "source_examples",
+    "force_policy",
+    "fp32_function",
+    "UserError",
+    "Prepared",
+    "__version__",
+]
 
 
 def __dir__() -> list[str]:

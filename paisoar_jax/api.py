@@ -24,9 +24,9 @@ import pathlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
-from paisoar_jax import output
+from paisoar_jax import cli, output
 from paisoar_jax.config import (
     Config,
     CustomModelConfig,
@@ -39,17 +39,15 @@ from paisoar_jax.run.result import FitResult
 from paisoar_jax.run.startup import start
 from paisoar_jax.runtime import heartbeat
 from paisoar_jax.runtime.platform import choose_platform
+from paisoar_jax.tasks.fit_parts import Eval as Eval  # public: paisoar_jax.Eval
 from paisoar_jax.tasks.fit_parts import (
-    DataLike,
-    LossFunction,
-    ModelLike,
-    OptimizerLike,
+    FitKeywords,
+    ModelKeywords,
     as_factory,
     build_workload,
+    check_keywords,
 )
-from paisoar_jax.tasks.fit_parts import Eval as Eval  # public: paisoar_jax.Eval
 from paisoar_jax.tasks.fit_parts import _program_name as _program_name  # (tests read it)
-from paisoar_jax.tools import cli
 
 if TYPE_CHECKING:
     from paisoar_jax.run.prepared import Prepared
@@ -133,40 +131,33 @@ def fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: ModelLike | None = None,
-    loss: LossFunction | None = None,
-    optimizer: OptimizerLike | None = None,
-    data: DataLike | None = None,
-    eval_data: DataLike | None = None,
-    eval_sets: dict[str, DataLike | Eval] | None = None,
-    flops_per_example: float | None = None,
-    exit_on_error: bool | None = None,
     raise_on_interrupt: bool = True,
+    exit_on_error: bool | None = None,
+    **parts: Unpack[FitKeywords],
 ) -> FitResult:
     """Trains `model` on `data` with `loss` as the config says; the summary and the model.
 
-    model: `rngs -> nnx.Module` (called abstractly: nothing full-size on one device), or
-        an nnx.Module instance whose weights are the start (placed with the shardings).
-    loss: `(model, batch, rng) -> (scalar loss, {name: scalar})`, taken in fp32.
-    optimizer: an optax GradientTransformation, or a function of the config's lr
-        schedule that returns one; default: the config's optim section. It runs as
-        given: clipped only when optim.clip_norm is set; the loss scaler (fp16) and grad
-        accumulation wrap it.
-    data, eval_data: examples (a grain MapDataset, a random-access source, a numpy array,
-        a dict or an (x, y) tuple of arrays) or batches (a grain IterDataset or a
-        re-iterable of per-process batches); eval_data None: no default eval set. Both,
-        and every eval set, are checked against the loss before the first step.
-    eval_sets: more eval sets, {name: data or Eval(data, every=STEPS)}, each evaluated on
-        its own cadence (default train.eval_every) and reported as eval_<name>_loss, ...
-    flops_per_example: training FLOPs per example, for MFU (None: MFU not reported).
-    raise_on_interrupt: Ctrl-C saves a checkpoint, then raises KeyboardInterrupt out of
-        fit (so a script stops there); False returns the result as for a finished run.
-    Returns a FitResult: the summary fields, and `.model`, the trained module.
+    Args:
+        config: a Config, a YAML path or a shipped config's name; None: the defaults.
+        overrides: `section.key=value` strings applied over it.
+        raise_on_interrupt: Ctrl-C saves a checkpoint, then raises KeyboardInterrupt out of
+            fit (so a script stops there); False returns the result as for a finished run.
+        exit_on_error: deprecated; a UserError left uncaught already exits with status 2.
+        **parts: a model of one's own and what trains it (`FitKeywords`): model, loss,
+            optimizer, data, eval_data, eval_sets, flops_per_example. No model: the
+            config's zoo model.
+
+    Returns:
+        A FitResult: the summary fields, `.model` (the trained module) and `.ema_model`.
+
+    Raises:
+        UserError: bad input, with one line naming it (exit status 2 when uncaught).
+
     """
-    parts = dict(model=model, loss=loss, optimizer=optimizer, data=data, eval_data=eval_data)
-    parts |= dict(eval_sets=eval_sets, flops_per_example=flops_per_example)
+    model = parts.get("model")
 
     def work() -> FitResult:
+        check_keywords(parts, FitKeywords, "fit")
         from paisoar_jax.run import loop
         from paisoar_jax.runtime.preemption import StopRequest
         from paisoar_jax.tasks import trained
@@ -197,33 +188,39 @@ def prepare(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: ModelLike | None = None,
-    loss: LossFunction | None = None,
-    optimizer: OptimizerLike | None = None,
-    data: DataLike | None = None,
-    eval_data: DataLike | None = None,
-    eval_sets: dict[str, DataLike | Eval] | None = None,
-    flops_per_example: float | None = None,
     exit_on_error: bool | None = None,
+    **parts: Unpack[FitKeywords],
 ) -> Prepared:
     """The pieces `fit` trains with, for a loop of one's own (run/prepared.py's Prepared).
 
-    Takes what `fit` takes. Returns `.state` (sharded; restored when the run directory holds
-    a checkpoint), `.start_step`, `.batches()` (global batches on the mesh from the state's
-    step), `.train_step(state, batch) -> (state, metrics)` (fit's compiled step),
-    `.eval_step`, `.mesh`, `.save(state)` and `.model(state)` (the NNX module of a state).
+    Args:
+        config: as `fit` takes it.
+        overrides: `section.key=value` strings applied over it.
+        exit_on_error: deprecated, as in `fit`.
+        **parts: `fit`'s keywords (`FitKeywords`): model, loss, optimizer, data,
+            eval_data, eval_sets, flops_per_example.
+
+    Returns:
+        A Prepared run: `.state` (sharded; restored when the run directory holds a
+        checkpoint), `.start_step`, `.batches()` (global batches on the mesh from the
+        state's step), `.train_step(state, batch) -> (state, metrics)` (fit's compiled
+        step), `.evaluate(state)` (fit's eval of every eval set), `.should_stop(step)`,
+        `.save(state)`, `.log(step, metrics)`, `.model(state)` and `.close()`.
+
+    Raises:
+        UserError: bad input, with one line naming it (exit status 2 when uncaught).
+
     """
-    parts = dict(model=model, loss=loss, optimizer=optimizer, data=data, eval_data=eval_data)
-    parts |= dict(eval_sets=eval_sets, flops_per_example=flops_per_example)
 
     def work() -> Prepared:
+        check_keywords(parts, FitKeywords, "prepare")
         from paisoar_jax.run.loop import open_sources
         from paisoar_jax.run.prepared import prepare_run
-        from paisoar_jax.tasks.workload import setup
+        from paisoar_jax.run.setup import setup
 
         resolved, run_workload = _started("paisoar_jax.prepare", config, overrides, parts)
-        train_source, _ = open_sources(run_workload.task, resolved.train.global_batch)
-        return prepare_run(setup(resolved, run_workload), run_workload, train_source)
+        train_source, eval_sets = open_sources(run_workload.task, resolved.train.global_batch)
+        return prepare_run(setup(resolved, run_workload), run_workload, train_source, eval_sets)
 
     return _run("paisoar_jax.prepare", work, exit_on_error)
 
@@ -273,36 +270,41 @@ def plan_fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: ModelLike | None = None,
-    loss: LossFunction | None = None,
-    optimizer: OptimizerLike | None = None,
-    data: DataLike | None = None,
-    flops_per_example: float | None = None,
     show: bool = True,
     target: str | None = None,
     hosts: int = 1,
     devices_per_host: int = 8,
     exit_on_error: bool | None = None,
+    **parts: Unpack[ModelKeywords],
 ) -> dict[str, Any]:
     """The plan of what `fit` would run (memory, each parameter's sharding, collectives).
 
-    model, loss, optimizer, data, flops_per_example: as `fit` takes them. `show` prints the
-    table. Devices: the ones jax sees (set XLA_FLAGS to simulate more on CPU), or with
-    `target` ("h200", "h100") `hosts` x `devices_per_host` of that GPU, compiled for
-    without one (the gpu-aot extra; `python -m paisoar_jax.plan --target` says more).
+    Args:
+        config: as `fit` takes it.
+        overrides: `section.key=value` strings applied over it.
+        show: print the table.
+        target: "h200" or "h100": compile for `hosts` x `devices_per_host` of that GPU
+            without one (the gpu-aot extra; `python -m paisoar_jax.plan --target` says
+            more); None: the devices jax sees (XLA_FLAGS simulates more on CPU).
+        hosts: the target's hosts.
+        devices_per_host: the target's GPUs per host.
+        exit_on_error: deprecated, as in `fit`.
+        **parts: model, loss, optimizer, data, flops_per_example, as `fit` takes them
+            (`ModelKeywords`).
+
+    Returns:
+        The plan as a JSON-ready dict (what `plan --json` prints).
+
     """
 
     def work() -> dict[str, Any]:
+        check_keywords(parts, ModelKeywords, "plan_fit")
         import jax
 
-        from paisoar_jax.tools import gpu_target
         from paisoar_jax.tools import plan as planning
+        from paisoar_jax.tools.plan import gpu_target
 
-        parts = dict(model=model, loss=loss, optimizer=optimizer, data=data)
-        resolved = resolve_config(config, overrides)
-        resolved, run_workload = build_workload(
-            resolved, **parts, flops_per_example=flops_per_example
-        )
+        resolved, run_workload = build_workload(resolve_config(config, overrides), **parts)
         devices = jax.devices()
         if target is not None:
             devices = gpu_target.target_devices(target, hosts, devices_per_host)
@@ -318,23 +320,29 @@ def bench_fit(
     config: ConfigLike = None,
     overrides: Sequence[str] = (),
     *,
-    model: ModelLike | None = None,
-    loss: LossFunction | None = None,
-    optimizer: OptimizerLike | None = None,
-    data: DataLike | None = None,
-    flops_per_example: float | None = None,
     scaling: bool = False,
     exit_on_error: bool | None = None,
+    **parts: Unpack[ModelKeywords],
 ) -> dict[str, Any]:
     """The measured speed of what `fit` would run (no checkpoints, no eval), as `bench` does.
 
-    model, loss, optimizer, data, flops_per_example: as `fit` takes them. Prints and
-    returns one JSON-ready dict: examples/s, step time, MFU, compile time, data wait.
-    `scaling`: as `bench --scaling`, the step on 1, 2, 4, ... devices, strong and weak;
-    prints the table, writes scaling.json in run.dir and returns what it holds.
+    Args:
+        config: as `fit` takes it.
+        overrides: `section.key=value` strings applied over it.
+        scaling: as `bench --scaling`, the step on 1, 2, 4, ... devices, strong and weak;
+            prints the table and writes scaling.json in run.dir.
+        exit_on_error: deprecated, as in `fit`.
+        **parts: model, loss, optimizer, data, flops_per_example, as `fit` takes them
+            (`ModelKeywords`).
+
+    Returns:
+        One JSON-ready dict (also printed): examples/s, step time, MFU, compile time and
+        data wait; with `scaling`, what scaling.json holds.
+
     """
 
     def work() -> dict[str, Any]:
+        check_keywords(parts, ModelKeywords, "bench_fit")
         import json
 
         from paisoar_jax.tools.bench import BENCH_OVERRIDES, bench_train
@@ -342,10 +350,7 @@ def bench_fit(
         resolved = resolve_config(config, [*overrides, *BENCH_OVERRIDES])
         if not resolved.run.dir:
             resolved = resolve_config(resolved, [f"run.dir=runs/bench/{resolved.run.name}"])
-        parts = dict(model=model, loss=loss, optimizer=optimizer, data=data)
-        resolved, run_workload = build_workload(
-            resolved, **parts, flops_per_example=flops_per_example
-        )
+        resolved, run_workload = build_workload(resolved, **parts)
         if scaling:
             from paisoar_jax.tools import scaling as measuring
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from paisoar_jax import cli
 from paisoar_jax.config import Config
-from paisoar_jax.tools import cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:

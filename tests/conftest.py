@@ -253,7 +253,7 @@ def task_for(config):
 def plan_run(overrides, devices, base=TINY):
     """(config, mesh, layout, lr_schedule) for TINY + overrides on `devices`: no arrays yet."""
     from paisoar_jax.config import load_config
-    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.run.setup import setup
     from paisoar_jax.tasks.zoo import zoo_workload
 
     config = load_config(None, list(base) + list(overrides))

@@ -36,9 +36,9 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.decoding import generate_rows, pick_token
 from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
+from paisoar_jax.run.setup import setup
 from paisoar_jax.runtime.platform import choose_platform
 from paisoar_jax.runtime.user_files import open_tokenizer, read_json
-from paisoar_jax.tasks.workload import setup
 from paisoar_jax.tasks.zoo import zoo_workload
 
 PROMPT_BUCKET = 16  # batched prompts of several lengths are padded to a multiple of this

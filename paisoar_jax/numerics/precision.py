@@ -191,7 +191,7 @@ def matmul_fp32_out(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     Its backward pass runs in the inputs' dtype: the fp32 cotangent is rounded to it before
     the two gradient matmuls, as PyTorch's autocast does. Plain autodiff would multiply the
     fp32 cotangent with the 16-bit operands as fp32 x fp32 gemms, several times slower on a
-    GPU (the GPU-target plan names them: tools/gpu_kernels.py). With fp32 inputs it is the
+    GPU (the GPU-target plan names them: tools/plan/gpu_kernels.py). With fp32 inputs it is the
     plain einsum.
     """
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:

@@ -18,32 +18,31 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paisoar_jax import output
-from paisoar_jax.checkpointing.checkpoint import checkpoint_directory
-from paisoar_jax.checkpointing.orbax_errors import describe_failure
+from paisoar_jax.checkpointing.checkpoint import Checkpointer, Restored, checkpoint_directory
 from paisoar_jax.config import Config
 from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, evaluate
-from paisoar_jax.errors import DivergenceError, HangError, UserError
+from paisoar_jax.errors import HangError, UserError
 from paisoar_jax.observe.monitor import IntervalTimer
-from paisoar_jax.parallel import sharding
-from paisoar_jax.run import oom, run_directory, run_records
+from paisoar_jax.run import oom, run_records
 from paisoar_jax.run.resume import (
     batch_change_note,
     make_checkpointer,
-    resume_input,
-    save,
+    open_input,
     saved_batch,
     schedule_change,
     starting_point,
 )
+from paisoar_jax.run.saving import Saver, config_text
+from paisoar_jax.run.setup import Setup, setup
 from paisoar_jax.runtime import full_disk, heartbeat, preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.runtime.watchdog import Watchdog, timeout_for
-from paisoar_jax.tasks.workload import Setup, Task, Workload, setup
+from paisoar_jax.tasks.workload import Task, Workload
 from paisoar_jax.tasks.zoo import zoo_workload
 
 HANG_STOP = "the hang watchdog"  # the stop request's name when the watchdog asks for it
@@ -127,7 +126,7 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
     ):
         # Before anything is written or cleaned up: the run directory is made and locked, and
         # a second run in it stops here.
-        cleanup.enter_context(RunLock(run_dir))
+        lock = cleanup.enter_context(RunLock(run_dir))
         checkpointer = make_checkpointer(run.checkpoint, run_dir)
         heartbeat.progress.run_dir = str(run_dir.absolute())
         if checkpointer is not None:
@@ -140,15 +139,8 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
         state, start_step, restored = starting_point(run, checkpointer)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(config_text(run))
-            changed = (
-                restored
-                and run.lr_schedule is not None
-                and schedule_change(restored, train, run.optim)
-            )
-            if changed:  # (the config's schedule only: a user's optimizer keeps its own)
-                output.note(changed)
-            if restored and (batch_note := batch_change_note(restored, train)):
-                output.note(batch_note)
+            for note in _resume_notes(run, restored):
+                output.note(note)
         if start_step >= train.steps:
             if is_main:
                 output.note(
@@ -160,13 +152,20 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
             return Finished(summary, state)
         batches = open_input(run, train_source, restored)
         cleanup.callback(batches.close)
-        limit_bytes = oom.device_limit_bytes(train.memory_limit_gb)
-        resumed_batch = saved_batch(restored) if restored else None
-        parts = RunParts.of(run, eval_sets, limit_bytes, resumed_batch)
+        loop = Loop(
+            run=run,
+            eval_sets=eval_sets,
+            batches=batches,
+            checkpointer=checkpointer,
+            lock=lock,
+            stop=stop,
+            watchdog=watchdog,
+            start_step=start_step,
+            resumed_batch=saved_batch(restored) if restored else None,
+            limit_bytes=oom.device_limit_bytes(train.memory_limit_gb),
+        )
         try:
-            summary, state, compiled = _run_loop(
-                parts, checkpointer, stop, watchdog, state, start_step, batches
-            )
+            summary, state, compiled = _run_loop(loop, state)
         except oom.OutOfMemoryError as error:  # kept for `doctor`: metrics.jsonl may be empty
             if is_main:
                 with contextlib.suppress(OSError):  # (the report is the error; the file a copy)
@@ -177,130 +176,112 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
     return Finished(summary, state, compiled)
 
 
-def config_text(run: Setup) -> str:
-    """What the run writes to <run.dir>/config.yaml: the task's note, then the config."""
-    return run.task.config_note + run.config_yaml
+def _resume_notes(run: Setup, restored: Restored | None) -> list[str]:
+    """What a resume changed: the config's schedule (not a user optimizer's), the batch."""
+    if restored is None:
+        return []
+    notes = []
+    if run.lr_schedule is not None and (changed := schedule_change(restored, run.train, run.optim)):
+        notes.append(changed)
+    if batch_note := batch_change_note(restored, run.train):
+        notes.append(batch_note)
+    return notes
 
 
-def open_input(run: Setup, train_source, restored) -> DevicePrefetcher:
-    """The batches this process trains on, moved to the checkpoint's position, on the devices."""
-    train, data = run.train, run.data
-    host_iterator = iter(
-        run.task.host_batches(
-            train_source,
-            global_batch=train.global_batch,
-            seed=train.seed,
-            train=True,
-            workers=data.workers,
-        )
-    )
-    if restored is not None:
-        note = resume_input(host_iterator, restored, data, train)
-        if note and jax.process_index() == 0:
-            output.note(note)
-    return DevicePrefetcher(
-        host_iterator, sharding.batch_sharding(run.mesh), data.prefetch, data.check_finite
-    )
+@dataclasses.dataclass
+class Loop:
+    """What the loop works with: the run's Setup, and what `run` opened for it.
+
+    `instruments` and `saver` are made once the step has compiled (the progress bar and
+    metrics.jsonl start with the first step).
+    """
+
+    run: Setup
+    eval_sets: tuple[EvalSet, ...]  # the default one first; none: no eval
+    batches: DevicePrefetcher
+    checkpointer: Checkpointer | None
+    lock: RunLock  # taken again when the run directory is made again
+    stop: StopRequest
+    watchdog: Watchdog
+    start_step: int  # the step the state has done (0, or the checkpoint's)
+    resumed_batch: int | None  # the global batch of the checkpoint resumed from
+    limit_bytes: int | None  # what one device may hold, for the out-of-memory report
+    instruments: run_records.Instruments = dataclasses.field(init=False)
+    saver: Saver = dataclasses.field(init=False)
 
 
-@dataclasses.dataclass(frozen=True)
-class RunParts(Setup):
-    """What the loop works with: the run's Setup, and what `run` adds before the first step."""
-
-    eval_sets: tuple[EvalSet, ...] = ()  # the default one first; none: no eval
-    limit_bytes: int | None = None  # what one device may hold, for the out-of-memory report
-    resumed_batch: int | None = None  # the global batch of the checkpoint resumed from
-
-    @classmethod
-    def of(
-        cls,
-        run: Setup,
-        eval_sets: tuple[EvalSet, ...],
-        limit_bytes: int | None,
-        resumed_batch: int | None = None,
-    ) -> RunParts:
-        """`run`'s fields, with the eval sets, the memory limit and the resumed batch."""
-        fields = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)}
-        return cls(
-            **fields, eval_sets=eval_sets, limit_bytes=limit_bytes, resumed_batch=resumed_batch
-        )
-
-
-def _run_loop(parts: RunParts, checkpointer, stop, watchdog, state, start_step: int, batches):
-    """Compiles the step, then runs it from start_step + 1: log, eval, save, stop.
+def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
+    """Compiles the step, then runs it from the start step + 1: log, eval, save, stop.
 
     Returns (summary, final state, the compiled step). The watchdog hears of each step's
     progress and of the phase the loop is in.
     """
-    train_config, steps = parts.train, parts.train.steps
+    run, batches, watchdog, start_step = loop.run, loop.batches, loop.watchdog, loop.start_step
+    steps = run.train.steps
     first_batch = next(batches)
-    train_step, eval_step = _compile(parts, state, first_batch, watchdog.paused)
-    run_records.say_compiled(parts, train_step.compile_s, start_step)
-    instruments = run_records.instruments(parts, start_step)
-    history = run_records.start_history(parts, state, start_step)
-    stopped_by, step, first_save = None, start_step, True
+    train_step, eval_step = _compile(loop, state, first_batch)
+    run_records.say_compiled(run, train_step.compile_s, start_step)
+    instruments = run_records.instruments(run, state, start_step, loop.resumed_batch)
+    loop.instruments = instruments
+    loop.saver = saver = Saver(run, loop.checkpointer, batches, instruments, loop.lock)
+    stopped_by, step = None, start_step
     train_start = time.perf_counter()
     instruments.timer.restart(step=start_step)
     in_flight: collections.deque = collections.deque()
     for step in range(start_step + 1, steps + 1):
         is_first = step == start_step + 1
-        watchdog.phase = "data"
-        batch = _next_batch(batches, first_batch if is_first else None, instruments.timer)
-        watchdog.phase = "step"
-        state, metrics = _run_step(parts, train_step, state, batch, step, is_first, instruments)
+        with watchdog.waiting_in("data"):
+            batch = first_batch if is_first else _next_batch(batches, instruments.timer)
+        with watchdog.waiting_in("step"):
+            state, metrics = _run_step(loop, train_step, state, batch, step)
         if is_first:  # before any update: a nan comes from the batch or the loss
-            _check_first_step(parts, batches, start_step, checkpointer, metrics, instruments)
-        stop.stepping = True  # a signal from now on saves the step reached
+            _check_input(batches, start_step, loop.checkpointer)
+            run_records.check_first_step(run, step, metrics, instruments)
+        loop.stop.stepping = True  # a signal from now on saves the step reached
         in_flight.append(metrics["loss"])
         if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one
             in_flight.popleft().block_until_ready()
         heartbeat.progress.step = step  # what the launcher names if this process stalls
         watchdog.progressed(step)
-        is_last = step == steps
-        due = [one for one in parts.eval_sets if one.is_due(step, is_last)]
+        due = [one for one in loop.eval_sets if one.is_due(step, step == steps)]
         # An eval step is also a log step: its eval results join that step's record.
-        is_log_step = step % train_config.log_every == 0 or is_last or bool(due)
-        if is_log_step:
-            watchdog.phase = "log"
-            _check_input(batches, start_step, checkpointer)  # before the loss is judged
-            _keep_directories(parts, checkpointer, instruments, step, state, batches)
-            record = run_records.log_record(parts, step, metrics, train_step, instruments, history)
-            record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
-            if due:  # after the timings: eval time is not step time
-                with watchdog.paused():  # its first call compiles
-                    record |= _evaluate(parts, eval_step, state, step, history, due)
-            run_records.write_record(record, parts.task, instruments)
-        stopped_by = stop_agreed(stop, step, is_log_step)
+        is_log_step = step % run.train.log_every == 0 or step == steps or bool(due)
+        stopped_by = stop_agreed(loop.stop, step, is_log_step)
         stop_now = stopped_by is not None
-        if checkpointer is not None and _is_save_step(
-            parts.checkpoint.every, steps, step, stop_now
-        ):
-            if not is_log_step:  # no save holds what a batch of nan made
-                _check_input(batches, start_step, checkpointer)
-            watchdog.phase = "save"
-            with watchdog.paused() if first_save else contextlib.nullcontext():  # it compiles
-                _timed_save(checkpointer, step, state, batches, parts, instruments)
-            first_save = False
+        if is_log_step or saver.is_due(step, stop_now):
+            # Before the loss is judged, and no save holds what a batch of nan made.
+            _check_input(batches, start_step, loop.checkpointer)
+        if is_log_step:
+            with watchdog.waiting_in("log"):
+                saver.keep_directories(step, state)
+                record = run_records.log_record(run, step, metrics, train_step, instruments)
+                record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
+                if due:  # after the timings: eval time is not step time
+                    with watchdog.paused():  # its first call compiles
+                        record |= _evaluate(loop, eval_step, state, step, due)
+                run_records.write_record(record, run.task, instruments)
+        if saver.is_due(step, stop_now):
+            with watchdog.waiting_in("save", untimed=not saver.has_saved):  # the first compiles
+                saver.save(step, state)
             watchdog.progressed(step)
         if stop_now:
             break
-    watchdog.phase = "save"
-    if checkpointer is not None:  # committed before we say it is saved
-        _commit_last_save(parts, checkpointer, instruments, step, state, batches)
+    with watchdog.waiting_in("save"):
+        saver.finish(step, state)  # committed before we say it is saved
     instruments.close(step)
-    stopped_by = _stopped_by(stop, stopped_by)
+    stopped_by = _stopped_by(loop.stop, stopped_by)
     train_s = time.perf_counter() - train_start
     if stopped_by == HANG_STOP:  # the hang cleared in time for a save: still a failure
+        checkpointer = loop.checkpointer
         where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
         raise HangError(f"stopped by the hang watchdog after step {step}; {where}")
-    run_records.say_stopped(stopped_by, step, checkpointer)
-    summary = run_records.summary(parts, history, instruments.timer, step, start_step, train_s)
+    run_records.say_stopped(stopped_by, step, loop.checkpointer)
+    summary = run_records.summary(run, instruments, step, train_s)
     summary |= {"compile_s": train_step.compile_s, "stopped_by": stopped_by}
-    sample = None
     if not stopped_by:
         with watchdog.paused():  # the sample's decoding compiles
-            sample = parts.task.closing_sample(parts.layout, state, parts.mesh)
-    summary = summary if sample is None else {**summary, "sample": sample}
+            sample = run.task.closing_sample(run.layout, state, run.mesh)
+        summary |= {} if sample is None else {"sample": sample}
     return summary, state, train_step.compiled
 
 
@@ -317,38 +298,41 @@ def _stopped_by(stop: StopRequest, agreed: str | None) -> str | None:
     return stopped_by
 
 
-def _compile(parts: RunParts, state, first_batch, untimed) -> tuple[CompiledStep, Any]:
+def _compile(loop: Loop, state, first_batch) -> tuple[CompiledStep, Any]:
     """The train step compiled for the first batch (out of memory: a readable error).
 
-    `untimed`: a context the step's later compiles (a new batch shape) run in.
+    Its later compiles (a new batch shape) run with the watchdog paused.
     """
-    layout, mesh, limit_bytes = parts.layout, parts.mesh, parts.limit_bytes
-    with oom.readable_out_of_memory(parts.memory, layout, limit_bytes):
-        jitted = parts.jit_train_step()
-        one_at_a_time = one_step_at_a_time(layout, mesh)
+    run, limit_bytes = loop.run, loop.limit_bytes
+    with oom.readable_out_of_memory(run.memory, run.layout, limit_bytes):
         train_step = CompiledStep(
-            jitted, state, first_batch, one_at_a_time=one_at_a_time, untimed=untimed
+            run.jit_train_step(),
+            state,
+            first_batch,
+            one_at_a_time=one_step_at_a_time(run.layout, run.mesh),
+            untimed=loop.watchdog.paused,
         )
-    if parts.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
-        oom.check_fits(parts.memory, layout, train_step.compiled, limit_bytes)
-    return train_step, readable_errors_of(parts.jit_eval_step())
+    if run.train.memory_limit_gb:  # the device's own limit: its allocator is the judge
+        oom.check_fits(run.memory, run.layout, train_step.compiled, limit_bytes)
+    return train_step, readable_errors_of(run.jit_eval_step())
 
 
-def _next_batch(batches, ready, timer: IntervalTimer):
-    """The next batch (`ready` when given); the time waited counts as data wait."""
+def _next_batch(batches, timer: IntervalTimer):
+    """The next batch; the time waited counts as data wait."""
     wait_start = time.perf_counter()
-    batch = ready if ready is not None else next(batches)
+    batch = next(batches)
     timer.wait_s += time.perf_counter() - wait_start
     return batch
 
 
-def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instruments):
+def _run_step(loop: Loop, train_step: CompiledStep, state, batch, step: int):
     """One train step; dispatch only, except the first, which waits (and may run out of memory)."""
+    run, instruments = loop.run, loop.instruments
     dispatch_start = time.perf_counter()
     instruments.profiler.before(step)
-    if is_first:  # XLA reports running out of memory once the step runs
-        compiled, limit_bytes = train_step.compiled, parts.limit_bytes
-        with oom.readable_out_of_memory(parts.memory, parts.layout, limit_bytes, compiled):
+    if step == loop.start_step + 1:  # XLA reports running out of memory once the step runs
+        compiled, limit_bytes = train_step.compiled, loop.limit_bytes
+        with oom.readable_out_of_memory(run.memory, run.layout, limit_bytes, compiled):
             state, metrics = jax.block_until_ready(train_step(state, batch))
     else:  # (the first step waited for the device: its time is not host time)
         state, metrics = train_step(state, batch)
@@ -358,23 +342,16 @@ def _run_step(parts, train_step, state, batch, step: int, is_first: bool, instru
     return state, metrics
 
 
-def _check_first_step(
-    parts: RunParts, batches, start_step: int, checkpointer, metrics, instruments
-):
-    """The batch first (it names a non-finite value), then the loss and gradient norm."""
-    _check_input(batches, start_step, checkpointer)
-    run_records.check_first_step(parts, start_step + 1, metrics, instruments)
-
-
-def _evaluate(parts, eval_step, state, step: int, history, due) -> dict[str, float]:
+def _evaluate(loop: Loop, eval_step, state, step: int, due) -> dict[str, float]:
     """The metrics of the eval sets `due` at this step, shown above the progress bar.
 
     The default set's are eval_loss, ...; a named set's eval_<name>_loss, ...
     """
+    run, history = loop.run, loop.instruments.history
     start = time.perf_counter()
     shown = {}
     for one in due:
-        results = evaluate(eval_step, state, one.source, parts.task, parts.train, parts.mesh, step)
+        results = evaluate(eval_step, state, one.source, run.task, run.train, run.mesh, step)
         shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
     history.eval_results |= shown  # each set's latest, for the summary
     history.eval_s += time.perf_counter() - start
@@ -384,7 +361,9 @@ def _evaluate(parts, eval_step, state, step: int, history, due) -> dict[str, flo
     return shown
 
 
-def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> None:
+def _check_input(
+    batches: DevicePrefetcher, start_step: int, checkpointer: Checkpointer | None
+) -> None:
     """Stops once a batch holding nan or inf was trained on: the data is the cause.
 
     Called at log and save steps, so a non-finite loss is blamed on the data rather than the
@@ -408,81 +387,4 @@ def _check_input(batches: DevicePrefetcher, start_step: int, checkpointer) -> No
         f"the batch of step {bad_step} holds non-finite values ({what}): the data is the "
         f"cause, not the learning rate; drop or repair those examples (or set "
         f"data.check_finite=false if your loss masks them){kept}"
-    )
-
-
-def _is_save_step(every: int, steps: int, step: int, stop_now: bool) -> bool:
-    """Every checkpoint.every (`every`) steps, the last step (`steps`), and a stop."""
-    return bool(every and step % every == 0) or step == steps or stop_now
-
-
-def _timed_save(checkpointer, step: int, state, batches, parts: RunParts, instruments) -> None:
-    """Starts the save; the time the loop blocks on it is save time, not step time."""
-    save_start = time.perf_counter()
-    try:
-        checkpointer.wait()  # the save in flight first: what it writes takes room too
-    except Exception as error:  # its directory went away under it, most often
-        _say_save_failed(checkpointer, error, f"saving step {step} now instead")
-        _keep_directories(parts, checkpointer, instruments, step, state, batches)
-        run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
-    _keep_directories(parts, checkpointer, instruments, step, state, batches)
-    estimate_bytes = full_disk.tree_bytes(parts.layout.abstract_state)
-    full_disk.check_room(parts.run_dir, checkpointer.directory, estimate_bytes)
-    try:
-        save(checkpointer, step, state, batches, parts)
-    except (UserError, DivergenceError):
-        raise
-    except Exception as error:  # the directory went away again while the save started
-        _say_save_failed(checkpointer, error, f"saving step {step} again")
-        _keep_directories(parts, checkpointer, instruments, step, state, batches)
-        run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
-        save(checkpointer, step, state, batches, parts)
-    save_s = time.perf_counter() - save_start
-    instruments.timer.start_time += save_s
-    instruments.timer.save_s += save_s
-
-
-def _commit_last_save(parts: RunParts, checkpointer, instruments, step: int, state, batches):
-    """Waits for the last save; one that failed is made again, or rescued elsewhere."""
-    try:
-        checkpointer.wait()
-        return
-    except Exception as error:
-        _say_save_failed(checkpointer, error, f"saving step {step} again")
-    _keep_directories(parts, checkpointer, instruments, step, state, batches)
-    run_directory.reopen(checkpointer, step, _saver(parts, step, state, batches), parts.run_dir)
-    try:
-        save(checkpointer, step, state, batches, parts)
-        checkpointer.wait()
-    except UserError:
-        raise
-    except Exception as error:
-        why = describe_failure(error)
-        run_directory.rescue(
-            checkpointer, step, _saver(parts, step, state, batches), why, parts.run_dir
-        )
-
-
-def _say_save_failed(checkpointer, error: Exception, then: str) -> None:
-    if jax.process_index() == 0:
-        output.warning(
-            f"a checkpoint save in {checkpointer.directory} failed ({describe_failure(error)}); "
-            f"{then}"
-        )
-
-
-def _saver(parts: RunParts, step: int, state, batches):
-    """save_to(checkpointer): saves the step reached there (for a rescue)."""
-    return lambda checkpointer: save(checkpointer, step, state, batches, parts)
-
-
-def _keep_directories(parts: RunParts, checkpointer, instruments, step: int, state, batches):
-    """A vanished run or checkpoint directory is made again (run_directory.py)."""
-    run_directory.keep_directories(
-        parts.run_dir,
-        checkpointer,
-        instruments.writer,
-        lambda: config_text(parts),
-        step,
-        _saver(parts, step, state, batches),
     )

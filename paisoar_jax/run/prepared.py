@@ -1,91 +1,227 @@
 """A run's pieces for a loop of one's own: the state, the batches, the compiled step, a save.
 
 `paisoar_jax.prepare` builds them as `fit` does (the same mesh, shardings, precision, loss
-scaling, accumulation, input order and resume) and hands them over; the loop, its logging
-and when it saves are the caller's:
+scaling, accumulation, input order and resume) and hands them over; the loop is the
+caller's, with fit's actions a call each:
 
-    prepared = paisoar_jax.prepare(config, overrides, model=MyModel, loss=my_loss, data=data)
+    prepared = paisoar_jax.prepare(config, overrides, model=MyModel, loss=my_loss, data=data,
+                                   eval_data=held_out)
     state = prepared.state                      # sharded; restored when a checkpoint exists
     for step, batch in zip(range(prepared.start_step + 1, 101), prepared.batches()):
         state, metrics = prepared.train_step(state, batch)
+        if step % 10 == 0:
+            prepared.log(step, metrics)         # a metrics.jsonl record, as fit's
         if step % 50 == 0:
+            prepared.log(step, prepared.evaluate(state, step))   # every eval set, whole
+        if step % 50 == 0 or prepared.should_stop(step):         # SIGTERM: saves, then ends
             prepared.save(state)
+        if prepared.should_stop(step):
+            break
+    prepared.close()                            # the last save committed
     model = prepared.model(state)               # the NNX module, for inference
 
-`fit` is the same pieces in run/loop.py's loop, with its actions (logging, eval, checkpoints,
-signals). Batches continue from the state's step: after a resume, the first batch is the one
-the interrupted run would have trained on next.
+The run directory holds what fit's does (config.yaml, metrics.jsonl, checkpoints/, the
+run's lock), so `paisoar_jax.load`, `generate`, `export` and the doctor read it. Batches
+continue from the state's step: after a resume, the first batch is the one the interrupted
+run would have trained on next. A state or batch that does not belong to this run is one
+line naming what differs (run_checks.py), never a silent new compile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
-from paisoar_jax.checkpointing.checkpoint import Checkpointer
-from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time
+from paisoar_jax import output
+from paisoar_jax.checkpointing.checkpoint import Checkpointer, Restored
+from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
+from paisoar_jax.engine.evaluation import EvalSet, evaluate
 from paisoar_jax.errors import UserError
-from paisoar_jax.run.loop import open_input
-from paisoar_jax.run.resume import make_checkpointer, save, starting_point
+from paisoar_jax.run import run_records
+from paisoar_jax.run.loop import stop_agreed
+from paisoar_jax.run.resume import make_checkpointer, open_input, saved_batch, starting_point
+from paisoar_jax.run.run_checks import check_batch, check_state
+from paisoar_jax.run.saving import Saver, config_text
+from paisoar_jax.run.setup import Setup
+from paisoar_jax.runtime import preemption
+from paisoar_jax.runtime.preemption import StopRequest
+from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.tasks import trained
-from paisoar_jax.tasks.workload import Setup, Workload
+from paisoar_jax.tasks.workload import Workload
 
 
 @dataclasses.dataclass
-class Prepared:
-    """The pieces of a prepared run (see the module docstring)."""
+class Opened:
+    """What `prepare` opened for a run: its checkpoints, lock, stop signals and eval sets."""
 
-    mesh: Mesh
-    state: Any  # the train state: sharded, at `start_step`
-    start_step: int  # the step the state has done (0, or the checkpoint's)
-    run: Setup
-    workload: Workload
-    train_source: Any
     checkpointer: Checkpointer | None
-    restored: Any = None
-    _batches: Any = None
-    _train_step: CompiledStep | None = None
-    _eval_step: Any = None
+    lock: RunLock
+    stop: StopRequest
+    eval_sets: tuple[EvalSet, ...]
+    restored: Restored | None = None
+
+
+class Prepared:
+    """The pieces of a prepared run (see the module docstring).
+
+    Attributes:
+        state: the train state, sharded, at `start_step`.
+        start_step: the step the state has done (0, or the checkpoint's).
+        mesh: the device mesh the run is sharded over.
+        run: the run's Setup (layout, sections, compiled-step options).
+
+    """
+
+    def __init__(self, run: Setup, workload: Workload, train_source: Any, opened: Opened):
+        self.run, self.mesh, self.workload = run, run.mesh, workload
+        self._train_source, self._opened = train_source, opened
+        with jax.set_mesh(run.mesh):
+            self.state, self.start_step, opened.restored = starting_point(run, opened.checkpointer)
+        if jax.process_index() == 0:  # what load, export and the doctor read
+            (run.run_dir / "config.yaml").write_text(config_text(run))
+        self._batches: Any = None
+        self._train_step: CompiledStep | None = None
+        self._eval_step: Any = None
+        self._instruments: run_records.Instruments | None = None
+        self._saver = Saver(run, opened.checkpointer, None, None, opened.lock)
+        self._last_state: Any = None  # the state train_step returned last (checked once)
+        self._step = self.start_step  # the steps this run has done
 
     def batches(self) -> Iterator[Any]:
         """Global batches on the mesh, from the one after the state's step, for ever."""
         if self._batches is None:
-            self._batches = open_input(self.run, self.train_source, self.restored)
-        return self._batches
+            self._batches = open_input(self.run, self._train_source, self._opened.restored)
+            self._saver.batches = self._batches
+        return self._timed(self._batches)
+
+    def _timed(self, batches: Any) -> Iterator[Any]:
+        """The batches; the time waited for each counts as data wait in the records."""
+        while True:
+            wait_start = time.perf_counter()
+            batch = next(batches)
+            if self._instruments is not None:
+                self._instruments.timer.wait_s += time.perf_counter() - wait_start
+            yield batch
 
     def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        """One step: (new state, metrics). `state` is donated: use the state it returns."""
+        """One step: (new state, metrics). `state` is donated: use the state it returns.
+
+        A state of another run (another model, mesh or optimizer) or a batch of another
+        shape is refused in one line naming what differs.
+        """
+        if state is not self._last_state:
+            check_state(state, self.run.layout)
+        check_batch(batch, self.run.task.batch_shape(self.run.train.global_batch))
         with jax.set_mesh(self.mesh):
             if self._train_step is None:
-                self._train_step = CompiledStep(
-                    self.run.jit_train_step(),
-                    state,
-                    batch,
-                    one_at_a_time=one_step_at_a_time(self.run.layout, self.mesh),
-                    untimed=contextlib.nullcontext,
-                )
-            return self._train_step(state, batch)
+                self._compile(state, batch)
+            instruments = self._instruments
+            instruments.profiler.before(self._step + 1)
+            state, metrics = self._train_step(state, batch)
+        if self._step == self.start_step:  # before any update: a nan is the batch's or loss's
+            run_records.check_first_step(self.run, self._step + 1, metrics, instruments)
+            self._opened.stop.stepping = True  # a signal from now on waits for should_stop
+        self._step += 1
+        instruments.profiler.after(self._step, metrics)
+        instruments.progress.update(1)
+        self._last_state = state
+        return state, metrics
 
-    def eval_step(self, state: Any, batch: Any) -> Any:
-        """The task's per-row eval sums of `batch` (engine/evaluation.py reads them)."""
+    def _compile(self, state: Any, batch: Any) -> None:
+        """Fit's train step compiled for `batch`, and the records opened as fit opens them."""
+        self._train_step = CompiledStep(
+            self.run.jit_train_step(),
+            state,
+            batch,
+            one_at_a_time=one_step_at_a_time(self.run.layout, self.mesh),
+            untimed=contextlib.nullcontext,
+        )
+        run_records.say_compiled(self.run, self._train_step.compile_s, self.start_step)
+        restored = self._opened.restored
+        self._instruments = run_records.instruments(
+            self.run, state, self.start_step, saved_batch(restored) if restored else None
+        )
+        self._saver.instruments = self._instruments
+        self._instruments.timer.restart(step=self.start_step)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Writes a metrics.jsonl record of `step`, as fit's loop does; the record.
+
+        `metrics`: what train_step returned (the record then has fit's fields: loss, lr,
+        grad_norm, loss_scale, step_time_s, tokens_per_s or examples_per_s, mfu,
+        data_wait_frac, ...), or what `evaluate` returned (eval_loss, ...), or both merged.
+        """
+        if self._instruments is None:
+            raise UserError("log(step, metrics) comes after the first train_step")
+        evals = {name: value for name, value in metrics.items() if name.startswith("eval_")}
+        record = {"step": step}
+        if "loss" in metrics:
+            record = run_records.log_record(
+                self.run, step, metrics, self._train_step, self._instruments
+            )
+        run_records.write_record(record | evals, self.run.task, self._instruments)
+        return record | evals
+
+    def eval_step(self, state: Any, batch: Any) -> dict[str, jax.Array]:
+        """The task's eval sums over the rows of one global batch, with "rows": their count.
+
+        Each metric's mean over the batch is its sum / rows. `evaluate` does this over
+        whole eval sets, as fit does (the last batch's padding rows left out).
+        """
+        if state is not self._last_state:
+            check_state(state, self.run.layout)
+        check_batch(batch, self.run.task.batch_shape(self.run.train.global_batch))
         with jax.set_mesh(self.mesh):
-            if self._eval_step is None:
-                self._eval_step = self.run.jit_eval_step()
-            return self._eval_step(state, batch)
+            real_B = jax.numpy.ones((self.run.train.global_batch,), bool)
+            real_B = jax.device_put(real_B, self._batch_sharding())
+            return self._eval()(state.params, state.model_state, batch, real_B)
+
+    def evaluate(self, state: Any, step: int | None = None) -> dict[str, float]:
+        """The eval of every eval set (eval_data, eval_sets), each whole, as fit evaluates.
+
+        Each metric's mean, named as fit names them in metrics.jsonl (eval_loss,
+        eval_<name>_loss, ...); {} without eval sets. `step`: a mixture's weights' step.
+        """
+        results: dict[str, float] = {}
+        with jax.set_mesh(self.mesh):
+            for one in self._opened.eval_sets:
+                run = self.run
+                means = evaluate(
+                    self._eval(), state, one.source, run.task, run.train, run.mesh, step or 0
+                )
+                results |= {f"{one.prefix}{name}": value for name, value in means.items()}
+        if self._instruments is not None:
+            self._instruments.history.eval_results |= results
+        if results and jax.process_index() == 0:
+            shown = ", ".join(f"{name} {value:.4f}" for name, value in results.items())
+            output.note(f"step {step or self._step}: {shown}", prefixed=False)
+        return results
+
+    def should_stop(self, step: int) -> bool:
+        """Whether a stop signal (SIGTERM, Ctrl-C) came: save the state, then leave the loop.
+
+        Several processes agree (a small collective every 10 steps), so all stop at the
+        same step; call it at every step, from every process.
+        """
+        return stop_agreed(self._opened.stop, step, False) is not None
 
     def save(self, state: Any) -> int:
-        """Saves `state` with the input's position (async); the step saved."""
-        if self.checkpointer is None:
+        """Saves `state` with the input's position (async); the step saved.
+
+        A step already saved is left as it is (saving it again does nothing).
+        """
+        if self._opened.checkpointer is None:
             raise UserError("checkpoint.enabled=false: this run has nowhere to save")
         step = int(jax.device_get(state.step))
+        if self._batches is None:
+            self.batches()
         with jax.set_mesh(self.mesh):
-            self.checkpointer.wait()
-            save(self.checkpointer, step, state, self.batches(), self.run)
+            self._saver.save(step, state)
         return step
 
     def model(self, state: Any) -> Any:
@@ -97,21 +233,49 @@ class Prepared:
         )
 
     def close(self) -> None:
-        """Waits for a save in flight and stops the input's workers."""
-        if self._batches is not None:
-            self._batches.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        """Commits the last save, closes the records, stops the input and frees the run.
+
+        After a stop signal (should_stop), the process then ends as fit's would.
+        """
+        opened = self._opened
+        try:
+            if opened.checkpointer is not None:
+                opened.checkpointer.close()  # waits for the save in flight
+            if self._instruments is not None:
+                self._instruments.close(self._step)
+            if self._batches is not None:
+                self._batches.close()
+        finally:
+            opened.lock.__exit__(None, None, None)
+            if opened.stop.signal_name is not None:  # saved: more signals end the process
+                preemption.stop_saved(opened.stop.signal_name)
+            opened.stop.__exit__(None, None, None)
+
+    def _eval(self) -> Any:
+        if self._eval_step is None:
+            self._eval_step = readable_errors_of(self.run.jit_eval_step())
+        return self._eval_step
+
+    def _batch_sharding(self) -> Any:
+        from paisoar_jax.parallel import sharding
+
+        return sharding.batch_sharding(self.mesh)
 
 
-def prepare_run(run: Setup, workload: Workload, train_source: Any) -> Prepared:
-    """The Prepared run of a set-up run (`workload.setup`): restored or initialised.
+def prepare_run(
+    run: Setup, workload: Workload, train_source: Any, eval_sets: tuple[EvalSet, ...]
+) -> Prepared:
+    """The Prepared run of a set-up run (run/setup.py): locked, restored or initialised.
 
-    `train_source`: the task's train source (loop.open_sources opened and checked it).
+    `train_source`, `eval_sets`: the task's (loop.open_sources opened and checked them).
     """
-    checkpointer = make_checkpointer(run.checkpoint, run.run_dir)
-    with jax.set_mesh(run.mesh):
-        state, start_step, restored = starting_point(run, checkpointer)
-    return Prepared(
-        run.mesh, state, start_step, run, workload, train_source, checkpointer, restored
-    )
+    stop = StopRequest(speaks=jax.process_index() == 0).__enter__()
+    lock = RunLock(run.run_dir)
+    try:
+        lock.__enter__()
+        checkpointer = make_checkpointer(run.checkpoint, run.run_dir)
+        return Prepared(run, workload, train_source, Opened(checkpointer, lock, stop, eval_sets))
+    except BaseException:
+        lock.__exit__(None, None, None)
+        stop.__exit__(None, None, None)
+        raise

@@ -1,10 +1,10 @@
 """Where a run starts and what a save keeps: the loop's side of checkpoints.
 
 `starting_point` gives the state a run starts from: the newest (or a named) checkpoint,
-exported params to fine-tune (`checkpoint.init_from`), or a fresh init. `resume_input` moves
-the input to the position the checkpoint saved. `save` stores the state with that position
-and what it belongs to (`input_signature`), so a resume on another topology continues the
-same order. Orbax itself is driven by checkpoint.py.
+exported params to fine-tune (`checkpoint.init_from`), or a fresh init. `open_input` opens
+the input on the devices, moved (`resume_input`) to where the checkpoint left it. `save`
+stores the state with that position and what it belongs to (`input_signature`), so a resume
+on another topology continues the same order. Orbax itself is driven by checkpoint.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ from paisoar_jax.checkpointing.weights import abstract_weights, load_weights
 from paisoar_jax.config import CheckpointConfig, DataConfig, MeshConfig, OptimConfig, TrainConfig
 from paisoar_jax.data.mixture import MixtureBatches
 from paisoar_jax.data.pipeline import GlobalBatches, resume_position
+from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine import lora
 from paisoar_jax.engine.state import StateLayout, init_state
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics.loss_scale import all_finite
-from paisoar_jax.tasks.workload import Setup, Task
+from paisoar_jax.parallel import sharding
+from paisoar_jax.run.setup import Setup
+from paisoar_jax.tasks.workload import Task
 
 
 def make_checkpointer(settings: CheckpointConfig, run_dir: pathlib.Path) -> Checkpointer | None:
@@ -197,6 +200,27 @@ def schedule_change(restored: Restored, train: TrainConfig, optim: OptimConfig) 
         f"learning-rate schedule (optim.schedule={optim.schedule}, optim.warmup_steps="
         f"{optim.warmup_steps}) now spans {steps} steps, so the learning rate from step "
         f"{restored.step + 1} on is not the one the run had before"
+    )
+
+
+def open_input(run: Setup, train_source: Any, restored: Restored | None) -> DevicePrefetcher:
+    """The batches this process trains on, moved to the checkpoint's position, on the devices."""
+    train, data = run.train, run.data
+    host_iterator = iter(
+        run.task.host_batches(
+            train_source,
+            global_batch=train.global_batch,
+            seed=train.seed,
+            train=True,
+            workers=data.workers,
+        )
+    )
+    if restored is not None:
+        note = resume_input(host_iterator, restored, data, train)
+        if note and jax.process_index() == 0:
+            output.note(note)
+    return DevicePrefetcher(
+        host_iterator, sharding.batch_sharding(run.mesh), data.prefetch, data.check_finite
     )
 
 

@@ -1,6 +1,6 @@
 """A run directory that vanishes mid-run (a cleanup script, a wrong `rm -rf`) costs no training.
 
-The loop asks `restore_vanished` at every log step and before every save. A run directory or
+The Saver (saving.py) asks at every log step and before every save. A run directory or
 checkpoint directory that is gone is made again, with the run's config.yaml, and the loop
 reopens metrics.jsonl and the checkpointer there, then says so in one line; the next
 checkpoint goes there as planned. Where the directory cannot be written again (its parent
@@ -68,32 +68,6 @@ def rescue_directory(run_dir: pathlib.Path) -> pathlib.Path:
     """Where a checkpoint goes when the run's own directory cannot be written."""
     name = f"paisoar_jax-rescue-{run_dir.name or 'run'}-{os.getpid()}"
     return pathlib.Path(tempfile.gettempdir()) / name / "checkpoints"
-
-
-def keep_directories(
-    run_dir: pathlib.Path,
-    checkpointer: Any,
-    writer: Any,
-    config_text: Callable[[], str],
-    step: int,
-    save_to: Callable[[Any], None],
-) -> None:
-    """Makes the run's vanished directories again and reopens what writes there.
-
-    `checkpointer`: the run's (or None); `writer`: the MetricsWriter; `save_to(checkpointer)`
-    saves the step reached, for the rescue when a directory cannot be made again.
-    """
-    checkpoint_dir = checkpointer.directory if checkpointer is not None else None
-    gone = vanished(run_dir, checkpoint_dir)
-    if not gone:
-        return
-    try:
-        restore_vanished(gone, run_dir, config_text, step)
-    except OSError as error:
-        rescue(checkpointer, step, save_to, f"{error.strerror or error}", run_dir)
-    writer.reopen()
-    if checkpointer is not None:
-        reopen(checkpointer, step, save_to, run_dir)
 
 
 def reopen(

@@ -1,9 +1,9 @@
 """What a run records and says: metrics.jsonl, the progress bar and the lines a user reads.
 
-The loop (loop.py) calls these at its explicit points: `instruments` before the first step,
-`say_compiled` after compiling, `log_record` and `write_record` at each log step,
-`say_stopped` after a stop signal, `summary` and `print_summary` at the end. `parts` is the
-loop's RunParts.
+The loop (loop.py) calls these at its explicit points: `say_compiled` after compiling,
+`instruments` before the first step, `log_record` and `write_record` at each log step,
+`say_stopped` after a stop signal, `summary` and `print_summary` at the end. Each reads the
+run's Setup and the Instruments, which carry what the run has seen so far.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from typing import Any
 import jax
 
 from paisoar_jax import output
+from paisoar_jax.checkpointing.checkpoint import Checkpointer
+from paisoar_jax.engine.compilation import CompiledStep
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics import loss_scale
 from paisoar_jax.observe.metrics import MetricsWriter, device_peak_tflops
 from paisoar_jax.observe.monitor import IntervalTimer, StepProfiler, check_health, device_memory
 from paisoar_jax.parallel import sharding
 from paisoar_jax.run import oom
+from paisoar_jax.run.setup import Setup
 from paisoar_jax.tasks.workload import Task
 
 
@@ -36,13 +39,13 @@ class History:
     eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
 
 
-def start_history(parts: Any, state: Any, start_step: int) -> History:
+def start_history(run: Setup, state: Any, start_step: int) -> History:
     """An empty History; with a loss scaler, the scale and skipped steps at start_step.
 
     So the first log interval counts towards the steps skipped in a row, as the later do.
     """
     history = History()
-    if parts.precision.loss_scale_mode()[0] != "none":
+    if run.precision.loss_scale_mode()[0] != "none":
         values = jax.device_get(loss_scale.scale_metrics(state.opt_state))
         start = (start_step, float(values["loss_scale"]), int(values["skipped_steps"]))
         history.scales.append(start)
@@ -57,6 +60,9 @@ class Instruments:
     writer: MetricsWriter
     progress: Any  # tqdm
     profiler: StepProfiler
+    history: History
+    start_step: int  # the step the run started from (0, or the checkpoint's)
+    resumed_batch: int | None = None  # the global batch of the checkpoint resumed from
     first_step_loss: float | None = None  # before any update: about chance for a fresh model
 
     def close(self, step: int) -> None:
@@ -66,12 +72,18 @@ class Instruments:
         self.writer.close()
 
 
-def instruments(parts: Any, start_step: int) -> Instruments:
-    """Timers in the task's unit, the metrics writer, the progress bar and the profiler."""
-    task, train_config, run_dir = parts.task, parts.train, parts.run_dir
+def instruments(
+    run: Setup, state: Any, start_step: int, resumed_batch: int | None = None
+) -> Instruments:
+    """Timers in the task's unit, the metrics writer, the progress bar, profiler and history.
+
+    `state`: the state the run starts from; `resumed_batch`: the global batch of the
+    checkpoint it resumed from (a change is recorded in the first record).
+    """
+    task, train_config, run_dir = run.task, run.train, run.run_dir
     timer = IntervalTimer(
         units_per_step=train_config.global_batch * task.units_per_example(),
-        flops_per_unit=task.flops_per_unit(parts.layout.flops_param_count),
+        flops_per_unit=task.flops_per_unit(run.layout.flops_param_count),
         peak_tflops=device_peak_tflops(train_config.peak_tflops),
         unit=task.unit,
     )
@@ -80,7 +92,7 @@ def instruments(parts: Any, start_step: int) -> Instruments:
         initial=start_step,
         desc="train",
         disable=not (
-            parts.reporting.progress and output.shows_progress() and jax.process_index() == 0
+            run.reporting.progress and output.shows_progress() and jax.process_index() == 0
         ),
     )
     return Instruments(
@@ -88,38 +100,41 @@ def instruments(parts: Any, start_step: int) -> Instruments:
         writer=MetricsWriter(
             run_dir,
             resume_step=start_step,
-            reporting=parts.reporting,
-            record=parts.record,
-            optimizer=parts.given_optimizer,
+            reporting=run.reporting,
+            record=run.record,
+            optimizer=run.given_optimizer,
         ),
         progress=progress,
         profiler=StepProfiler(train_config.profile_steps, run_dir / "profile"),
+        history=start_history(run, state, start_step),
+        start_step=start_step,
+        resumed_batch=resumed_batch,
     )
 
 
-def say_compiled(parts: Any, compile_s: float, start_step: int) -> None:
+def say_compiled(run: Setup, compile_s: float, start_step: int) -> None:
     """The line after compiling: model size, mesh, devices, compile time."""
     if jax.process_index() != 0:
         return
     resumed = f", resumed from step {start_step}" if start_step else ""
     output.note(
-        f"{parts.layout.describe_size()}, "
-        f"mesh {sharding.mesh_sizes(parts.mesh)}, "
+        f"{run.layout.describe_size()}, "
+        f"mesh {sharding.mesh_sizes(run.mesh)}, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"compiled in {compile_s:.1f}s{resumed}"
     )
 
 
 def log_record(
-    parts: Any, step: int, metrics: Any, train_step: Any, instruments: Instruments, history: History
+    run: Setup, step: int, metrics: Any, train_step: CompiledStep, instruments: Instruments
 ) -> dict[str, Any]:
     """The metrics.jsonl record of a log step (the one host sync between logs), health-checked."""
     values = jax.device_get(metrics)
-    timer = instruments.timer
+    timer, history = instruments.timer, instruments.history
     record = {
         "step": step,
         "loss": float(values["loss"]),
-        **{name: float(values[name]) for name in parts.task.metric_names},
+        **{name: float(values[name]) for name in run.task.metric_names},
         "lr": float(values["lr"]) if "lr" in values else None,
         "grad_norm": float(values["grad_norm"]),
         "loss_scale": float(values["loss_scale"]),
@@ -131,7 +146,7 @@ def log_record(
     }
     if not history.losses:  # the first record also says what ran
         platform = jax.devices()[0].platform
-        layout = parts.layout
+        layout = run.layout
         record |= {"compile_s": train_step.compile_s, "param_count": layout.param_count}
         record["platform"] = platform
         # What the doctor compares with: the loss before any update (a fresh model's is about
@@ -140,21 +155,21 @@ def log_record(
         record["process_count"], record["device_count"] = jax.process_count(), jax.device_count()
         affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
         record["host_cores"] = len(affinity(0)) if affinity else os.cpu_count()
-        batch, resumed_batch = parts.train.global_batch, parts.resumed_batch
+        batch, resumed_batch = run.train.global_batch, instruments.resumed_batch
         record["global_batch"] = batch
         if resumed_batch is not None and resumed_batch != batch:  # said in a line at start
             record["global_batch_changed"] = [resumed_batch, batch]
         # Whether optim.lr sets the learning rate (the doctor's advice depends on it).
-        record["lr_source"] = "config" if parts.lr_schedule is not None else "optimizer"
+        record["lr_source"] = "config" if run.lr_schedule is not None else "optimizer"
         if record["lr"] is None and jax.process_index() == 0:
             output.note(
                 "lr is not logged: your optimizer's learning rate cannot be read; build it "
                 "with optax.inject_hyperparams to log it"
             )
     # A user's own optimizer (fit's optimizer=optax...) has its own learning rate.
-    lower_lr = "lower optim.lr" if parts.lr_schedule is not None else "lower your optimizer's lr"
+    lower_lr = "lower optim.lr" if run.lr_schedule is not None else "lower your optimizer's lr"
     try:
-        check_health(record, parts.precision, history.scales, lower_lr)
+        check_health(record, run.precision, history.scales, lower_lr)
     except DivergenceError:
         instruments.writer.write(record)  # the record that shows the divergence is kept
         raise
@@ -171,7 +186,7 @@ def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -
     instruments.timer.restart(record["step"])
 
 
-def check_first_step(parts: Any, step: int, metrics: Any, instruments: Instruments) -> None:
+def check_first_step(run: Setup, step: int, metrics: Any, instruments: Instruments) -> None:
     """The first step of a run, before any update: a loss that is not finite, or no gradient.
 
     The weights were finite (fresh, or a checkpoint save checked them), so a loss that is
@@ -183,12 +198,12 @@ def check_first_step(parts: Any, step: int, metrics: Any, instruments: Instrumen
     loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
     instruments.first_step_loss = loss
     if jax.process_index() == 0:  # this step fits: a record of one that did not is old
-        oom.clear_record(parts.run_dir)
+        oom.clear_record(run.run_dir)
     if not math.isfinite(loss):
         instruments.writer.write(
             {"step": step, "loss": loss, "grad_norm": grad_norm, "before_update": True}
         )
-        fp16 = ", or activations beyond fp16's range" if "16" in parts.precision.policy else ""
+        fp16 = ", or activations beyond fp16's range" if "16" in run.precision.policy else ""
         raise UserError(
             f"the loss is {loss} at step {step}, before any update: the inputs or labels are "
             f"the likely cause, not the learning rate (labels outside [0, classes), a log or "
@@ -202,17 +217,16 @@ def check_first_step(parts: Any, step: int, metrics: Any, instruments: Instrumen
         )
 
 
-def say_stopped(stopped_by: str | None, step: int, checkpointer: Any) -> None:
+def say_stopped(stopped_by: str | None, step: int, checkpointer: Checkpointer | None) -> None:
     """After a stop signal: which step was saved, and where."""
     if stopped_by and jax.process_index() == 0:
         where = f"saved step {step} to {checkpointer.directory}" if checkpointer else "not saved"
         output.note(f"stopped by {stopped_by} after step {step}; {where}")
 
 
-def summary(
-    parts: Any, history: History, timer: IntervalTimer, step: int, start_step: int, train_s: float
-) -> dict:
+def summary(run: Setup, instruments: Instruments, step: int, train_s: float) -> dict:
     """The run's summary: losses, last eval, throughput in the task's unit, where it wrote."""
+    history, timer, start_step = instruments.history, instruments.timer, instruments.start_step
     return {
         "steps": step,
         "first_loss": history.losses[0] if history.losses else None,
@@ -225,10 +239,10 @@ def summary(
         / max(train_s - history.eval_s, 1e-9),
         "train_s": train_s,
         "eval_s": history.eval_s,
-        "run_dir": str(parts.run_dir),
+        "run_dir": str(run.run_dir),
         "resumed_from": start_step,
-        "param_count": parts.layout.param_count,
-        "flops_param_count": parts.layout.flops_param_count,
+        "param_count": run.layout.param_count,
+        "flops_param_count": run.layout.flops_param_count,
     }
 
 

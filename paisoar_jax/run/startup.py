@@ -1,6 +1,6 @@
 """What every entry point does once its config is loaded, before it touches a device.
 
-The command-line tools (tools/cli.py `run`) and `paisoar_jax.fit` call `start`, so a run
+The command-line tools (cli.py `run`) and `paisoar_jax.fit` call `start`, so a run
 begins the same way from either door, in this order:
 
 1. absl's flags are marked parsed: grain's worker processes read them, and once jax is

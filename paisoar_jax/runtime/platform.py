@@ -8,7 +8,7 @@ backend, so no run prints the plugin's driver error and traceback.
 Model code that picks a kernel by platform (cuDNN attention on a GPU, fp32 attention for fp16
 on a CPU) asks `compile_platform()`, not `jax.default_backend()`: `plan --target h200`
 compiles on a CPU-only machine for compile-only GPU devices, and the step it builds must be
-the one a GPU would run (tools/gpu_target.py).
+the one a GPU would run (tools/plan/gpu_target.py).
 """
 
 from __future__ import annotations

@@ -64,6 +64,16 @@ class Watchdog:
         self._last = time.monotonic()
 
     @contextlib.contextmanager
+    def waiting_in(self, phase: str, untimed: bool = False) -> Iterator[None]:
+        """The loop works in `phase` (data, step, log, save) inside; the line names it.
+
+        `untimed`: not timed either (paused: a first save or eval compiles).
+        """
+        self.phase = phase
+        with self.paused() if untimed else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """What runs inside is not timed (a compile); the clock restarts after it."""
         last, self._last = self._last, None

@@ -1,11 +1,10 @@
 """What `fit`, `prepare`, `plan_fit` and `bench_fit` are given, made into a run's workload.
 
-The keywords they share, typed once here: `model` (a factory `nnx.Rngs -> nnx.Module`, or a
-module whose weights are the start), `loss` (`(model, batch, rng) -> (loss, metrics)`),
-`optimizer` (an optax GradientTransformation, a function of the config's lr schedule that
-returns one, or None for the config's optim section), `data` and `eval_data` (examples or
-batches: data/user_data.py), `eval_sets` ({name: data or Eval(data, every)}) and
-`flops_per_example`. `build_workload` checks them and makes the Workload a run trains.
+The keywords they share are declared once here, as `ModelKeywords` (what plan_fit and
+bench_fit take) and `FitKeywords` (what fit and prepare take: those and the eval sets);
+each function's signature is `**parts: Unpack[FitKeywords]`, so an editor or mypy sees every
+keyword and flags a misspelt one, and `check_keywords` refuses one at run time.
+`build_workload` checks their values and makes the Workload a run trains.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import inspect
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 from paisoar_jax.config import (
     Config,
@@ -48,6 +47,55 @@ DataLike = Union[
     "grain.IterDataset",
     "Iterable[Any]",
 ]
+
+
+class ModelKeywords(TypedDict, total=False):
+    """The keywords of a model of one's own, shared by fit, prepare, plan_fit and bench_fit.
+
+    model: `rngs -> nnx.Module` (called abstractly: nothing full-size on one device), or
+        an nnx.Module instance whose weights are the start (placed with the shardings).
+        None (left out): the config's zoo model.
+    loss: `(model, batch, rng) -> (scalar loss, {name: scalar})`, taken in fp32.
+    optimizer: an optax GradientTransformation, or a function of the config's lr
+        schedule that returns one; left out: the config's optim section. It runs as
+        given: clipped only when optim.clip_norm is set; the loss scaler (fp16) and grad
+        accumulation wrap it.
+    data: examples (a grain MapDataset, a random-access source, a numpy array, a dict or
+        an (x, y) tuple of arrays) or batches (a grain IterDataset or a re-iterable of
+        per-process batches), checked against the loss before the first step.
+    flops_per_example: training FLOPs per example, for MFU (left out: no MFU).
+    """
+
+    model: ModelLike | None
+    loss: LossFunction | None
+    optimizer: OptimizerLike | None
+    data: DataLike | None
+    flops_per_example: float | None
+
+
+class FitKeywords(ModelKeywords, total=False):
+    """ModelKeywords and the eval sets: what fit and prepare take.
+
+    eval_data: held-out data as `data` takes it: the default eval set, reported as
+        eval_loss, ... every train.eval_every steps; left out: no default eval set.
+    eval_sets: more eval sets, {name: data or Eval(data, every=STEPS)}, each evaluated on
+        its own cadence (default train.eval_every) and reported as eval_<name>_loss, ...
+    """
+
+    eval_data: DataLike | None
+    eval_sets: dict[str, DataLike | Eval] | None
+
+
+def check_keywords(parts: Mapping[str, Any], keywords: type, function: str) -> None:
+    """Refuses a keyword `keywords` (a TypedDict of them) does not declare, in one line."""
+    import difflib
+
+    known = list(keywords.__annotations__)
+    for name in parts:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}=?" if close else f"; it takes {', '.join(known)}"
+            raise UserError(f"{function}() got an unexpected keyword {name}={hint}")
 
 
 def build_workload(

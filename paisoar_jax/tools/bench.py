@@ -26,10 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from paisoar_jax import output
+from paisoar_jax import cli, output
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import cli
 
 BENCH_OVERRIDES = [
     "checkpoint.enabled=false",
@@ -152,13 +151,12 @@ def _estimate(
     """What `plan --target` predicts for the step that ran, beside what it measured.
 
     On a GPU that is a plan target (H200, H100): the roofline estimate of the very program
-    that ran (tools/gpu_target.py), one device's step (collectives not priced: bench runs
+    that ran (tools/plan/gpu_target.py), one device's step (collectives not priced: bench runs
     one process); None elsewhere.
     """
     import jax
 
-    from paisoar_jax.tools import gpu_target
-    from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY
+    from paisoar_jax.tools.plan import DEFAULT_EFFICIENCY, gpu_target
 
     device = jax.devices()[0]
     target = gpu_target.target_of(device.device_kind) if device.platform == "gpu" else None

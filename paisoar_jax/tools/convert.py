@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paisoar_jax import output
+from paisoar_jax.cli import exit_status
 from paisoar_jax.data import records
 from paisoar_jax.data.conversations import FORMATS
 from paisoar_jax.data.text_conversion import DEFAULT_RECORD_TOKENS, TextConversion, convert_text
@@ -45,7 +46,6 @@ from paisoar_jax.data.writing import (
 )
 from paisoar_jax.errors import UserError
 from paisoar_jax.tools import hf
-from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.hf.layouts import ARCHITECTURES
 
 PROGRAM = "paisoar_jax.convert"

@@ -14,9 +14,9 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+from paisoar_jax.cli import exit_status
 from paisoar_jax.errors import UserError
 from paisoar_jax.output import describe_params, note
-from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.export"
 

@@ -29,9 +29,9 @@ import sys
 from collections.abc import Sequence
 
 from paisoar_jax import output
+from paisoar_jax.cli import exit_status
 from paisoar_jax.errors import UserError
 from paisoar_jax.inference.generator import Generator, Text
-from paisoar_jax.tools.cli import exit_status
 
 PROGRAM = "paisoar_jax.generate"
 

@@ -59,7 +59,7 @@ def bare_loop_ms(config: Config) -> float:
     from paisoar_jax.engine.compilation import one_step_at_a_time
     from paisoar_jax.engine.state import init_state
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.run.setup import setup
     from paisoar_jax.tasks.zoo import zoo_workload
 
     run = setup(config, zoo_workload(config))

@@ -86,7 +86,7 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
     from paisoar_jax.data.prefetch import DevicePrefetcher
     from paisoar_jax.engine.state import init_state
     from paisoar_jax.parallel import sharding
-    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.run.setup import setup
 
     run = setup(config, workload, devices)
     train, task = run.train, run.task
@@ -138,7 +138,7 @@ def measure(config: Config, workload: Any, devices: list, steps: int, trace_dir:
 
 def _collectives(step: Any, state: Any, batch: Any, devices: int) -> dict[str, dict]:
     """Plan's account of the compiled step's collectives: bytes and seconds on PROJECTED_LINK."""
-    from paisoar_jax.tools import hlo
+    from paisoar_jax.tools.plan import hlo
     from paisoar_jax.tools.plan.core import LINKS
 
     found, _ = hlo.analyze(step.lower(state, batch).compile().as_text(), devices)

@@ -16,7 +16,7 @@ from paisoar_jax.config import load_config
 from paisoar_jax.engine.state import init_state
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
-from paisoar_jax.tasks.workload import setup
+from paisoar_jax.run.setup import setup
 
 LLAMA_LORA = ["model.name=llama", "model.kv_heads=2", "lora.rank=4", "lora.alpha=8"]
 ADAMW = ["optim.name=adamw", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.weight_decay=0.1"]

@@ -7,7 +7,7 @@ import pytest
 
 from paisoar_jax.config import OptimConfig, load_config
 from paisoar_jax.engine.optim import build_lr_schedule, build_optimizer, decay_mask, scaled_lr
-from paisoar_jax.tasks.workload import optimizer_for
+from paisoar_jax.run.setup import optimizer_for
 
 
 def test_warmup_then_cosine_to_final_fraction():

@@ -17,7 +17,7 @@ from paisoar_jax.engine.state import init_state
 from paisoar_jax.engine.step import jit_eval_step, jit_train_step, loss_and_grads
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import rules, sharding
-from paisoar_jax.tasks.workload import setup
+from paisoar_jax.run.setup import setup
 from paisoar_jax.tools.doctor import command as doctor
 
 BASE = FIT_BASE  # a model of one's own through fit: log each step, no eval

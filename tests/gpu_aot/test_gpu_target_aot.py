@@ -1,6 +1,6 @@
 """The gpu_aot tier beside tests/tools/test_gpu_target.py: what needs the CUDA plugin.
 
-Steps compiled for an 8 x H200 target on this CPU machine (tools/gpu_target.py): what the GPU
+Steps compiled for an 8 x H200 target on this CPU machine (tools/plan/gpu_target.py): what the GPU
 compiler makes of them. The gpu_aot tier (`python -m pytest -m gpu_aot`, with the gpu-aot
 extra's CUDA plugin); the first tests run in any environment.
 """
@@ -20,7 +20,7 @@ from test_gpu_target import (
     target_plan,
 )
 
-from paisoar_jax.tools import gpu_target
+from paisoar_jax.tools.plan import gpu_target
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)

@@ -213,7 +213,7 @@ TENSOR_RULES = {
 def own_step_jaxpr(kind, overrides):
     from paisoar_jax import api
     from paisoar_jax.engine.step import jit_train_step
-    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.run.setup import setup
 
     rng = np.random.default_rng(0)
     data = {"x": OWN_DATA[kind](rng), "y": rng.integers(0, 10, 64).astype(np.int32)}

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import grad_comm
-from paisoar_jax.tools import hlo
+from paisoar_jax.tools.plan import hlo
 
 
 def compiled_step(overrides, devices):

@@ -29,7 +29,7 @@ from paisoar_jax.inference.generator import placement
 from paisoar_jax.parallel import pipeline
 from paisoar_jax.parallel import rules as rules_table
 from paisoar_jax.run.oom import memory_fixes
-from paisoar_jax.tasks.workload import setup
+from paisoar_jax.run.setup import setup
 from paisoar_jax.tasks.zoo import check_model
 from paisoar_jax.tools.doctor import findings
 from paisoar_jax.tools.plan.core import memory_settings

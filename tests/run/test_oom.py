@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY
 
+from paisoar_jax import cli
 from paisoar_jax.config import load_config
 from paisoar_jax.engine import memory
 from paisoar_jax.errors import UserError
 from paisoar_jax.run import oom
-from paisoar_jax.tools import cli, plan
+from paisoar_jax.tools import plan
 from paisoar_jax.tools.plan.core import memory_settings
 
 PEBIBYTE = 2**50

@@ -1,4 +1,4 @@
-"""The GPU roofline's byte counts (paisoar_jax/tools/gpu_kernels.py) on small programs.
+"""The GPU roofline's byte counts (paisoar_jax/tools/plan/gpu_kernels.py) on small programs.
 
 The programs are compiled for the CPU here: the estimator reads any XLA program's
 post-optimisation HLO, and these hold the loop shapes a scanned stack of layers makes (a
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from paisoar_jax.tools import gpu_kernels
+from paisoar_jax.tools.plan import gpu_kernels
 
 N = 1 << 16  # elements of one row
 ROW = N * 4  # its bytes (fp32)

@@ -1,5 +1,5 @@
-"""Steps compiled for an 8 x H200 target on this CPU machine (tools/gpu_target.py): what the GPU
-compiler makes of them. The gpu_aot tier (`python -m pytest -m gpu_aot`, with the gpu-aot
+"""Steps compiled for an 8 x H200 target on this CPU machine (tools/plan/gpu_target.py): what
+the GPU compiler makes of them. The gpu_aot tier (`python -m pytest -m gpu_aot`, with the gpu-aot
 extra's CUDA plugin); the first tests run in any environment."""
 
 import functools
@@ -8,7 +8,7 @@ import subprocess
 
 from conftest import PYTHON, REPO, subprocess_env
 
-from paisoar_jax.tools import gpu_target
+from paisoar_jax.tools.plan import gpu_target
 
 CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))
 SMALL = ["train.global_batch=8"]  # per config: the shapes are the config's

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paisoar_jax.tools import hlo
+from paisoar_jax.tools.plan import hlo
 
 # Written the way XLA prints a compiled module. The loops: `outer` runs 4 times (its
 # backend_config says so, although its condition's constant says 99); `inner`, inside it,

@@ -20,7 +20,7 @@ import paisoar_jax
 from paisoar_jax.checkpointing.weights import checkpoint_step, load_weights
 from paisoar_jax.config import LoraConfig, load_config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tasks.workload import setup
+from paisoar_jax.run.setup import setup
 from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
 from paisoar_jax.tools.hf import peft as peft_format

@@ -51,10 +51,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paisoar_jax import output
+from paisoar_jax.cli import exit_status
 from paisoar_jax.config import FIT_CONFIG_MARK, config_from_dict, load_config, to_dict
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.oom import RECORD_NAME
-from paisoar_jax.tools.cli import exit_status
 from paisoar_jax.tools.doctor import (
     findings,
     gradient_findings,

@@ -8,7 +8,7 @@ built; `--devices N` simulates N devices on CPU) and reports, per device:
   not donated, generated code and their total;
 - the collectives one step runs, by kind and element type (f32; u16 and s8 for the bf16
   and int8 gradient exchange of mesh.grad_comm), with their bytes, read from the compiled
-  HLO (paisoar_jax/tools/hlo.py says how they are counted);
+  HLO (paisoar_jax/tools/plan/hlo.py says how they are counted);
 - a projected step time on a given link: compute from the model's FLOPs at an assumed share
   of the peak, communication from NCCL's ring-algorithm costs, with no overlap and with
   perfect overlap, and the scaling efficiency compute / (compute + exposed communication).
@@ -26,9 +26,9 @@ FSDP all-gathers of a bf16 run, which move bf16 weights on a GPU (step.params_fo
 count twice their GPU bytes here. Temporaries come from the CPU compiler too (other fusions,
 no cuDNN attention).
 
-`--target h200|h100` compiles for that GPU instead, without one (tools/gpu_target.py): the
+`--target h200|h100` compiles for that GPU instead, without one (tools/plan/gpu_target.py): the
 memory and collectives are then the GPU compiler's, and the plan adds its kernels
-(tools/gpu_kernels.py) and whether the step fits the device. The table is table.py's.
+(tools/plan/gpu_kernels.py) and whether the step fits the device. The table is table.py's.
 
 `--context-for LENGTH` compiles the step at LENGTH tokens for each mesh.context size and
 proposes the smallest that fits (context_split.py; the table's context section shows

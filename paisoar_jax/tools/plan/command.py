@@ -15,11 +15,10 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from paisoar_jax import output
+from paisoar_jax import cli, output
 from paisoar_jax.config import Config
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import cli, gpu_target
-from paisoar_jax.tools.plan import context_split, fit_search, variants
+from paisoar_jax.tools.plan import context_split, fit_search, gpu_target, variants
 from paisoar_jax.tools.plan.core import (
     DEFAULT_EFFICIENCY,
     cpu_devices,

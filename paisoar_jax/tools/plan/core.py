@@ -2,8 +2,8 @@
 
 `plan(config, devices)` compiles the step for the config's mesh (no weights are ever built)
 and returns, per device, the bytes of params, optimizer state and gradients, XLA's account
-of the compiled step, the collectives it runs (tools/hlo.py) and a projected step time on a
-link; with `target`, what the GPU compiler made of it (tools/gpu_target.py). The model of
+of the compiled step, the collectives it runs (tools/plan/hlo.py) and a projected step time on a
+link; with `target`, what the GPU compiler made of it (tools/plan/gpu_target.py). The model of
 time and its limits are in the package's docstring (tools/plan/__init__.py).
 """
 
@@ -23,8 +23,7 @@ from paisoar_jax.engine.memory import MemorySettings, memory
 from paisoar_jax.errors import UserError
 from paisoar_jax.run.oom import memory_fixes
 from paisoar_jax.runtime import gpu_flags
-from paisoar_jax.tools import gpu_target, hlo
-from paisoar_jax.tools.plan import context_split, fit_search, reports
+from paisoar_jax.tools.plan import context_split, fit_search, gpu_target, hlo, reports
 
 # Per-direction bandwidth of one device's link, GB/s (1e9 bytes/s).
 # NVLink 4: 900 GB/s both ways; NDR InfiniBand: 400 Gb/s; Ethernet: its line rate.
@@ -107,8 +106,8 @@ def compile_step(
     import jax
 
     from paisoar_jax.parallel import sharding
+    from paisoar_jax.run.setup import setup
     from paisoar_jax.runtime.platform import compiling_for, is_target_compile_of
-    from paisoar_jax.tasks.workload import setup
     from paisoar_jax.tasks.zoo import zoo_workload
 
     train = config.train

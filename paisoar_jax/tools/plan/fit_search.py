@@ -7,7 +7,7 @@ shortest estimated step is proposed (each change costs speed differently: ZeRO-1
 same bytes as the all-reduce it replaces, full remat recomputes the forward pass). When no
 single change fits, the one that saved the most memory is kept and the others are tried on
 top of it, up to three changes. Every number is the GPU compiler's; the step times are
-estimates (tools/gpu_target.py), no step ran.
+estimates (tools/plan/gpu_target.py), no step ran.
 """
 
 from __future__ import annotations

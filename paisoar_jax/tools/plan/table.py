@@ -7,8 +7,7 @@ from typing import Any
 from paisoar_jax.engine.memory import format_bytes
 from paisoar_jax.output import format_count
 from paisoar_jax.parallel.sharding import OPTIONAL_AXES
-from paisoar_jax.tools import gpu_target
-from paisoar_jax.tools.plan import fit_search
+from paisoar_jax.tools.plan import fit_search, gpu_target
 
 
 def _compute_line(result: dict[str, Any], seconds: float) -> str:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from paisoar_jax.config import Config
-from paisoar_jax.tools import gpu_target, hlo
 from paisoar_jax.tools.plan import core as planning
+from paisoar_jax.tools.plan import gpu_target, hlo
 
 
 def compare_grad_comm(

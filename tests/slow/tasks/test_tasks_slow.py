@@ -150,7 +150,7 @@ def test_export_and_init_from_keep_the_batch_norm_statistics(tmp_path, devices):
     from paisoar_jax.checkpointing.checkpoint import Checkpointer
     from paisoar_jax.checkpointing.weights import load_weights
     from paisoar_jax.run.resume import starting_point
-    from paisoar_jax.tasks.workload import setup
+    from paisoar_jax.run.setup import setup
     from paisoar_jax.tasks.zoo import zoo_workload
     from paisoar_jax.tools.export import export
 

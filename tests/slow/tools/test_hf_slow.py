@@ -26,7 +26,7 @@ from test_hf import (
 
 from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
-from paisoar_jax.tasks.workload import setup
+from paisoar_jax.run.setup import setup
 from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
 

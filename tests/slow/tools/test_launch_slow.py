@@ -31,7 +31,7 @@ from test_launch import (  # noqa: F401 (fixtures)
     wait_for_text,
 )
 
-from paisoar_jax.tools import hlo
+from paisoar_jax.tools.plan import hlo
 
 
 def test_arrayrecord_input_with_workers_is_the_same_on_two_processes(tmp_path, token_dataset):

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from paisoar_jax.errors import UserError
-from paisoar_jax.tools import gpu_kernels
+from paisoar_jax.tools.plan import gpu_kernels
 
 INSTALL = 'pip install "paisoar-jax[gpu-aot]" (the CUDA plugin at your jax version)'
 

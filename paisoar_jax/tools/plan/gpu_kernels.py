@@ -19,7 +19,7 @@ import collections
 import re
 from typing import Any
 
-from paisoar_jax.tools import hlo
+from paisoar_jax.tools.plan import hlo
 
 _KIND = re.compile(r'"kind"\s*:\s*"([^"]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
