@@ -6,8 +6,14 @@ exits with status 2 instead of a traceback, and so does a script that leaves one
 (`end_uncaught`); everything else is a bug and keeps its traceback.
 """
 
+import functools
 import os
 import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 USER_ERROR_EXIT_CODE = 2
 # No step finished within train.hang_timeout_s (watchdog.py): `launch --max-restarts` retries
@@ -94,3 +100,25 @@ def end_uncaught(program: str) -> None:
 
     hook.paisoar_jax = True
     sys.excepthook = hook
+
+
+def one_line_errors(program: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A public function whose UserError, left uncaught in a script, is one line and status 2.
+
+    For the API's functions and methods that do not go through api.py's `_run` (token_windows,
+    source_examples, Generator, a Prepared run's methods): the error is raised as always, to
+    be caught like any exception; `end_uncaught` only decides how an uncaught one ends.
+    """
+
+    def wrap(function: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(function)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return function(*args, **kwargs)
+            except (UserError, DivergenceError, HangError):
+                end_uncaught(program)
+                raise
+
+        return call
+
+    return wrap

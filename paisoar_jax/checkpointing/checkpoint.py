@@ -142,6 +142,13 @@ def _checksums(tree: Any) -> jax.Array:
     return jnp.stack([checksum(leaf) for leaf in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
 
 
+def leaf_checksums(tree: Any) -> dict[str, int]:
+    """{dotted leaf name: its checksum} of a tree of arrays (keys as Orbax stores them)."""
+    tree = storable(tree)
+    values = [int(value) for value in jax.device_get(_checksums(tree))]
+    return dict(zip(_leaf_names(tree), values, strict=True))
+
+
 def _verify(state: Any, saved: list[int] | None, step_dir: pathlib.Path) -> None:
     """Raises (as an unreadable checkpoint) when restored arrays differ from what was saved."""
     if saved is None:  # written before checksums existed
@@ -266,14 +273,15 @@ class Checkpointer:
         # One checksum per array, computed where the shards live: restore recomputes them,
         # so a flipped byte on disk is caught instead of training on garbage.
         checksums = [int(value) for value in jax.device_get(_checksums(state))]
+        # Named too: a reader of the weights alone (load, generate, export) checks its part.
+        names = list(_leaf_names(state))
+        meta = {**meta, "input_signature": signature, "checksums": checksums}
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(IteratorState(data_bytes)),
-                meta=ocp.args.JsonSave(
-                    {**meta, "input_signature": signature, "checksums": checksums}
-                ),
+                meta=ocp.args.JsonSave({**meta, "checksum_names": names}),
             ),
             force=True,
         )

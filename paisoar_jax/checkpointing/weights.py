@@ -11,6 +11,7 @@ export and hf-export all find their weights here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import types
 from typing import Any
@@ -21,6 +22,7 @@ import yaml
 
 from paisoar_jax.checkpointing.checkpoint import (
     checkpoint_directory,
+    leaf_checksums,
     live,
     storable,
     storable_target,
@@ -34,6 +36,8 @@ from paisoar_jax.runtime.user_files import read_text
 
 # The special token ids of an imported model's config.json, kept beside its weights.
 TOKEN_IDS_FILE = "hf_token_ids.json"
+# An export's checksum of each array it holds, checked by every reader (as a step's meta is).
+CHECKSUMS_FILE = "checksums.json"
 
 
 def kept_file(name: str, init_from: str, *directories: pathlib.Path) -> pathlib.Path | None:
@@ -188,16 +192,60 @@ def load_weights(
             f"{item} cannot be read ({describe_damage(error)}): the export or checkpoint is "
             f"damaged (a file truncated, empty or overwritten); export it again from its run"
         ) from None
+    verify_weights(path, {name: restored[name] for name in target})
     restored = live({name: restored[name] for name in target}, typed_target)
     params = restored["ema"]["params"] if ema else restored["params"]
     return params, restored.get("model_state")
 
 
+def saved_checksums(path: pathlib.Path) -> dict[str, int] | None:
+    """{leaf name: checksum} written with an export or a checkpoint step; None: none written.
+
+    (Exports and steps written before named checksums have none to check.)
+    """
+    try:
+        if (path / CHECKSUMS_FILE).is_file():
+            return json.loads((path / CHECKSUMS_FILE).read_text())
+        meta_file = path / "meta" / "metadata"
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text())
+            names, values = meta.get("checksum_names"), meta.get("checksums")
+            return dict(zip(names, values, strict=True)) if names and values else None
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(
+            f"{path}: its checksums cannot be read ({error}): the export or checkpoint is "
+            f"damaged; export it again from its run"
+        ) from None
+    return None
+
+
+def verify_weights(path: pathlib.Path, restored: dict) -> None:
+    """Refuses weights whose arrays differ from what was written, in one line.
+
+    A flipped byte or a file overwritten: the first array that differs is named.
+    """
+    expected = saved_checksums(path)
+    if expected is None:
+        return
+    for name, checksum in leaf_checksums(restored).items():
+        if name in expected and expected[name] != checksum:
+            raise UserError(
+                f"{path} is damaged: {name} does not match the checksum written with it (a "
+                f"flipped byte or a file overwritten); export it again from its run"
+            )
+
+
 def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> None:
-    """Writes params and model state (`output/params`): the input of inference, `init_from`."""
+    """Writes params and model state (`output/params`): the input of inference, `init_from`.
+
+    With the checksum of each array (checksums.json), which every reader checks.
+    """
     weights = {"params": params}
     if jax.tree.leaves(model_state):
         weights["model_state"] = storable(model_state)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(output.absolute() / "params", weights)
     checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+        checksums = json.dumps(leaf_checksums(weights), indent=0)
+        (output / CHECKSUMS_FILE).write_text(checksums + "\n")

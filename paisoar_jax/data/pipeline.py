@@ -200,6 +200,7 @@ class GlobalBatches:
         source: Any,
         global_batch: int,
         seed: int,
+        shuffle: bool = True,
         workers: int = 0,
         in_memory: bool = False,
         process_index: int | None = None,
@@ -219,7 +220,7 @@ class GlobalBatches:
             raise UserError("the data has no examples")
         check_main_guard(workers)  # before a worker imports a script that would train again
         self.reads, self.source = reads, source
-        self.global_batch, self.seed = global_batch, seed
+        self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
         self.workers, self.in_memory = workers, in_memory
         self.examples = 0
         self._iterator = None
@@ -279,6 +280,11 @@ class GlobalBatches:
         self.close()
         self.examples = int(state["examples"])
 
+    def source_indices(self, position: int) -> np.ndarray:
+        """The indices in the source of the global batch at stream `position` (its examples)."""
+        positions = np.arange(position, position + self.global_batch)
+        return stream_indices(positions, len(self.source), self.seed, self.shuffle)
+
     def close(self) -> None:
         """Stops grain's worker processes, if any."""
         close = getattr(self._iterator, "close", None)
@@ -316,6 +322,7 @@ def batch_dataset(
         source=source,
         global_batch=global_batch,
         seed=seed,
+        shuffle=shuffle,
         workers=workers,
         in_memory=in_memory,
         process_index=process_index,

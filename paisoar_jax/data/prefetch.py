@@ -113,6 +113,19 @@ class DevicePrefetcher:
             self.first_nonfinite = (self.handed_out, nonfinite)
         return array
 
+    def examples_of(self, batches_back: int) -> list[int] | None:
+        """The source indices of the examples of a batch handed out; None when unknown.
+
+        `batches_back`: how many batches before the last one handed out (0: the last). None
+        when the input cannot say (ready batches, a mixture).
+        """
+        state = self._consumed_state or {}
+        indices = getattr(self._host_batches, "source_indices", None)
+        if indices is None or "examples" not in state:
+            return None
+        position = state["examples"] - (batches_back + 1) * self._host_batches.global_batch
+        return [int(index) for index in indices(position)] if position >= 0 else None
+
     def consumed_state(self) -> dict | None:
         """The host iterator's state right after the last batch handed out (for checkpoints)."""
         return self._consumed_state

@@ -27,7 +27,7 @@ from paisoar_jax.config import DataConfig
 from paisoar_jax.config.models import LanguageModelConfig
 from paisoar_jax.data import images
 from paisoar_jax.data.sources import open_source
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import UserError, one_line_errors
 
 
 class ImageExamples:
@@ -74,6 +74,7 @@ class ImageExamples:
         )
 
 
+@one_line_errors("paisoar_jax.source_examples")
 def source_examples(
     source: str,
     *,

@@ -34,7 +34,7 @@ from paisoar_jax.data.records import (
     TokenRecords,
     file_sha256,
 )
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import UserError, one_line_errors
 
 SKIPPED_DIRECTORIES = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__"}
 SYNTHETIC_WINDOWS = 1 << 30
@@ -302,24 +302,42 @@ def open_source(
     return sources
 
 
+@one_line_errors("paisoar_jax.token_windows")
 def token_windows(
     directory: str,
     seq_len: int,
     *,
-    packing: str = "documents",
-    loss_on: str = "response",
+    packing: str | None = None,
+    loss_on: str | None = None,
     eval_fraction: float = 0.05,
     tokenizer: str = "",
 ) -> tuple[Any, Any]:
     """(train, eval) windows of a converted dataset, for a model of one's own.
 
     What `data.source=arrayrecord:DIR` gives a zoo model, as examples for `fit(data=...,
-    eval_data=...)`: with packing documents or padding, or loss_on response, each example is
-    a dict of tokens (seq_len + 1), loss_mask, and for documents segments and positions
-    (paisoar_jax/data/documents.py says what each holds); else an int32 window. `tokenizer`,
-    when given, must be the one the dataset was converted with. The held-out eval set is the
-    last `eval_fraction` of the windows (0: none, and eval is None).
+    eval_data=...)`. By default, what the data holds: text (`convert text`) as windows of
+    seq_len + 1 tokens streamed across documents with the loss on every token, each an
+    int32 window (data.packing's and data.loss_on's defaults); instruction or chat data
+    (`--format instruction` or `chat`, which mark response tokens) packed by documents with
+    the loss on the responses, each a dict of tokens (seq_len + 1), loss_mask, segments and
+    positions (paisoar_jax/data/documents.py says what each holds).
+
+    Args:
+        directory: what `python -m paisoar_jax.convert text --output DIR` wrote.
+        seq_len: tokens per window the model sees (each window holds one more: the target).
+        packing: "stream", "documents" or "padding", as data.packing (default: see above).
+        loss_on: "all" or "response" (instruction or chat data only), as data.loss_on.
+        eval_fraction: the last share of the windows held out (0: none, and eval is None).
+        tokenizer: when given, must be the one the dataset was converted with.
+
+    Returns:
+        (train, eval): random-access examples, as fit's data and eval_data take them.
+
     """
+    if packing is None or loss_on is None:  # what the data holds: responses marked or not
+        responses = TokenRecords(dataset_directory(str(directory))).has_loss_mask
+        packing = packing or ("documents" if responses else "stream")
+        loss_on = loss_on or ("response" if responses else "all")
     for name, value, allowed in (
         ("packing", packing, ("stream", "documents", "padding")),
         ("loss_on", loss_on, ("all", "response")),

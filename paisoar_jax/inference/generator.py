@@ -32,7 +32,7 @@ from paisoar_jax.checkpointing.weights import (
 from paisoar_jax.config import LanguageModelConfig, MeshConfig, config_from_dict, to_dict
 from paisoar_jax.config.mesh import DCN_NAMES
 from paisoar_jax.data.tokenizing import end_of_text_id
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import UserError, one_line_errors
 from paisoar_jax.models.decoding import generate_rows, pick_token
 from paisoar_jax.numerics.precision import get_policy
 from paisoar_jax.parallel import sharding
@@ -108,6 +108,7 @@ class Generator:
     (rows, prompt length, max_new and the sampling settings), kept for the next call.
     """
 
+    @one_line_errors("paisoar_jax.Generator")
     def __init__(self, source: str | pathlib.Path, devices=None):
         choose_platform()  # before jax starts its backends (runtime/platform.py)
         source = pathlib.Path(source)
@@ -128,6 +129,7 @@ class Generator:
         self._text: Text | None = None
         self._compiled: dict[tuple, Callable] = {}
 
+    @one_line_errors("paisoar_jax.Generator")
     def complete(
         self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings
     ) -> list[str]:
@@ -152,6 +154,7 @@ class Generator:
             self._text.decode(new[:-1] if new and new[-1] in stops else new) for new in continued
         ]
 
+    @one_line_errors("paisoar_jax.Generator")
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

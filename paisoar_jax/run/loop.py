@@ -92,11 +92,8 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
     enabled = config.checkpoint.enabled
     checkpoint_dir = checkpoint_directory(config.checkpoint, config.run_dir) if enabled else None
 
-    def last_saved() -> str:
-        newest = heartbeat.newest_checkpoint(str(checkpoint_dir) if checkpoint_dir else None)
-        return f"last saved: step {newest} in {checkpoint_dir}" if newest else "no step saved"
-
-    with StopRequest(last_saved, speaks=jax.process_index() == 0) as stop:
+    heartbeat.progress.checkpoint_dir = str(checkpoint_dir) if checkpoint_dir else None
+    with StopRequest(speaks=jax.process_index() == 0) as stop:  # (names the newest saved)
         workload = zoo_workload(config) if workload is None else workload
         train_source, eval_sets = open_sources(workload.task, config.train.global_batch)
         built = setup(config, workload)  # below here: sections and built objects only
@@ -208,6 +205,9 @@ class Loop:
     limit_bytes: int | None  # what one device may hold, for the out-of-memory report
     instruments: run_records.Instruments = dataclasses.field(init=False)
     saver: Saver = dataclasses.field(init=False)
+    # (step, its loss and grad_norm on the device) since the step before the last log step:
+    # where a non-finite loss began, read only when one is logged (_blame_the_batch).
+    recent: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
@@ -239,6 +239,7 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
             run_records.check_first_step(run, step, metrics, instruments)
         loop.stop.stepping = True  # a signal from now on saves the step reached
         in_flight.append(metrics["loss"])
+        loop.recent.append((step, {name: metrics[name] for name in ("loss", "grad_norm")}))
         if len(in_flight) > STEPS_IN_FLIGHT:  # wait for a step long dispatched, not this one
             in_flight.popleft().block_until_ready()
         heartbeat.progress.step = step  # what the launcher names if this process stalls
@@ -254,7 +255,11 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
         if is_log_step:
             with watchdog.waiting_in("log"):
                 saver.keep_directories(step, state)
-                record = run_records.log_record(run, step, metrics, train_step, instruments)
+                # The one host sync between log steps: this step's metrics, the recent losses.
+                values, recent = jax.device_get((metrics, loop.recent))
+                _check_recent_losses(loop, step, recent)  # a batch that made the loss nan
+                record = run_records.log_record(run, step, values, train_step, instruments)
+                del loop.recent[:-1]  # the step before the next ones
                 record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
                 if due:  # after the timings: eval time is not step time
                     with watchdog.paused():  # its first call compiles
@@ -388,3 +393,54 @@ def _check_input(
         f"cause, not the learning rate; drop or repair those examples (or set "
         f"data.check_finite=false if your loss masks them){kept}"
     )
+
+
+def _check_recent_losses(loop: Loop, step: int, recent: list) -> None:
+    """A loss that turned non-finite in one step, from finite weights: the batch is the cause.
+
+    `recent`: loop.recent, read at each log step with the logged metrics (one host sync),
+    judged when no loss scaler skips steps. The loss of step k is computed with the weights
+    step k - 1 left. When step k - 1's loss and gradient norm were finite, its loss no
+    higher than twice the run's first (no explosion under way), those weights were
+    finite and sane: a non-finite loss of theirs comes from step k's batch, not from the
+    learning rate (its inputs are finite, data.check_finite saw to that: an integer field,
+    a label out of the loss's range). Raises a UserError naming the step and its examples;
+    else the logged loss is judged as before.
+    """
+    if loop.run.precision.loss_scale_mode()[0] != "none":
+        return  # a scaler skips a step of non-finite gradients: a nan loss is its business
+    values = recent
+    first_bad = next(
+        (index for index, (_, one) in enumerate(values) if not np.isfinite(one["loss"])), None
+    )
+    if first_bad is None or first_bad == 0:
+        return  # none, or no finite step before it since the last log: not to be told apart
+    (bad_step, bad), (_, before) = values[first_bad], values[first_bad - 1]
+    # Where the run started (a fresh model's loss is about chance): an explosion under way
+    # has left it far behind, a bad batch comes out of the blue.
+    start = loop.instruments.first_step_loss
+    sane = np.isfinite(before["grad_norm"]) and start is not None and np.isfinite(start)
+    sane = sane and float(before["loss"]) <= 2 * abs(start)
+    if not (np.isfinite(before["loss"]) and sane):
+        return
+    examples = loop.batches.examples_of(step - bad_step)
+    loop.instruments.writer.write(
+        {"step": bad_step, "loss": float(bad["loss"]), "bad_batch": True, "examples": examples}
+    )
+    named = ""
+    if examples:
+        named = f"; its examples: {_listed(examples)} of the data (all in metrics.jsonl)"
+    raise UserError(
+        f"the loss is {float(bad['loss'])} at step {bad_step}, computed with the finite weights "
+        f"of step {bad_step - 1} (loss {float(before['loss']):.4g} there): the batch of step "
+        f"{bad_step} is the cause, not the learning rate; its inputs hold no nan or inf, so "
+        f"its labels or other integer fields are outside what the loss accepts (labels "
+        f"outside [0, classes), an index past a table){named}"
+    )
+
+
+def _listed(examples: list[int], shown: int = 8) -> str:
+    """`3, 17, 40` (sorted; `and N more` past `shown`)."""
+    ordered = sorted(examples)
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    return ", ".join(str(index) for index in ordered[:shown]) + more

@@ -41,7 +41,7 @@ from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer, Restored
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, evaluate
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import UserError, one_line_errors
 from paisoar_jax.run import run_records
 from paisoar_jax.run.loop import stop_agreed
 from paisoar_jax.run.resume import make_checkpointer, open_input, saved_batch, starting_point
@@ -108,6 +108,7 @@ class Prepared:
                 self._instruments.timer.wait_s += time.perf_counter() - wait_start
             yield batch
 
+    @one_line_errors("paisoar_jax.prepare")
     def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         """One step: (new state, metrics). `state` is donated: use the state it returns.
 
@@ -149,6 +150,7 @@ class Prepared:
         self._saver.instruments = self._instruments
         self._instruments.timer.restart(step=self.start_step)
 
+    @one_line_errors("paisoar_jax.prepare")
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Writes a metrics.jsonl record of `step`, as fit's loop does; the record.
 
@@ -161,12 +163,14 @@ class Prepared:
         evals = {name: value for name, value in metrics.items() if name.startswith("eval_")}
         record = {"step": step}
         if "loss" in metrics:
+            values = jax.device_get(metrics)
             record = run_records.log_record(
-                self.run, step, metrics, self._train_step, self._instruments
+                self.run, step, values, self._train_step, self._instruments
             )
         run_records.write_record(record | evals, self.run.task, self._instruments)
         return record | evals
 
+    @one_line_errors("paisoar_jax.prepare")
     def eval_step(self, state: Any, batch: Any) -> dict[str, jax.Array]:
         """The task's eval sums over the rows of one global batch, with "rows": their count.
 
@@ -181,6 +185,7 @@ class Prepared:
             real_B = jax.device_put(real_B, self._batch_sharding())
             return self._eval()(state.params, state.model_state, batch, real_B)
 
+    @one_line_errors("paisoar_jax.prepare")
     def evaluate(self, state: Any, step: int | None = None) -> dict[str, float]:
         """The eval of every eval set (eval_data, eval_sets), each whole, as fit evaluates.
 
@@ -202,6 +207,7 @@ class Prepared:
             output.note(f"step {step or self._step}: {shown}", prefixed=False)
         return results
 
+    @one_line_errors("paisoar_jax.prepare")
     def should_stop(self, step: int) -> bool:
         """Whether a stop signal (SIGTERM, Ctrl-C) came: save the state, then leave the loop.
 
@@ -210,6 +216,7 @@ class Prepared:
         """
         return stop_agreed(self._opened.stop, step, False) is not None
 
+    @one_line_errors("paisoar_jax.prepare")
     def save(self, state: Any) -> int:
         """Saves `state` with the input's position (async); the step saved.
 
@@ -224,6 +231,7 @@ class Prepared:
             self._saver.save(step, state)
         return step
 
+    @one_line_errors("paisoar_jax.prepare")
     def model(self, state: Any) -> Any:
         """The NNX module of `state`'s weights (a model of one's own's factory builds it)."""
         if not callable(self.workload.model) or self.workload.follows_policy:

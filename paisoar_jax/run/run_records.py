@@ -126,10 +126,13 @@ def say_compiled(run: Setup, compile_s: float, start_step: int) -> None:
 
 
 def log_record(
-    run: Setup, step: int, metrics: Any, train_step: CompiledStep, instruments: Instruments
+    run: Setup, step: int, values: Any, train_step: CompiledStep, instruments: Instruments
 ) -> dict[str, Any]:
-    """The metrics.jsonl record of a log step (the one host sync between logs), health-checked."""
-    values = jax.device_get(metrics)
+    """The metrics.jsonl record of a log step, health-checked.
+
+    `values`: the step's metrics on the host (the caller's jax.device_get: the one host
+    sync between log steps).
+    """
     timer, history = instruments.timer, instruments.history
     record = {
         "step": step,

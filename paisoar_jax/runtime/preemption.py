@@ -30,11 +30,26 @@ from collections.abc import Callable
 from types import FrameType
 
 from paisoar_jax import output
+from paisoar_jax.runtime import heartbeat
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SAVED_STOP: list[str] = []  # the signal whose stop this process has saved (then: any more end it)
 PRESS_GAP_S = 0.5  # SIGINTs closer than this are one press (a terminal's group + a launcher)
 ABORT_PRESSES = 3  # the Ctrl-C press that aborts without waiting for the save
+
+
+def newest_saved() -> str:
+    """What a signal's line says of the saved checkpoints: the newest, which a start resumes.
+
+    Read from the directory the starting run named (heartbeat.progress.checkpoint_dir,
+    set by run/startup.py as soon as the config is known): a signal during a resume names
+    the intact checkpoint it resumes from.
+    """
+    directory = heartbeat.progress.checkpoint_dir
+    newest = heartbeat.newest_checkpoint(directory)
+    if newest is None:
+        return "no checkpoint saved"
+    return f"step {newest} in {directory} is intact: the next start resumes from it"
 
 
 def exit_status(signal_name: str) -> int:
@@ -53,7 +68,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self.speaks = speaks  # whether this process says what a signal does (process 0)
         self.stepping = False  # True once the first step has finished: a signal then saves
-        self.last_saved = last_saved or (lambda: "no checkpoint saved")
+        self.last_saved = last_saved or newest_saved
         self._previous: dict[int, object] = {}
         self._previous_wakeup_fd: int | None = None
         self._sockets: tuple[socket.socket, socket.socket] | None = None

@@ -83,6 +83,8 @@ class RunLock:
             self._host_file = None
             return in_use(self.path.parent, holder)
         except OSError:  # no temporary directory to lock in: the run directory's lock alone
+            if self._host_file is not None:
+                self._host_file.close()
             self._host_file = None
         refusal = self._lock(self.path)
         if refusal is None and self._host_file is not None:

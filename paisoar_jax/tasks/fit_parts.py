@@ -92,6 +92,8 @@ def check_keywords(parts: Mapping[str, Any], keywords: type, function: str) -> N
 
     known = list(keywords.__annotations__)
     for name in parts:
+        if name in FitKeywords.__annotations__ and name not in known:
+            raise UserError(f"{function}() takes no {name}=: fit and prepare evaluate, it does not")
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]}=?" if close else f"; it takes {', '.join(known)}"

@@ -114,9 +114,12 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one(saved, devices, tmp
     checkpointer.close()
 
 
-def flip_bytes(step_dir: pathlib.Path):
-    """Flips 64 bytes in the middle of the largest array data file: a silent disk error."""
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+def flip_bytes(step_dir: pathlib.Path, item: str = "state"):
+    """Flips 64 bytes in the middle of the largest array data file: a silent disk error.
+
+    `item`: a step's `state`, or an export's `params`.
+    """
+    files = [p for p in (step_dir / item).rglob("*") if p.is_file()]
     # Array data lives in ocdbt.process_*/d/ (tensorstore may also inline small arrays into
     # the manifest): the largest file holds the most of it.
     assert files, f"{step_dir} holds no files"
@@ -320,3 +323,33 @@ def test_a_step_whose_array_metadata_is_gone_is_skipped_for_the_one_before(tmp_p
     resumed = train(run_config(run_dir, "train.steps=6"))
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 6
     assert "checkpoint step 4" in capsys.readouterr().err
+
+
+def test_a_flipped_byte_in_an_export_is_named_by_every_reader_of_weights(tmp_path):
+    """load, export and hf-export's reader check what they read against the checksums
+    written with it: one line naming the damaged array (init_from and Generator too:
+    tests/slow/checkpointing/)."""
+    import paisoar_jax
+    from paisoar_jax.checkpointing.weights import read_params, verify_weights
+
+    run_dir, exported = tmp_path / "run", tmp_path / "export"
+    train(run_config(run_dir))
+    export(run_dir, exported)
+    read_params(exported)  # intact: read as written
+    flip_bytes(exported, item="params")
+    damaged = rf"{exported} is damaged: params\.\S+ does not match the checksum written with it"
+    with pytest.raises(UserError, match=damaged):
+        read_params(exported)  # export, hf-export (read_weights) and load read through it
+    with pytest.raises(UserError, match=damaged):
+        paisoar_jax.load(exported)
+    # A step's params are checked against the named checksums of its meta, as an export's.
+    step_dir = run_dir / "checkpoints" / "4"
+    params, _ = read_params(step_dir)
+    verify_weights(step_dir, {"params": params})  # as saved
+    changed = jax.tree.map(lambda leaf: leaf, params)
+    first = jax.tree_util.tree_flatten_with_path(changed)[0][0][0]
+    changed = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 1 if path == first else x, changed
+    )
+    with pytest.raises(UserError, match=rf"{step_dir} is damaged: params\."):
+        verify_weights(step_dir, {"params": changed})

@@ -101,7 +101,8 @@ def test_token_sources_give_the_windows_a_run_reads(tmp_path):
     )
     data = DataConfig(source=f"hf:{tmp_path / 'functions'}", cache_dir=str(cache))
     directory = hf_cache_directory(data, str(tmp_path / "functions"))
-    windows, eval_windows = token_windows(str(directory), 16, packing="stream", loss_on="all")
+    # Plain text: its defaults are data.packing's and data.loss_on's (stream, all).
+    windows, eval_windows = token_windows(str(directory), 16)
     assert held_out is not None and (len(train), len(held_out)) != (0, 0)
     assert len(train) + len(held_out) == len(windows) + len(eval_windows)
     np.testing.assert_array_equal(train[0], windows[0])

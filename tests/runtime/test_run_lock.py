@@ -24,6 +24,27 @@ def test_a_held_run_directory_names_its_holder_and_frees_on_exit(tmp_path):
         pass
 
 
+def test_a_removed_run_directory_is_still_held_and_its_lock_is_taken_again(tmp_path):
+    """A second start of the same command beside a run whose directory was removed (a
+    cleanup script) is refused; the run takes its lock again when it makes the directory."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir) as held:
+        shutil.rmtree(run_dir)
+        with pytest.raises(UserError, match=f"run.dir {run_dir} is in use by another run"):
+            with RunLock(run_dir):
+                pass
+        run_dir.mkdir()  # what the run does when it finds its directory gone
+        held.take_again()
+        assert (run_dir / run_lock.LOCK_NAME).read_text().startswith("host ")
+        with pytest.raises(UserError, match="is in use by another run"):
+            with RunLock(run_dir):
+                pass
+    with RunLock(run_dir):  # both released on exit
+        pass
+
+
 def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
     def no_locks(*args):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

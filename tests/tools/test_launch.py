@@ -251,9 +251,10 @@ def test_an_unreachable_coordinator_is_one_clear_line():
         "within 3 s (from PAISOAR_COORDINATOR; last error: Connection refused)"
     )
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert errors and all(line.endswith(expected) for line in errors), result.stderr
+    # Said once, though every rank finds it (issue 68: each rank printed the same line).
+    assert len(errors) == 1 and errors[0].endswith(expected), result.stderr
     assert "Traceback" not in result.stderr
-    assert "[rank 2]" in result.stderr and "[rank 3]" in result.stderr  # node 1 holds ranks 2, 3
+    assert "[rank 2]" in result.stderr or "[rank 3]" in result.stderr  # node 1's ranks
 
 
 def test_peers_that_never_join_are_one_clear_line(tmp_path):
@@ -388,6 +389,8 @@ def test_bad_data_on_two_processes_stops_both_with_one_line(case, expected, tmp_
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
-    for rank in (0, 1):  # each process stops with its own line, none hangs
-        assert f"[rank {rank}] paisoar_jax.fit: error: " in output, output[-3000:]
+    # Each process stops with its line, none hangs; the same line from both is said once.
+    errors = [line.split("] ", 1)[-1] for line in output.splitlines() if ": error: " in line]
+    assert errors and len(errors) == len(set(errors)), output[-3000:]
+    assert "stopping 0 other process(es)" in output, output[-3000:]
     assert expected in output

@@ -1,8 +1,9 @@
 """The doctor's checks of what the first step says: bad inputs, and gradients that reach nothing.
 
-A loss that is not finite before any update (the run marks that record `before_update`)
-comes from the batch or the loss, not from the learning rate; a gradient norm of exactly 0
-at every log step means no parameter is trained.
+A loss that is not finite before any update (the run marks that record `before_update`), or
+that turned non-finite in one step from finite, sane weights (marked `bad_batch`, with the
+batch's examples), comes from the batch or the loss, not from the learning rate; a gradient
+norm of exactly 0 at every log step means no parameter is trained.
 """
 
 from __future__ import annotations
@@ -11,14 +12,23 @@ from paisoar_jax.tools.doctor.findings import Finding, Run, series
 
 
 def bad_inputs(run: Run) -> Finding | None:
-    """The loss was nan or inf at the first step of a run, before any update."""
-    first = next((record for record in run.records if record.get("before_update")), None)
+    """The loss was nan or inf before any update, or from a batch of its own (`bad_batch`)."""
+    marked = ("before_update", "bad_batch")
+    first = next((record for record in run.records if any(map(record.get, marked))), None)
     if first is None:
         return None
     evidence = (
         f"the loss is {first['loss']} at step {first['step']}, the first of the run, computed "
         f"before any update: the learning rate has not acted yet"
     )
+    if first.get("bad_batch"):
+        examples = first.get("examples")
+        held = f" (examples {', '.join(map(str, sorted(examples)[:8]))})" if examples else ""
+        evidence = (
+            f"the loss is {first['loss']} at step {first['step']}, computed with the finite "
+            f"weights of step {first['step'] - 1}: its batch{held} is the cause, not the "
+            f"learning rate"
+        )
     fixes = (
         "check the labels: integer classes in [0, number of classes), no negative ones",
         "check the inputs: `data.check_finite=true` stops at a batch holding nan or inf",

@@ -153,8 +153,8 @@ def _divergence_fixes(run: Run, last_good_step: int) -> tuple[str, ...]:
 
 def diverging(run: Run) -> Finding | None:
     """A non-finite loss, or a loss rising for 3 log steps well above its minimum."""
-    if any(record.get("before_update") for record in run.records):
-        return None  # not finite before any update: bad inputs (gradient_findings.py)
+    if any(record.get("before_update") or record.get("bad_batch") for record in run.records):
+        return None  # not finite from a batch: bad inputs (gradient_findings.py)
     losses = series(run.records, "loss")
     finite = [(step, loss) for step, loss in losses if math.isfinite(loss)]
     best = min(finite, key=lambda item: item[1]) if finite else None

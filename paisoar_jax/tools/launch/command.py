@@ -206,7 +206,9 @@ def _fail(exited: Child, children: list[Child], grace: float, screen: Output) ->
     for thread in failed.threads:
         thread.join(timeout=5)
     lines = "\n".join(f"  {line}" for line in failed.tail) or "  (none: it printed nothing)"
-    _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
+    last = failed.tail[-1].strip() if failed.tail else ""
+    if not (shown == "" and last in screen.shown_errors):  # a bad input's line: said once
+        _say(f"last lines of rank {failed.rank}:\n{lines}", "failure")
     status = failed.exit_status() if failed.process.returncode else exited.exit_status()
     cause = f"rank {failed.rank} {how}{said}"
     return Ending(status, cause, failed.rank, retry=retryable and status != USER_ERROR_EXIT_CODE)

@@ -76,6 +76,18 @@ class Output:
     def __init__(self):
         self.lock = threading.Lock()
         self.muted = False
+        # Error lines on the screen already: the same line from another rank (a bad key,
+        # which every rank finds) goes to that rank's log only, so it is said once.
+        self.shown_errors: set[str] = set()
+
+    def first_time(self, line: bytes) -> bool:
+        """Whether an error line is new to the screen (then it is remembered as shown)."""
+        text = line.decode(errors="replace").strip()
+        with self.lock:
+            if text in self.shown_errors:
+                return False
+            self.shown_errors.add(text)
+            return True
 
     def write(self, sink, log: RankLog, data: bytes, screen: bool = True) -> None:
         """One whole line at a time; a closed sink only drops output (the child must not block).
@@ -98,7 +110,8 @@ def copy_lines(
 ) -> None:
     """Copies a child's stream line by line with its rank prefix; keeps the last lines.
 
-    The collectives' connection chatter goes to the rank's log only.
+    The collectives' connection chatter goes to the rank's log only, and so does an error
+    line another rank has shown already (`Output.first_time`).
 
     Under PAISOAR_OUTPUT=json a JSON line of the child gets its rank as a key instead, so
     the launcher's output stays one JSON object a line.
@@ -119,7 +132,8 @@ def copy_lines(
             if kept is None:
                 output.write(sink, log, prefix + text + end, screen=False)
                 continue
-            output.write(sink, log, prefix + kept + end)
+            once = b": error: " not in kept or output.first_time(kept)
+            output.write(sink, log, prefix + kept + end, screen=once)
             if end != b"\r" and kept.strip():  # a progress bar's redraws are not lines
                 tail.append(kept.decode(errors="replace"))
     if pending:

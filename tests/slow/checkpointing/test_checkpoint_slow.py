@@ -113,3 +113,17 @@ def test_another_worker_count_continues_the_input_exactly(tmp_path, capsys):
     assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
     assert losses(run_dir) == losses(tmp_path / "uninterrupted")
     assert "input" not in capsys.readouterr().out
+
+
+def test_a_flipped_byte_in_an_export_stops_init_from_and_generation_in_one_line(tmp_path):
+    from paisoar_jax.inference.generator import Generator
+
+    run_dir, exported = tmp_path / "run", tmp_path / "export"
+    train(run_config(run_dir))
+    export(run_dir, exported)
+    flip_bytes(exported, item="params")
+    damaged = rf"{exported} is damaged: params\.\S+ does not match the checksum written with it"
+    with pytest.raises(UserError, match=damaged):
+        Generator(exported)
+    with pytest.raises(UserError, match=damaged):
+        train(run_config(tmp_path / "tune", f"checkpoint.init_from={exported}"))

@@ -5,6 +5,7 @@ conftest.TINY, a few steps), fill the placeholders (RUN_DIR, a folder of text) a
 optional `[...]` parts. Each must exit 0 and leave what the page says it leaves.
 """
 
+import json
 import re
 import shutil
 import subprocess
@@ -147,6 +148,9 @@ def test_the_prepare_loop_runs_on_the_readmes_definitions(tmp_path, monkeypatch)
     assert names["step"] == 4
     saved = sorted(path.name for path in (tmp_path / "loop" / "checkpoints").iterdir())
     assert [name for name in saved if name.isdigit()] == ["2", "4"], saved
+    records = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").open()]
+    assert [record["step"] for record in records] == [2, 4] and "eval_loss" in records[-1]
+    assert names["model"](names["x"][:2]).shape == (2, 2)  # load read the loop's directory
 
 
 def test_a_run_directory_holds_what_the_page_lists(tmp_path):
