@@ -82,6 +82,10 @@ def initialize(config: ConfigLike = None) -> None:
     Reads the launcher's PAISOAR_* variables, SLURM, Open MPI or torchrun's (what
     `python -m paisoar_jax.launch -- python my_script.py` sets); with none of them, a
     single process. `fit` calls it; call it yourself before touching devices otherwise.
+
+    Args:
+        config: as `fit` takes it (its `distributed` section: coordinator, timeouts).
+
     """
     start(resolve_config(config), "paisoar_jax")
 
@@ -234,10 +238,20 @@ def load(
 ) -> Any:
     """The module holding a run's trained weights: `model` (rngs -> nnx.Module) builds it.
 
-    `path`: a run directory (its newest checkpoint), a checkpoint step or an export (an
-    hf-import's too). Without `model`, a zoo model is built from the run's own config.yaml
-    (model.name=custom needs its factory). `ema`: the moving average of the weights instead
-    (a run with train.ema_decay > 0).
+    Args:
+        path: a run directory (its newest checkpoint; fit's or prepare's), a checkpoint step
+            or an export (an hf-import's too).
+        model: the factory the run trained; None: a zoo model built from the run's own
+            config.yaml (model.name=custom needs its factory).
+        ema: the moving average of the weights instead (a run with train.ema_decay > 0).
+        exit_on_error: deprecated, as in `fit`.
+
+    Returns:
+        The nnx.Module with the weights, checked against the checksums written with them.
+
+    Raises:
+        UserError: no such run, another model's weights, or damaged files, in one line.
+
     """
     from paisoar_jax.checkpointing.weights import weights_source
     from paisoar_jax.tasks import trained
@@ -370,7 +384,16 @@ def export_run(
     """Writes the weights of a run's checkpoint (default: the newest) to `output`.
 
     The export is what `checkpoint.init_from` fine-tunes from, as `python -m
-    paisoar_jax.export RUN_DIR --output DIR` writes it; returns the step exported.
+    paisoar_jax.export RUN_DIR --output DIR` writes it (with each array's checksum).
+
+    Args:
+        run_dir: the run directory.
+        output: an empty or new directory.
+        step: the checkpoint step; None: the newest complete one.
+
+    Returns:
+        The step exported.
+
     """
     from paisoar_jax.tools.export import export
 

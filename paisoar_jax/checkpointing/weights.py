@@ -29,7 +29,7 @@ from paisoar_jax.checkpointing.checkpoint import (
     warn,
 )
 from paisoar_jax.checkpointing.orbax_errors import describe_damage, quiet_orbax_leftovers
-from paisoar_jax.checkpointing.saved_trees import check_compatible, tree_metadata
+from paisoar_jax.checkpointing.saved_trees import _leaf_names, check_compatible, tree_metadata
 from paisoar_jax.config import Config, load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.runtime.user_files import read_text
@@ -192,7 +192,7 @@ def load_weights(
             f"{item} cannot be read ({describe_damage(error)}): the export or checkpoint is "
             f"damaged (a file truncated, empty or overwritten); export it again from its run"
         ) from None
-    verify_weights(path, {name: restored[name] for name in target})
+    verify_weights(path, {name: restored[name] for name in target}, saved_tree)
     restored = live({name: restored[name] for name in target}, typed_target)
     params = restored["ema"]["params"] if ema else restored["params"]
     return params, restored.get("model_state")
@@ -219,15 +219,28 @@ def saved_checksums(path: pathlib.Path) -> dict[str, int] | None:
     return None
 
 
-def verify_weights(path: pathlib.Path, restored: dict) -> None:
+def verify_weights(path: pathlib.Path, restored: dict, saved_tree: Any = None) -> None:
     """Refuses weights whose arrays differ from what was written, in one line.
 
-    A flipped byte or a file overwritten: the first array that differs is named.
+    A flipped byte or a file overwritten: the first array that differs is named. An array
+    read into another dtype than it was saved in (a model of another param_dtype) is not
+    compared: its bits are the cast's. `saved_tree`: the saved arrays' metadata.
     """
     expected = saved_checksums(path)
     if expected is None:
         return
+    saved_dtypes = {}
+    if saved_tree is not None:
+        names = _leaf_names(saved_tree)
+        leaves = jax.tree.leaves(saved_tree)
+        saved_dtypes = {name: leaf.dtype for name, leaf in zip(names, leaves, strict=True)}
+    dtypes = {
+        name: leaf.dtype
+        for name, leaf in zip(_leaf_names(restored), jax.tree.leaves(restored), strict=True)
+    }
     for name, checksum in leaf_checksums(restored).items():
+        if name in saved_dtypes and saved_dtypes[name] != dtypes[name]:
+            continue
         if name in expected and expected[name] != checksum:
             raise UserError(
                 f"{path} is damaged: {name} does not match the checksum written with it (a "
@@ -246,6 +259,6 @@ def export_weights(params: dict, model_state: dict, output: pathlib.Path) -> Non
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(output.absolute() / "params", weights)
     checkpointer.wait_until_finished()
+    checksums = json.dumps(leaf_checksums(weights), indent=0)  # every process: sharded arrays
     if jax.process_index() == 0:
-        checksums = json.dumps(leaf_checksums(weights), indent=0)
         (output / CHECKSUMS_FILE).write_text(checksums + "\n")

@@ -20,7 +20,7 @@ import yaml
 
 from paisoar_jax.config.models import MODEL_CONFIGS
 from paisoar_jax.config.sections import Config
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import UserError, one_line_errors
 
 # The shipped recipes: paisoar_jax/configs inside an installed wheel, configs/ beside the
 # package in a checkout and an editable install (pyproject.toml maps the one to the other).
@@ -197,8 +197,22 @@ def _parse_override(text: str) -> tuple[str, str, str]:
     return section, key, value
 
 
+@one_line_errors("paisoar_jax.load_config")
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Loads a YAML config (or the defaults when `path` is None) and applies overrides."""
+    """Loads a YAML config (or the defaults when `path` is None) and applies overrides.
+
+    Args:
+        path: a YAML file or the name of a shipped config (configs/NAME.yaml); None: the
+            defaults (the embedded tiny GPT).
+        overrides: `section.key=value` strings, applied in order after the file.
+
+    Returns:
+        The resolved, checked Config.
+
+    Raises:
+        UserError: an unknown key, a wrong type or a value no run could use, in one line.
+
+    """
     if path is None:
         return config_from_dict({}, overrides)
     config_path = resolve_config_path(path)

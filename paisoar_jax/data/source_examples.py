@@ -96,6 +96,19 @@ def source_examples(
     examples are None when data.eval_fraction is 0 for a token source. Several processes:
     call `paisoar_jax.initialize()` first (process 0 tokenizes an hf: source while the
     others wait).
+
+    Args:
+        source: a data.source value (see above).
+        seq_len: tokens per window, for a token source.
+        image_size: pixels per side, for an image source.
+        channels: 3 (RGB) or 1 (grayscale), for an image source.
+        augment: random crops and flips of the training images (per epoch, exact on resume).
+        seed: the seed of the augmentation.
+        **data: other keys of the data section.
+
+    Returns:
+        (train, held-out) examples, as fit's data and eval_data take them.
+
     """
     known = {field.name for field in dataclasses.fields(DataConfig)}
     unknown = sorted(set(data) - known)

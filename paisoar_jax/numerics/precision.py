@@ -92,7 +92,15 @@ def get_policy(name: str) -> Policy:
 
 
 def fp32_function(function: Callable) -> Callable:
-    """Decorator: runs `function` with every floating array argument cast to fp32."""
+    """Decorator: runs `function` with every floating array argument cast to fp32.
+
+    Args:
+        function: a function of arrays (a norm, a softmax of one's own).
+
+    Returns:
+        `function`, its floating arguments cast to fp32 first.
+
+    """
 
     @functools.wraps(function)
     def wrapped(*args, **kwargs):
@@ -107,7 +115,13 @@ def _is_floating_array(x) -> bool:
 
 
 def force_policy(module, name: str) -> None:
-    """Makes `module` and every module under it compute with the preset policy `name`."""
+    """Makes `module` and every module under it compute with the preset policy `name`.
+
+    Args:
+        module: an nnx.Module of the model (a head to keep in fp32, say).
+        name: a precision.policy preset: `fp32`, `bf16`, `fp16`, `fp8`.
+
+    """
     policy = get_policy(name)
     for _, submodule in nnx.iter_modules(module):
         # The zoo's modules read `policy`; in a model of one's own it marks the weights the

@@ -121,6 +121,14 @@ def remat_block(target: Target, policy: str | None = None) -> Target:
     A module is changed in place (its class gains a checkpointed `__call__`; its
     parameters keep their paths) and returned; a function comes back wrapped. Under
     remat.policy=none (or outside a run with no policy given) the target is unchanged.
+
+    Args:
+        target: an nnx.Module (a block of the model) or a function.
+        policy: a remat.policy name (`full`, `dots`, `minimal`, ...); None: the run's.
+
+    Returns:
+        `target`, checkpointed.
+
     """
     context = _BUILDING.get()
     name = policy if policy is not None else (context.policy if context else "none")

@@ -154,6 +154,16 @@ def scan_layers(step: Callable, x, stacked, *, with_outputs: bool = False):
     returns (x, every layer's y stacked); each y a dict of fp32 scalars (a mixture of
     experts' router statistics), which a pipeline averages over its micro-batches and
     batch shards.
+
+    Args:
+        step: `(x, layer) -> (x, y)`: one layer's computation on the carried activations.
+        x: the activations entering the first layer.
+        stacked: the layers' parameters, stacked on a leading axis (nnx.vmap'd modules).
+        with_outputs: also return every layer's y.
+
+    Returns:
+        The final x; with `with_outputs`, (x, the ys stacked).
+
     """
     context = _ACTIVE.get()
     if context is None:

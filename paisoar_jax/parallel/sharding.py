@@ -189,8 +189,14 @@ def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
     One share per process, except where processes hold the same rows of the batch: the
     pipeline stages of `mesh.dcn_stage` (and the context shards of `mesh.dcn_context`)
     each run every row, so the processes of one batch position read the same examples.
-    `mesh`: default, the one set by jax.set_mesh; outside one, this process's index and
-    the process count.
+
+    Args:
+        mesh: default, the one set by jax.set_mesh; outside one, this process's index and
+            the process count.
+
+    Returns:
+        (slot, slots): ready batches hold global_batch / slots rows in each process.
+
     """
     mesh = jax.sharding.get_mesh() if mesh is None else mesh
     if mesh.empty or mesh.shape.get("stage", 1) == mesh.shape.get("context", 1) == 1:

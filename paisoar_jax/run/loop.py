@@ -247,12 +247,8 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
         due = [one for one in loop.eval_sets if one.is_due(step, step == steps)]
         # An eval step is also a log step: its eval results join that step's record.
         is_log_step = step % run.train.log_every == 0 or step == steps or bool(due)
-        stopped_by = stop_agreed(loop.stop, step, is_log_step)
-        stop_now = stopped_by is not None
-        if is_log_step or saver.is_due(step, stop_now):
-            # Before the loss is judged, and no save holds what a batch of nan made.
-            _check_input(batches, start_step, loop.checkpointer)
         if is_log_step:
+            _check_input(batches, start_step, loop.checkpointer)  # before the loss is judged
             with watchdog.waiting_in("log"):
                 saver.keep_directories(step, state)
                 # The one host sync between log steps: this step's metrics, the recent losses.
@@ -265,7 +261,11 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
                     with watchdog.paused():  # its first call compiles
                         record |= _evaluate(loop, eval_step, state, step, due)
                 run_records.write_record(record, run.task, instruments)
+        stopped_by = stop_agreed(loop.stop, step, is_log_step)
+        stop_now = stopped_by is not None
         if saver.is_due(step, stop_now):
+            if not is_log_step:  # no save holds what a batch of nan made
+                _check_input(batches, start_step, loop.checkpointer)
             with watchdog.waiting_in("save", untimed=not saver.has_saved):  # the first compiles
                 saver.save(step, state)
             watchdog.progressed(step)
@@ -401,7 +401,8 @@ def _check_recent_losses(loop: Loop, step: int, recent: list) -> None:
     `recent`: loop.recent, read at each log step with the logged metrics (one host sync),
     judged when no loss scaler skips steps. The loss of step k is computed with the weights
     step k - 1 left. When step k - 1's loss and gradient norm were finite, its loss no
-    higher than twice the run's first (no explosion under way), those weights were
+    higher than twice the run's first and its gradient norm within 100 times the first's
+    (no explosion under way, no update large enough to overflow), those weights were
     finite and sane: a non-finite loss of theirs comes from step k's batch, not from the
     learning rate (its inputs are finite, data.check_finite saw to that: an integer field,
     a label out of the loss's range). Raises a UserError naming the step and its examples;
@@ -418,8 +419,11 @@ def _check_recent_losses(loop: Loop, step: int, recent: list) -> None:
     (bad_step, bad), (_, before) = values[first_bad], values[first_bad - 1]
     # Where the run started (a fresh model's loss is about chance): an explosion under way
     # has left it far behind, a bad batch comes out of the blue.
-    start = loop.instruments.first_step_loss
-    sane = np.isfinite(before["grad_norm"]) and start is not None and np.isfinite(start)
+    start, start_norm = loop.instruments.first_step_loss, loop.instruments.first_step_grad_norm
+    if start is None or start_norm is None or not np.isfinite([start, start_norm]).all():
+        return
+    grad_norm = float(before["grad_norm"])
+    sane = np.isfinite(grad_norm) and grad_norm <= 100 * max(start_norm, 1e-6)
     sane = sane and float(before["loss"]) <= 2 * abs(start)
     if not (np.isfinite(before["loss"]) and sane):
         return

@@ -91,6 +91,8 @@ class Prepared:
         self._saver = Saver(run, opened.checkpointer, None, None, opened.lock)
         self._last_state: Any = None  # the state train_step returned last (checked once)
         self._step = self.start_step  # the steps this run has done
+        self._saved: tuple[int, Any] | None = None  # the last (step, state) saved
+        self._closed = False
 
     def batches(self) -> Iterator[Any]:
         """Global batches on the mesh, from the one after the state's step, for ever."""
@@ -229,6 +231,7 @@ class Prepared:
             self.batches()
         with jax.set_mesh(self.mesh):
             self._saver.save(step, state)
+        self._saved = (step, state)
         return step
 
     @one_line_errors("paisoar_jax.prepare")
@@ -243,21 +246,36 @@ class Prepared:
     def close(self) -> None:
         """Commits the last save, closes the records, stops the input and frees the run.
 
-        After a stop signal (should_stop), the process then ends as fit's would.
+        The last save is committed as fit commits it (made again, or rescued elsewhere,
+        when it failed). After a stop signal whose step was saved, the process then ends
+        as fit's would; `with paisoar_jax.prepare(...) as prepared:` closes on any exit.
         """
+        if self._closed:
+            return
+        self._closed = True
         opened = self._opened
         try:
+            if self._saved is not None:
+                with jax.set_mesh(self.mesh):
+                    self._saver.finish(*self._saved)  # waits for the save in flight
             if opened.checkpointer is not None:
-                opened.checkpointer.close()  # waits for the save in flight
+                opened.checkpointer.close()
             if self._instruments is not None:
                 self._instruments.close(self._step)
             if self._batches is not None:
                 self._batches.close()
         finally:
             opened.lock.__exit__(None, None, None)
-            if opened.stop.signal_name is not None:  # saved: more signals end the process
-                preemption.stop_saved(opened.stop.signal_name)
+            stopped = opened.stop.signal_name
+            if stopped is not None and self._saved and self._saved[0] == self._step:
+                preemption.stop_saved(stopped)  # saved: more signals end the process
             opened.stop.__exit__(None, None, None)
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     def _eval(self) -> Any:
         if self._eval_step is None:

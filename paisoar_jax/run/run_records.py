@@ -64,6 +64,7 @@ class Instruments:
     start_step: int  # the step the run started from (0, or the checkpoint's)
     resumed_batch: int | None = None  # the global batch of the checkpoint resumed from
     first_step_loss: float | None = None  # before any update: about chance for a fresh model
+    first_step_grad_norm: float | None = None
 
     def close(self, step: int) -> None:
         """Ends the bar, the trace and the metrics files."""
@@ -199,7 +200,7 @@ def check_first_step(run: Setup, step: int, metrics: Any, instruments: Instrumen
     """
     values = jax.device_get({name: metrics[name] for name in ("loss", "grad_norm")})
     loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
-    instruments.first_step_loss = loss
+    instruments.first_step_loss, instruments.first_step_grad_norm = loss, grad_norm
     if jax.process_index() == 0:  # this step fits: a record of one that did not is old
         oom.clear_record(run.run_dir)
     if not math.isfinite(loss):

@@ -20,10 +20,9 @@ from paisoar_jax.runtime import distributed, heartbeat, platform
 
 def start(config: Config, program: str) -> None:
     """Readies this process for `config`'s run; `program` names it in start-up errors."""
-    settings = config.checkpoint
-    if settings.enabled:  # what a signal from here on names as saved (preemption.py)
-        directory = settings.dir or config.run_dir / "checkpoints"  # (checkpoint_directory's)
-        heartbeat.progress.checkpoint_dir = str(directory)
+    settings = config.checkpoint  # what a signal from here on names as saved (preemption.py)
+    directory = settings.dir or config.run_dir / "checkpoints"  # (checkpoint_directory's)
+    heartbeat.progress.checkpoint_dir = str(directory) if settings.enabled else None
     import absl.flags
 
     absl.flags.FLAGS.mark_as_parsed()

@@ -43,13 +43,13 @@ def newest_saved() -> str:
 
     Read from the directory the starting run named (heartbeat.progress.checkpoint_dir,
     set by run/startup.py as soon as the config is known): a signal during a resume names
-    the intact checkpoint it resumes from.
+    the checkpoint it resumes from, which the signal leaves as it was.
     """
     directory = heartbeat.progress.checkpoint_dir
     newest = heartbeat.newest_checkpoint(directory)
     if newest is None:
         return "no checkpoint saved"
-    return f"step {newest} in {directory} is intact: the next start resumes from it"
+    return f"the newest checkpoint, step {newest} in {directory}, is untouched: a start resumes it"
 
 
 def exit_status(signal_name: str) -> int:

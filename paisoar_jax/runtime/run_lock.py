@@ -87,10 +87,16 @@ class RunLock:
                 self._host_file.close()
             self._host_file = None
         refusal = self._lock(self.path)
-        if refusal is None and self._host_file is not None:
-            self._host_file.truncate(0)
-            self._host_file.write(self._file_text())
-            self._host_file.flush()
+        if self._host_file is not None:
+            try:
+                if refusal is not None:  # (another host holds the directory)
+                    raise OSError("refused")
+                self._host_file.truncate(0)
+                self._host_file.write(self._file_text())
+                self._host_file.flush()
+            except OSError:  # refused, or a full temporary directory: that lock let go
+                self._host_file.close()
+                self._host_file = None
         return refusal
 
     def _file_text(self) -> str:

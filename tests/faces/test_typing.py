@@ -84,3 +84,19 @@ def test_a_misspelt_keyword_is_one_line_at_run_time():
         paisoar_jax.plan_fit(None, eval_data=[1])
     with pytest.raises(paisoar_jax.UserError, match=r"bench_fit\(\) .* batches=; it takes model"):
         paisoar_jax.bench_fit(None, batches=[1])
+
+
+def test_an_uncaught_error_of_any_public_function_is_one_line_and_status_2(tmp_path):
+    """Not only fit's and prepare's: token_windows, load_config, Generator, Prepared."""
+    script = tmp_path / "mine.py"
+    for call, expected in (
+        ("paisoar_jax.token_windows('no_such_dir', 8)", "no_such_dir"),
+        ("paisoar_jax.load_config(None, ['train.stepz=3'])", "unknown config key train.stepz"),
+        ("paisoar_jax.Generator('no_such_run')", "no_such_run"),
+    ):
+        script.write_text(f"import paisoar_jax\n{call}\n")
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and ": error: " in lines[0], lines

@@ -45,6 +45,21 @@ def test_a_removed_run_directory_is_still_held_and_its_lock_is_taken_again(tmp_p
         pass
 
 
+def test_a_refused_start_lets_go_of_everything_it_took(tmp_path):
+    """Refused by the directory's lock alone (a holder on another host sees only that one):
+    the lock named by the path is let go too, so a later start in this process goes on."""
+    import fcntl
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / run_lock.LOCK_NAME, "a+") as other_host:
+        fcntl.flock(other_host, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match="is in use by another run"):
+            with RunLock(tmp_path):
+                pass
+    with RunLock(tmp_path):  # the holder is gone: nothing of the refused start is left
+        pass
+
+
 def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
     def no_locks(*args):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

@@ -18,6 +18,9 @@ from paisoar_jax.runtime.chatter import ChatterFilter
 
 LINE_END = re.compile(rb"(\r\n|\n|\r)")
 PENDING_BYTES = 8 << 20  # output kept per rank before its log file opens
+# Lines every rank prints alike when the run ends early (a bad setting, a signal before the
+# first step): shown once, from the first rank to say it; the others' go to their logs.
+SAID_ONCE = (b": error: ", b"before the first step finished")
 
 
 class RankLog:
@@ -81,12 +84,13 @@ class Output:
         self.shown_errors: set[str] = set()
 
     def first_time(self, line: bytes) -> bool:
-        """Whether an error line is new to the screen (then it is remembered as shown)."""
+        """Whether an error line is new to the screen (remembered as shown once shown)."""
         text = line.decode(errors="replace").strip()
         with self.lock:
             if text in self.shown_errors:
                 return False
-            self.shown_errors.add(text)
+            if not self.muted:  # (a muted screen shows nothing: not said yet)
+                self.shown_errors.add(text)
             return True
 
     def write(self, sink, log: RankLog, data: bytes, screen: bool = True) -> None:
@@ -132,7 +136,7 @@ def copy_lines(
             if kept is None:
                 output.write(sink, log, prefix + text + end, screen=False)
                 continue
-            once = b": error: " not in kept or output.first_time(kept)
+            once = not any(mark in kept for mark in SAID_ONCE) or output.first_time(kept)
             output.write(sink, log, prefix + kept + end, screen=once)
             if end != b"\r" and kept.strip():  # a progress bar's redraws are not lines
                 tail.append(kept.decode(errors="replace"))
