@@ -62,6 +62,8 @@ RECORD_FIELDS = {
     "global_batch_changed": "first record of a resume with another batch: [saved, now]",
     "lr_source": "first record: config (optim.*) or optimizer (fit's own)",
     "before_update": "true on the record of a loss not finite at the first step",
+    "bad_batch": "true on the record of a loss a batch made non-finite from sane weights",
+    "examples": "on a bad_batch record: the indices in the data of that batch's examples",
     "eval_loss": "the default eval set's mean loss over its rows",
     "eval_<metric>": "each of its metrics (eval_perplexity for a language model)",
     "eval_<name>_<metric>": "the named eval set <name>'s loss and metrics",

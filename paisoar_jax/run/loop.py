@@ -25,6 +25,7 @@ from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, evaluate
+from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import HangError, UserError
 from paisoar_jax.observe.monitor import IntervalTimer
 from paisoar_jax.run import oom, run_records
@@ -32,6 +33,7 @@ from paisoar_jax.run.resume import (
     batch_change_note,
     make_checkpointer,
     open_input,
+    params_finite,
     saved_batch,
     schedule_change,
     starting_point,
@@ -77,7 +79,7 @@ class Finished:
     """A run's end: its summary, the final train state and the compiled train step."""
 
     summary: dict[str, Any]
-    state: Any
+    state: TrainState
     compiled: Any = None  # jax.stages.Compiled of the first batch's signature (bench reads it)
 
 
@@ -253,7 +255,7 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
                 saver.keep_directories(step, state)
                 # The one host sync between log steps: this step's metrics, the recent losses.
                 values, recent = jax.device_get((metrics, loop.recent))
-                _check_recent_losses(loop, step, recent)  # a batch that made the loss nan
+                _check_recent_losses(loop, step, recent, state)  # a batch that made it nan
                 record = run_records.log_record(run, step, values, train_step, instruments)
                 del loop.recent[:-1]  # the step before the next ones
                 record |= examples_by_source(batches.consumed_state())  # a mixture's, per source
@@ -395,18 +397,19 @@ def _check_input(
     )
 
 
-def _check_recent_losses(loop: Loop, step: int, recent: list) -> None:
-    """A loss that turned non-finite in one step, from finite weights: the batch is the cause.
+def _check_recent_losses(loop: Loop, step: int, recent: list, state: TrainState) -> None:
+    """A loss that turned non-finite in one step, from sane weights: the batch is the cause.
 
     `recent`: loop.recent, read at each log step with the logged metrics (one host sync),
     judged when no loss scaler skips steps. The loss of step k is computed with the weights
-    step k - 1 left. When step k - 1's loss and gradient norm were finite, its loss no
-    higher than twice the run's first and its gradient norm within 100 times the first's
-    (no explosion under way, no update large enough to overflow), those weights were
-    finite and sane: a non-finite loss of theirs comes from step k's batch, not from the
-    learning rate (its inputs are finite, data.check_finite saw to that: an integer field,
-    a label out of the loss's range). Raises a UserError naming the step and its examples;
-    else the logged loss is judged as before.
+    step k - 1 left. They were sane when step k - 1's loss was finite and no higher than
+    twice the run's first, its gradient norm finite and within 100 times the first's (no
+    explosion under way), and the weights are finite still (a learning rate that blew them
+    up leaves them not finite; a bad label's gradients are finite). Then the non-finite
+    loss comes from step k's batch, not from the learning rate: its inputs are finite
+    (data.check_finite saw to that), so an integer field, a label out of the loss's range.
+    Raises a UserError naming the step and its examples; else the logged loss is judged as
+    before.
     """
     if loop.run.precision.loss_scale_mode()[0] != "none":
         return  # a scaler skips a step of non-finite gradients: a nan loss is its business
@@ -425,7 +428,7 @@ def _check_recent_losses(loop: Loop, step: int, recent: list) -> None:
     grad_norm = float(before["grad_norm"])
     sane = np.isfinite(grad_norm) and grad_norm <= 100 * max(start_norm, 1e-6)
     sane = sane and float(before["loss"]) <= 2 * abs(start)
-    if not (np.isfinite(before["loss"]) and sane):
+    if not (np.isfinite(before["loss"]) and sane and params_finite(state.params)):
         return
     examples = loop.batches.examples_of(step - bad_step)
     loop.instruments.writer.write(

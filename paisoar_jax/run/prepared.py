@@ -41,6 +41,7 @@ from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer, Restored
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
 from paisoar_jax.engine.evaluation import EvalSet, evaluate
+from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import UserError, one_line_errors
 from paisoar_jax.run import run_records
 from paisoar_jax.run.loop import stop_agreed
@@ -91,7 +92,7 @@ class Prepared:
         self._saver = Saver(run, opened.checkpointer, None, None, opened.lock)
         self._last_state: Any = None  # the state train_step returned last (checked once)
         self._step = self.start_step  # the steps this run has done
-        self._saved: tuple[int, Any] | None = None  # the last (step, state) saved
+        self._saved: tuple[int, TrainState] | None = None  # the last (step, state) saved
         self._closed = False
 
     def batches(self) -> Iterator[Any]:
@@ -111,7 +112,7 @@ class Prepared:
             yield batch
 
     @one_line_errors("paisoar_jax.prepare")
-    def train_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+    def train_step(self, state: TrainState, batch: Any) -> tuple[Any, dict[str, Any]]:
         """One step: (new state, metrics). `state` is donated: use the state it returns.
 
         A state of another run (another model, mesh or optimizer) or a batch of another
@@ -135,7 +136,7 @@ class Prepared:
         self._last_state = state
         return state, metrics
 
-    def _compile(self, state: Any, batch: Any) -> None:
+    def _compile(self, state: TrainState, batch: Any) -> None:
         """Fit's train step compiled for `batch`, and the records opened as fit opens them."""
         self._train_step = CompiledStep(
             self.run.jit_train_step(),
@@ -173,7 +174,7 @@ class Prepared:
         return record | evals
 
     @one_line_errors("paisoar_jax.prepare")
-    def eval_step(self, state: Any, batch: Any) -> dict[str, jax.Array]:
+    def eval_step(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
         """The task's eval sums over the rows of one global batch, with "rows": their count.
 
         Each metric's mean over the batch is its sum / rows. `evaluate` does this over
@@ -188,7 +189,7 @@ class Prepared:
             return self._eval()(state.params, state.model_state, batch, real_B)
 
     @one_line_errors("paisoar_jax.prepare")
-    def evaluate(self, state: Any, step: int | None = None) -> dict[str, float]:
+    def evaluate(self, state: TrainState, step: int | None = None) -> dict[str, float]:
         """The eval of every eval set (eval_data, eval_sets), each whole, as fit evaluates.
 
         Each metric's mean, named as fit names them in metrics.jsonl (eval_loss,
@@ -219,7 +220,7 @@ class Prepared:
         return stop_agreed(self._opened.stop, step, False) is not None
 
     @one_line_errors("paisoar_jax.prepare")
-    def save(self, state: Any) -> int:
+    def save(self, state: TrainState) -> int:
         """Saves `state` with the input's position (async); the step saved.
 
         A step already saved is left as it is (saving it again does nothing).
@@ -235,7 +236,7 @@ class Prepared:
         return step
 
     @one_line_errors("paisoar_jax.prepare")
-    def model(self, state: Any) -> Any:
+    def model(self, state: TrainState) -> Any:
         """The NNX module of `state`'s weights (a model of one's own's factory builds it)."""
         if not callable(self.workload.model) or self.workload.follows_policy:
             raise UserError("model(state) is for a model of your own; export a zoo run instead")

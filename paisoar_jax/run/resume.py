@@ -265,13 +265,18 @@ def resume_input(
 _params_finite = jax.jit(all_finite)
 
 
+def params_finite(params: Any) -> bool:
+    """Whether every parameter is finite (one reduction over them, and a host sync)."""
+    return bool(_params_finite(params))
+
+
 def save(checkpointer: Checkpointer, step: int, state: Any, batches: Any, run: Setup) -> None:
     """Starts an async save of `step`; params that are no longer finite are never saved.
 
     With the step go the input's position (`batches`), what it belongs to, and the run's
     resolved config (`run.record`), which a resume with other settings compares.
     """
-    if not bool(_params_finite(state.params)):
+    if not params_finite(state.params):
         raise DivergenceError(
             f"the params are not finite after step {step}: training diverged; the "
             f"checkpoints before it are kept in {checkpointer.directory}"

@@ -18,6 +18,7 @@ import jax
 from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
 from paisoar_jax.engine.compilation import CompiledStep
+from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics import loss_scale
 from paisoar_jax.observe.metrics import MetricsWriter, device_peak_tflops
@@ -39,7 +40,7 @@ class History:
     eval_s: float = 0.0  # time spent in evals (not step time: left out of the throughput)
 
 
-def start_history(run: Setup, state: Any, start_step: int) -> History:
+def start_history(run: Setup, state: TrainState, start_step: int) -> History:
     """An empty History; with a loss scaler, the scale and skipped steps at start_step.
 
     So the first log interval counts towards the steps skipped in a row, as the later do.
@@ -74,7 +75,7 @@ class Instruments:
 
 
 def instruments(
-    run: Setup, state: Any, start_step: int, resumed_batch: int | None = None
+    run: Setup, state: TrainState, start_step: int, resumed_batch: int | None = None
 ) -> Instruments:
     """Timers in the task's unit, the metrics writer, the progress bar, profiler and history.
 

@@ -1,7 +1,8 @@
 """A run's checkpoints as one object: when to save, the asynchronous wait, retries, the end.
 
-The loop asks `saver.maybe_save(step, state, stop_now)` after every step and
-`saver.finish(step, state)` once at the end; `Prepared.save` asks `saver.save(step, state)`.
+The loop asks `saver.is_due(step, stop_now)` after every step and `saver.save(step, state)`
+when it is, then `saver.finish(step, state)` once at the end; `Prepared.save` and
+`Prepared.close` ask the same.
 What happens in between is the Saver's: the cadence (every checkpoint.every steps, the last
 step, a stop), waiting for the save in flight before the next (what it writes takes room
 too), saving again when its directory vanished under it, making a vanished run directory
@@ -13,13 +14,14 @@ A step already saved is not saved twice.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax
 
 from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
 from paisoar_jax.checkpointing.orbax_errors import describe_failure
+from paisoar_jax.data.prefetch import DevicePrefetcher
+from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.run import run_directory
 from paisoar_jax.run.resume import save
@@ -48,7 +50,7 @@ class Saver:
         self,
         run: Setup,
         checkpointer: Checkpointer | None,
-        batches: Any,
+        batches: DevicePrefetcher | None,
         instruments: Instruments | None = None,
         lock: RunLock | None = None,
     ):
@@ -71,14 +73,7 @@ class Saver:
         every = self.run.checkpoint.every
         return bool(every and step % every == 0) or step == self.run.train.steps or stop_now
 
-    def maybe_save(self, step: int, state: Any, stop_now: bool = False) -> bool:
-        """Saves `step` when it is due (see is_due); whether it did."""
-        if not self.is_due(step, stop_now):
-            return False
-        self.save(step, state)
-        return True
-
-    def save(self, step: int, state: Any) -> None:
+    def save(self, step: int, state: TrainState) -> None:
         """Starts an async save of `step` once the one in flight is done; timed as save time.
 
         A step saved already (by this run or the one it resumed) is left as it is.
@@ -109,7 +104,7 @@ class Saver:
             self.instruments.timer.start_time += blocked_s
             self.instruments.timer.save_s += blocked_s
 
-    def finish(self, step: int, state: Any) -> None:
+    def finish(self, step: int, state: TrainState) -> None:
         """Waits for the last save to be committed; one that failed is made again, or rescued."""
         if self.checkpointer is None:
             return
@@ -130,7 +125,7 @@ class Saver:
                 self.checkpointer, step, self._save_to(step, state), why, self.run.run_dir
             )
 
-    def keep_directories(self, step: int, state: Any) -> None:
+    def keep_directories(self, step: int, state: TrainState) -> None:
         """A vanished run or checkpoint directory is made again, and what writes there reopened.
 
         Its lock is taken again (a second start of the same command is refused there too).
@@ -153,7 +148,7 @@ class Saver:
         if checkpointer is not None:
             run_directory.reopen(checkpointer, step, save_to, run_dir)
 
-    def _reopen(self, step: int, state: Any) -> None:
+    def _reopen(self, step: int, state: TrainState) -> None:
         """The directories made again, then a fresh manager over the checkpoint directory."""
         checkpointer = self._checkpointer()
         self.keep_directories(step, state)
@@ -164,7 +159,7 @@ class Saver:
             raise UserError("checkpoint.enabled=false: this run has nowhere to save")
         return self.checkpointer
 
-    def _save_to(self, step: int, state: Any):
+    def _save_to(self, step: int, state: TrainState):
         """save_to(checkpointer): saves the step reached there (for a rescue)."""
         return lambda checkpointer: save(checkpointer, step, state, self.batches, self.run)
 

@@ -66,6 +66,8 @@ def test_prepare_evaluates_saves_once_refuses_other_runs_and_load_reads_its_dire
     for own, fit in zip(own_records, fit_records, strict=True):
         assert own["loss"] == pytest.approx(fit["loss"], rel=1e-6)
         assert {"step_time_s", "examples_per_s", "data_wait_frac", "grad_norm"} <= set(own)
+    status, stdout, _ = _doctor(own_dir)  # the doctor reads it as it reads fit's
+    assert status == 0 and str(own_dir) in stdout, stdout
     model = paisoar_jax.load(own_dir, model=MLP)  # prepare's directory reads as fit's
     np.testing.assert_allclose(model(HELD_OUT["x"][:4]), prepared.model(state)(HELD_OUT["x"][:4]),
                                rtol=1e-6)  # fmt: skip

@@ -9,7 +9,8 @@ metrics cannot be read.
 
     check                  fires when
     out-of-memory          the run stopped at a step that did not fit (out_of_memory.json)
-    bad-inputs             the loss is not finite at the first step, before any update
+    bad-inputs             the loss is not finite at the first step, before any update, or
+                           a batch made it so from sane weights (its examples named)
     exploding              a finite loss reached 3x the loss before any update
     diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
                            its minimum
