@@ -74,6 +74,9 @@ class SettingNames:
 FLAG_NAMES = SettingNames()  # the command-line tools' own flags
 
 
+_program = [""]  # the name an uncaught error's line gives (end_uncaught's last caller)
+
+
 def end_uncaught(program: str) -> None:
     """An uncaught UserError, DivergenceError or HangError ends the program as the CLI does.
 
@@ -81,6 +84,7 @@ def end_uncaught(program: str) -> None:
     them, to be caught like any exception; a script that lets one escape gets that line
     instead of a traceback. Other exceptions keep Python's own hook.
     """
+    _program[0] = program  # the outermost caller's name: it says it last
     previous = sys.excepthook
     if getattr(previous, "paisoar_jax", False):
         return
@@ -94,7 +98,7 @@ def end_uncaught(program: str) -> None:
         from paisoar_jax import output
 
         sys.stdout.flush()
-        output.error(str(error), program=program)
+        output.error(str(error), program=_program[0])
         sys.stderr.flush()
         os._exit(status)  # (the process is ending: no atexit waits on peers that wait on us)
 

@@ -114,7 +114,7 @@ def _is_floating_array(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def force_policy(module, name: str) -> None:
+def force_policy(module: nnx.Module, name: str) -> None:
     """Makes `module` and every module under it compute with the preset policy `name`.
 
     Args:

@@ -51,6 +51,7 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,7 @@ def check_used(context: _Active | None, model_name: str) -> None:
         )
 
 
-def scan_layers(step: Callable, x, stacked, *, with_outputs: bool = False):
+def scan_layers(step: Callable, x: Any, stacked: Any, *, with_outputs: bool = False) -> Any:
     """`step(x, layer) -> (x, y)` over the leading axis of `stacked`; returns the final x.
 
     In a pipelined run (mesh.stage > 1) the layers run as a pipeline over the stage axis
