@@ -24,7 +24,7 @@ from paisoar_jax.data.mixture import examples_by_source
 from paisoar_jax.data.pipeline import check_splits
 from paisoar_jax.data.prefetch import DevicePrefetcher
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
-from paisoar_jax.engine.evaluation import EvalSet, check_metric_names, evaluate
+from paisoar_jax.engine.evaluation import EvalSet, check_metric_names
 from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import HangError, UserError
 from paisoar_jax.observe.monitor import IntervalTimer
@@ -354,17 +354,11 @@ def _evaluate(loop: Loop, eval_step, state, step: int, due) -> dict[str, float]:
 
     The default set's are eval_loss, ...; a named set's eval_<name>_loss, ...
     """
-    run, history = loop.run, loop.instruments.history
+    history = loop.instruments.history
     start = time.perf_counter()
-    shown = {}
-    for one in due:
-        results = evaluate(eval_step, state, one.source, run.task, run.train, run.mesh, step)
-        shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
+    shown = run_records.evaluate_sets(loop.run, eval_step, state, due, step)
     history.eval_results |= shown  # each set's latest, for the summary
     history.eval_s += time.perf_counter() - start
-    if jax.process_index() == 0:
-        line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
-        output.note(line, prefixed=False)
     return shown
 
 

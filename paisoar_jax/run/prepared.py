@@ -37,10 +37,9 @@ from typing import Any
 
 import jax
 
-from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer, Restored
 from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, readable_errors_of
-from paisoar_jax.engine.evaluation import EvalSet, evaluate
+from paisoar_jax.engine.evaluation import EvalSet
 from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import UserError, one_line_errors
 from paisoar_jax.run import run_records
@@ -195,19 +194,13 @@ class Prepared:
         Each metric's mean, named as fit names them in metrics.jsonl (eval_loss,
         eval_<name>_loss, ...); {} without eval sets. `step`: a mixture's weights' step.
         """
-        results: dict[str, float] = {}
+        eval_sets, step = self._opened.eval_sets, self._step if step is None else step
+        if not eval_sets:
+            return {}
         with jax.set_mesh(self.mesh):
-            for one in self._opened.eval_sets:
-                run = self.run
-                means = evaluate(
-                    self._eval(), state, one.source, run.task, run.train, run.mesh, step or 0
-                )
-                results |= {f"{one.prefix}{name}": value for name, value in means.items()}
+            results = run_records.evaluate_sets(self.run, self._eval(), state, eval_sets, step)
         if self._instruments is not None:
             self._instruments.history.eval_results |= results
-        if results and jax.process_index() == 0:
-            shown = ", ".join(f"{name} {value:.4f}" for name, value in results.items())
-            output.note(f"step {step or self._step}: {shown}", prefixed=False)
         return results
 
     @one_line_errors("paisoar_jax.prepare")

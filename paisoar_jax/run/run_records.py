@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import jax
 from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
 from paisoar_jax.engine.compilation import CompiledStep
+from paisoar_jax.engine.evaluation import EvalSet, evaluate
 from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics import loss_scale
@@ -180,6 +182,24 @@ def log_record(
         raise
     history.losses.append(record["loss"])
     return record
+
+
+def evaluate_sets(
+    run: Setup, eval_step: Any, state: TrainState, eval_sets: Sequence[EvalSet], step: int
+) -> dict[str, float]:
+    """Each eval set's metrics, whole, named as metrics.jsonl names them, in a line.
+
+    The default set's are eval_loss, ...; a named set's eval_<name>_loss, .... `step`: the
+    step evaluated (a mixture's weights are the ones at it). The line goes above the bar.
+    """
+    shown = {}
+    for one in eval_sets:
+        results = evaluate(eval_step, state, one.source, run.task, run.train, run.mesh, step)
+        shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
+    if jax.process_index() == 0:
+        line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
+        output.note(line, prefixed=False)
+    return shown
 
 
 def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -> None:
