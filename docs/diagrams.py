@@ -69,40 +69,67 @@ def data_flow() -> str:
 
 
 def mesh_axes() -> str:
-    """The mesh axes from config/mesh.py, and the 8 positions of data=2 x fsdp=2 x tensor=2."""
+    """The mesh axes from config/mesh.py, and the 8 positions of data=2 x fsdp=2 x tensor=2.
+
+    Drawn at the width the page shows it (about 700 px): three axes to a row and four
+    devices to a row, so every label reads at its own size (13 px), not scaled down.
+    """
     from paisoar_jax.config.mesh import AXES
 
-    column, body = 150, []
+    column, row_height, body = 232, 132, []
     for index, axis in enumerate(AXES):
-        x = 20 + index * column
+        x, y = 20 + (index % 3) * column, 20 + (index // 3) * row_height
         fill = "#e8f5e9" if axis.batch else "#fff3e0"
         body.append(
-            f"<rect x='{x}' y='20' width='{column - 12}' height='118' rx='6' fill='{fill}' "
-            "stroke='#777'/>"
+            f"<rect x='{x}' y='{y}' width='{column - 12}' height='{row_height - 12}' rx='6' "
+            f"fill='{fill}' stroke='#777'/>"
         )
-        body.append(_text(x + 10, 44, f"mesh.{axis.name}", 14, MONO, font_weight="bold"))
-        for row, line in enumerate(textwrap.wrap(axis.splits, 18)):  # wrapped to the box
-            body.append(_text(x + 10, 66 + row * 16, line, 12))
-        body.append(_text(x + 10, 112, "batch rows" if axis.batch else "", 11, fill="#2e7d32"))
+        body.append(_text(x + 10, y + 24, f"mesh.{axis.name}", 15, MONO, font_weight="bold"))
+        for row, line in enumerate(textwrap.wrap(axis.splits, 26)):  # wrapped to the box
+            body.append(_text(x + 10, y + 46 + row * 17, line, 13))
+        body.append(_text(x + 10, y + 96, "batch rows" if axis.batch else "", 13, fill="#2e7d32"))
         twin = f"dcn_{axis.name}: across hosts" if axis.dcn else "within a host"
-        body.append(_text(x + 10, 128, twin, 11, fill="#555"))
-    example = "mesh.data=2 mesh.fsdp=2 mesh.tensor=2: the 8 positions of the mesh, each a device"
-    body.append(_text(20, 170, example, 13))
+        body.append(_text(x + 10, y + 112, twin, 13, fill="#555"))
+    top = 20 + -(-len(AXES) // 3) * row_height + 16
+    body.append(_text(20, top, "mesh.data=2 mesh.fsdp=2 mesh.tensor=2: 8 devices", 14))
     for index, (data, fsdp, tensor) in enumerate(itertools.product(range(2), repeat=3)):
-        x, y = 20 + index * 110, 182
+        x, y = 20 + (index % 4) * 172, top + 14 + (index // 4) * 96
         body.append(
-            f"<rect x='{x}' y='{y}' width='100' height='76' rx='6' fill='#e8eef9' "
+            f"<rect x='{x}' y='{y}' width='160' height='86' rx='6' fill='#e8eef9' "
             "stroke='#3f51b5'/>"
         )
-        body.append(_text(x + 8, y + 18, f"d{data} f{fsdp} t{tensor}", 12, MONO))
-        body.append(_text(x + 8, y + 36, f"rows {data * 2 + fsdp + 1} of 4", 11))
-        body.append(_text(x + 8, y + 52, f"weights {fsdp + 1} of 2", 11))
-        body.append(_text(x + 8, y + 68, f"heads {tensor + 1} of 2", 11))
-    caption = "the batch's rows over data x fsdp; weights over fsdp; heads and MLP over tensor"
-    body.append(_text(20, 282, caption, 12, fill="#444"))
-    return _svg(20 + len(AXES) * column, 300, body, "The mesh axes")
+        body.append(_text(x + 10, y + 20, f"d{data} f{fsdp} t{tensor}", 14, MONO))
+        body.append(_text(x + 10, y + 40, f"rows {data * 2 + fsdp + 1} of 4", 13))
+        body.append(_text(x + 10, y + 58, f"weights {fsdp + 1} of 2", 13))
+        body.append(_text(x + 10, y + 76, f"heads {tensor + 1} of 2", 13))
+    caption = "rows over data x fsdp; weights over fsdp; heads and MLP over tensor"
+    bottom = top + 14 + 2 * 96 + 12
+    body.append(_text(20, bottom, caption, 13, fill="#444"))
+    return _svg(20 + 3 * column, bottom + 16, body, "The mesh axes")
+
+
+def ratio_chart(rows: list[tuple[str, float]]) -> str:
+    """Bars of (label, ratio to the peer): a line marks 1.0, the peer's speed."""
+    left, scale, bar, gap = 330, 240, 22, 10  # scale: pixels per 1.0x
+    body = []
+    for index, (label, ratio) in enumerate(rows):
+        y = 20 + index * (bar + gap)
+        color = "#2e7d32" if ratio >= 1 else "#c62828"
+        body.append(_text(20, y + 16, label, 13))
+        body.append(
+            f"<rect x='{left}' y='{y}' width='{ratio * scale:.1f}' height='{bar}' "
+            f"fill='{color}' fill-opacity='0.75'/>"
+        )
+        body.append(_text(left + ratio * scale + 6, y + 16, f"{ratio:.2f}x", 13))
+    bottom = 20 + len(rows) * (bar + gap)
+    body.append(
+        f"<line x1='{left + scale}' y1='12' x2='{left + scale}' y2='{bottom}' stroke='#555' "
+        "stroke-dasharray='4 3'/>"
+    )
+    body.append(_text(left + scale - 40, bottom + 16, "PyTorch = 1.0x", 12, fill="#555"))
+    return _svg(left + 2 * scale - 40, bottom + 26, body, "Speed against the PyTorch peer")
 
 
 def pictures() -> dict[str, str]:
-    """{file name: SVG} of the site's pictures (docs/hooks.py writes them)."""
+    """{file name: SVG} of the site's pictures (docs/hooks.py writes them, and the chart)."""
     return {"data-flow.svg": data_flow(), "mesh-axes.svg": mesh_axes()}

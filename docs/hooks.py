@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import pathlib
+import subprocess
 import sys
+from unittest import mock
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import diagrams  # noqa: E402 (docs/ is no package: its folder goes on the path first)
@@ -23,6 +26,21 @@ import outputs  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
 COMMANDS = ("train", "plan", "doctor", "bench", "convert", "export", "generate", "launch")
+
+
+def on_config(config, **kwargs):
+    """The header names the version, and the repository when the checkout has a remote."""
+    from paisoar_jax import __version__
+
+    config["site_name"] = f"paisoar_jax {__version__}"
+    remote = subprocess.run(
+        ["git", "remote", "get-url", "origin"], cwd=ROOT, capture_output=True, text=True
+    )
+    url = remote.stdout.strip()
+    if remote.returncode == 0 and url.startswith("https://"):  # a page links only to the web
+        config["repo_url"] = url.removesuffix(".git")
+        config["repo_name"] = "paisoar_jax"
+    return config
 
 
 def on_pre_build(config, **kwargs) -> None:
@@ -43,9 +61,13 @@ def on_pre_build(config, **kwargs) -> None:
     files |= {pictures / name: svg for name, svg in diagrams.pictures().items()}
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     title, _, rest = results.partition("\n")
+    summary, chart = benchmark_summary(results)
+    files[pictures / "benchmark-ratios.svg"] = chart
     files[ROOT / "docs" / "benchmarks.md"] = (
         f"<!-- generated from benchmarks/RESULTS.md by docs/hooks.py -->\n{title}\n"
+        + summary
         + recorded_runs()
+        + "\n## Lab notebook\n"
         + rest
     )
     for path, text in files.items():
@@ -61,21 +83,39 @@ def _cell(text: str) -> str:
 
 
 def config_keys() -> str:
-    """The config keys page: `--help`'s table of every key, default and meaning."""
-    from paisoar_jax.config.keys import key_table
+    """The config keys page: every key by section, with its anchor, default, values, meaning."""
+    from paisoar_jax.config.keys import FAMILIES, SECTIONS, key_table
 
     lines = [
         "# Config keys",
         "",
-        "Every key of a run's config, its default and its meaning: the table `python -m",
-        "paisoar_jax.train --help` lists, generated from the comments in",
-        "`paisoar_jax/config/sections.py`. Set one as `section.key=value` after the config.",
+        "Every key of a run's config: its default, the values it takes and what it means, the",
+        "table `python -m paisoar_jax.train --help` lists, generated from the comments in",
+        "`paisoar_jax/config/`. Set one as `section.key=value` after the config (or in a YAML",
+        "file: [Configs and overrides](../how-to/configs.md)). Link to a key as",
+        "`config.md#train.steps`.",
         "",
-        "| key | default | meaning |",
-        "|---|---|---|",
+        "Sections: " + ", ".join(f"[{name}](#{name})" for name in SECTIONS) + ".",
     ]
-    for key, default, meaning in key_table():
-        lines.append(f"| `{key}` | `{_cell(default)}` | {_cell(meaning)} |")
+    rows, anchored = key_table(), set()
+    for section, classes in SECTIONS.items():
+        lines += ["", f"## {section}"]
+        for owner in classes:
+            family = FAMILIES.get(owner, "")
+            if len(classes) > 1:
+                lines += ["", f"### {section} keys of {family}"]
+            summary = " ".join((owner.__doc__ or "").strip().split("\n\n")[0].split())
+            lines += ["", summary, "", "| key | default | values | meaning |", "|---|---|---|---|"]
+            for row in rows:
+                if row.key.partition(".")[0] != section or row.family != family:
+                    continue
+                # A key both model families have: the second one's anchor names its family.
+                anchor = f"{row.key}-{family.split(',')[0]}" if row.key in anchored else row.key
+                anchored.add(row.key)
+                lines.append(
+                    f'| <a id="{anchor}"></a>`{row.key}` | `{_cell(row.default)}` | '
+                    f"{_cell(row.allowed)} | {_cell(row.meaning)} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -85,7 +125,12 @@ def commands() -> str:
     for name in COMMANDS:
         module = importlib.import_module(f"paisoar_jax.{name}")
         out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        # argparse wraps its help to $COLUMNS: the width of the page's code column.
+        with (
+            mock.patch.dict(os.environ, {"COLUMNS": "88"}),
+            contextlib.redirect_stdout(out),
+            contextlib.suppress(SystemExit),
+        ):
             module.main(["--help"])
         lines += ["", f"## {name}", "", "```text", out.getvalue().rstrip(), "```"]
     return "\n".join(lines) + "\n"
@@ -170,6 +215,49 @@ def sharding_rules() -> str:
     for name, axes in ACTIVATION_RULES.items():
         lines.append(f"| `{name}` | {show((axes,) if isinstance(axes, str) else axes)} |")
     return "\n".join(lines) + "\n"
+
+
+def benchmark_summary(results: str) -> tuple[str, str]:
+    """The one-screen summary of RESULTS.md's first table: each workload's ratio to PyTorch.
+
+    Returns the summary's markdown and its bar chart (SVG).
+    """
+    rows = []
+    for line in results.split("\n\n| date |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]:
+        date, device, commit, workload, ours, peer, ratio, _ = (
+            cell.strip().replace("**", "") for cell in line.strip("|").split("|")
+        )
+        card = device.split("(")[0].strip()
+        rows.append((date, card, commit, workload, ours, peer, float(ratio.rstrip("x"))))
+    lines = [
+        "",
+        "## Summary",
+        "",
+        "Each workload's speed as a ratio to the PyTorch peer (bf16 + torch.compile) run on the",
+        "same card in the same device call: above 1.0x, faster than PyTorch. The lab notebook",
+        "below holds every measurement with its command, the estimates made without a GPU, and",
+        "what each change was worth. The configs shipped since (issue 48) carry the settings of",
+        "the faster rows; no GPU has measured a newer commit yet.",
+        "",
+        "![Speed against the PyTorch peer](images/generated/benchmark-ratios.svg)",
+        "",
+        "| workload | card | date, commit | ours | PyTorch | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for date, card, commit, workload, ours, peer, ratio in rows:
+        lines.append(
+            f"| {workload} | {card} | {date}, {commit} | {ours} | {peer.split(' (')[0]} | "
+            f"{ratio:.2f}x |"
+        )
+    chart = diagrams.ratio_chart([(_short(row[3]), row[6]) for row in rows])
+    return "\n".join(lines) + "\n", chart
+
+
+def _short(workload: str) -> str:
+    """A workload's label for the chart: its config, then what set it apart."""
+    config, _, settings = workload.partition(",")
+    settings = settings.replace("`", "").replace("model.", "").strip()
+    return f"{config.split()[0]}: {settings}"
 
 
 def recorded_runs() -> str:

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "docs" / "generated"
@@ -25,11 +26,12 @@ TOO_FAST = ["train", "optim.lr=30", "train.steps=30", "train.log_every=5", "trai
 TOO_FAST += ["model.layers=2", "run.progress=false", "run.tensorboard=false"]
 TOO_FAST += ["checkpoint.enabled=false", "run.dir=runs/too-fast"]
 DOCTOR = ["doctor", "runs/too-fast"]
+WIDTH = 88  # the code column's characters (docs/stylesheets/extra.css)
 
 
 def sources_hash() -> str:
     """A hash of the package's code and shipped configs: the outputs' cache key."""
-    digest = hashlib.sha256(repr((PLAN, TOO_FAST, DOCTOR)).encode())
+    digest = hashlib.sha256(repr((PLAN, TOO_FAST, DOCTOR, WIDTH)).encode())
     for path in sorted([*ROOT.glob("paisoar_jax/**/*.py"), *ROOT.glob("configs/*.yaml")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -52,8 +54,22 @@ def run(command: list[str], cwd: pathlib.Path) -> str:
 
 
 def shown(command: list[str], printed: str) -> str:
-    """The command as a reader types it, then what it printed."""
-    return f"$ python -m paisoar_jax.{shlex.join(command)}\n{printed.rstrip()}\n"
+    """The command as a reader types it, then what it printed, in the page's 88 columns.
+
+    A longer line is folded as a narrower terminal would show it, its continuation indented
+    under the line's own text; the command is folded with a backslash, as one types it.
+    """
+    typed = textwrap.wrap(
+        f"$ python -m paisoar_jax.{shlex.join(command)}", WIDTH - 2, subsequent_indent="    "
+    )
+    lines = [*(line + " \\" for line in typed[:-1]), typed[-1]]
+    for line in printed.rstrip().splitlines():
+        if len(line) <= WIDTH:  # as printed, its columns aligned
+            lines.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        lines += textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
 
 
 def write_outputs() -> None:

@@ -49,11 +49,13 @@ def loss(model, batch, rng):
 if __name__ == "__main__":
     folder, overrides = sys.argv[1], sys.argv[2:]
     # --8<-- [start:read]
-    train, held_out = paisoar_jax.source_examples(f"images:{folder}", image_size=IMAGE_SIZE)
+    source = f"images:{folder}"
+    train, held_out = paisoar_jax.source_examples(source, image_size=IMAGE_SIZE)
     # --8<-- [end:read]
+    settings = ["run.name=own_image_folder", "train.steps=200", "train.global_batch=32"]
     result = paisoar_jax.fit(
         None,
-        ["run.name=own_image_folder", "train.steps=200", "train.global_batch=32", *overrides],
+        [*settings, *overrides],
         model=lambda rngs: SmallCNN(rngs, classes=len(train.classes)),
         loss=loss,
         optimizer=optax.adam(3e-3),

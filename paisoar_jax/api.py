@@ -86,6 +86,14 @@ def initialize(config: ConfigLike = None) -> None:
     Args:
         config: as `fit` takes it (its `distributed` section: coordinator, timeouts).
 
+    Example:
+        ```python
+        import jax
+
+        paisoar_jax.initialize()  # under launch, SLURM or mpirun: joins the others
+        print(jax.process_index(), jax.process_count())  # alone: 0 1
+        ```
+
     """
     start(resolve_config(config), "paisoar_jax")
 
@@ -157,6 +165,15 @@ def fit(
     Raises:
         UserError: bad input, with one line naming it (exit status 2 when uncaught).
 
+    Example:
+        ```python
+        import paisoar_jax
+
+        overrides = ["model.layers=2", "train.steps=20", "run.dir=runs/tiny"]
+        result = paisoar_jax.fit(None, overrides)
+        print(result.steps, result.final_loss)  # 20, the last logged loss
+        ```
+
     """
     model = parts.get("model")
 
@@ -214,6 +231,18 @@ def prepare(
     Raises:
         UserError: bad input, with one line naming it (exit status 2 when uncaught).
 
+    Example:
+        ```python
+        overrides = ["model.layers=2", "train.steps=10", "run.dir=runs/own-loop"]
+        with paisoar_jax.prepare(None, overrides) as prepared:
+            state = prepared.state
+            for step, batch in zip(range(prepared.start_step + 1, 11), prepared.batches()):
+                state, metrics = prepared.train_step(state, batch)
+                if step % 5 == 0:
+                    prepared.log(step, metrics)  # a metrics.jsonl record, as fit writes it
+                    prepared.save(state)  # asynchronous; closing commits it
+        ```
+
     """
 
     def work() -> Prepared:
@@ -251,6 +280,14 @@ def load(
 
     Raises:
         UserError: no such run, another model's weights, or damaged files, in one line.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+
+        model = paisoar_jax.load("runs/tiny")  # fit's example's zoo GPT, its trained weights
+        logits = model(jnp.zeros((1, 8), jnp.int32))  # (batch, tokens, vocabulary)
+        ```
 
     """
     from paisoar_jax.checkpointing.weights import weights_source
@@ -309,6 +346,12 @@ def plan_fit(
     Returns:
         The plan as a JSON-ready dict (what `plan --json` prints).
 
+    Example:
+        ```python
+        plan = paisoar_jax.plan_fit(None, ["model.layers=2", "mesh.fsdp=2"], show=False)
+        print(plan["mesh"], plan["memory_bytes"])  # what each device would hold
+        ```
+
     """
 
     def work() -> dict[str, Any]:
@@ -353,6 +396,12 @@ def bench_fit(
         One JSON-ready dict (also printed): examples/s, step time, MFU, compile time and
         data wait; with `scaling`, what scaling.json holds.
 
+    Example:
+        ```python
+        speed = paisoar_jax.bench_fit(None, ["model.layers=2", "train.steps=5"])
+        print(speed["tokens_per_s"], speed["step_ms"], speed["compile_s"])
+        ```
+
     """
 
     def work() -> dict[str, Any]:
@@ -393,6 +442,12 @@ def export_run(
 
     Returns:
         The step exported.
+
+    Example:
+        ```python
+        step = paisoar_jax.export_run("runs/tiny", "exports/tiny")  # fit's example's run
+        # a later run fine-tunes from it: checkpoint.init_from=exports/tiny
+        ```
 
     """
     from paisoar_jax.tools.export import export

@@ -34,7 +34,26 @@ EXIT_STATUSES = {
 
 
 class UserError(ValueError):
-    """Bad input from the user: one line; exit status 2 on the command line (or uncaught)."""
+    """Bad input from the user: one line; exit status 2 on the command line (or uncaught).
+
+    A `ValueError`, so code that catches those catches it too.
+
+    Args:
+        message: the one line: what is wrong, naming the key, file or argument, and what
+            would be right.
+
+    Example:
+        ```python
+        try:
+            paisoar_jax.fit(None, ["optim.lr=-1"])
+        except paisoar_jax.UserError as error:
+            print(error)  # optim.lr must be > 0, got -1.0
+        ```
+
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 class DivergenceError(Exception):

@@ -10,6 +10,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
+import types
+import typing
+from typing import NamedTuple
 
 from paisoar_jax.config import sections
 
@@ -27,32 +31,70 @@ SECTIONS = {
     "run": (sections.RunConfig,),
     "distributed": (sections.DistributedConfig,),
 }
+# The model families each class of the model section serves (a key both have is listed twice).
+FAMILIES = {sections.LanguageModelConfig: "gpt, llama", sections.VisionConfig: "resnet, vgg, vit"}
 
 
-def key_table() -> list[tuple[str, str, str]]:
-    """(section.key, default, meaning or "") of every key, sections in the config's order."""
+class Key(NamedTuple):
+    """One config key: its name, default, meaning, allowed values and the models it is for."""
+
+    key: str
+    default: str
+    meaning: str
+    allowed: str  # "adamw | sgd | ..." for a choice, else the kind of value
+    family: str  # the model families that read it ("" outside the model section)
+
+
+def key_table() -> list[Key]:
+    """Every key of every section, sections in the config's order."""
     meanings = _field_comments()
     table = []
     for section, classes in SECTIONS.items():
         for owner in classes:
+            hints = typing.get_type_hints(owner)
             for field in dataclasses.fields(owner):
                 if field.name.startswith("_"):
                     continue
                 default = owner().__getattribute__(field.name)
-                key = f"{section}.{field.name}"
-                if any(row[0] == key for row in table):  # a key both model families have
-                    continue
-                table.append((key, _shown(default), meanings.get((owner.__name__, field.name), "")))
+                table.append(
+                    Key(
+                        key=f"{section}.{field.name}",
+                        default=_shown(default),
+                        meaning=meanings.get((owner.__name__, field.name), ""),
+                        allowed=_allowed(hints[field.name]),
+                        family=FAMILIES.get(owner, ""),
+                    )
+                )
     return table
 
 
 def keys_help() -> str:
-    """The `--help` epilog: one `section.key=default  meaning` line per key."""
-    lines = ["config keys (section.key=default, then what it means):"]
-    for key, default, meaning in key_table():
-        setting = f"  {key}={default}"
-        lines.append(f"{setting:<40} {meaning}".rstrip() if meaning else setting)
+    """The `--help` epilog: each key's `section.key=default`, then its meaning and values."""
+    lines = ["config keys (section.key=default, then what it means and takes):"]
+    for row in key_table():
+        setting = f"  {row.key}={row.default}"
+        meaning = row.meaning + (f" [{row.allowed}]" if "|" in row.allowed else "")
+        if row.family:
+            meaning = f"({row.family}) {meaning}"
+        wrapped = textwrap.wrap(meaning, width=88 - 40, break_on_hyphens=False) or [""]
+        lines.append(f"{setting:<39} {wrapped[0]}".rstrip())
+        lines += [" " * 40 + line for line in wrapped[1:]]
     return "\n".join(lines)
+
+
+def _allowed(hint) -> str:
+    """The values a field's type allows, as a reader writes them on the command line."""
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(str(value) for value in typing.get_args(hint))
+    if hint is bool:
+        return "true | false"
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        return "list"
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_allowed(arg) for arg in typing.get_args(hint) if arg is not type(None)]
+        return " or ".join(kinds) + (" or unset" if type(None) in typing.get_args(hint) else "")
+    return {int: "integer", float: "number", str: "text"}.get(hint, "")
 
 
 def _shown(value) -> str:

@@ -212,6 +212,12 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     Raises:
         UserError: an unknown key, a wrong type or a value no run could use, in one line.
 
+    Example:
+        ```python
+        config = paisoar_jax.load_config("gpt2_124m", ["train.steps=100", "mesh.fsdp=2"])
+        print(config.model.layers, config.train.steps, config.run_dir)
+        ```
+
     """
     if path is None:
         return config_from_dict({}, overrides)

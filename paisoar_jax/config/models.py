@@ -32,18 +32,18 @@ class LanguageModelConfig:
     MLP, rotary positions and grouped-query attention (kv_heads), no biases.
     """
 
-    name: Literal["gpt", "llama"] = "gpt"
+    name: Literal["gpt", "llama"] = "gpt"  # the family: gpt (GPT-2 blocks) or llama (Llama 3)
     vocab_size: int = 256  # the embedded corpus is read byte-level
     seq_len: int = 128  # the training window, in tokens
     # Positions the model holds (0: seq_len): the learned table's rows, the export's
     # n_positions / max_position_embeddings, the longest generation; at least seq_len.
     max_positions: int = 0
-    layers: int = 4
-    width: int = 128
-    heads: int = 4
+    layers: int = 4  # transformer blocks in the stack
+    width: int = 128  # the model (embedding) width, d_model
+    heads: int = 4  # attention heads per block (width / heads each, unless head_width)
     mlp_width: int = 0  # MLP hidden width; 0 means 4 * width
     position: Literal["learned", "rotary"] = "learned"  # gpt's choice; llama's is rotary
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the output head reuses the token embedding (GPT-2's)
     scan_layers: bool = True  # scan over stacked blocks (fast compile) or unroll
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cudnn on a GPU where it runs
     # With mesh.context > 1 (parallel/context.py): how attention reaches the keys and
@@ -52,6 +52,8 @@ class LanguageModelConfig:
     # lays each sequence out so every device gets a chunk from the front and one from the
     # back (equal causal work), seq_len cutting into 2 x context pieces.
     context_attention: Literal["gather", "ring"] = "gather"
+    # mesh.context > 1: each device a chunk from the front and one from the back (equal
+    # causal work), seq_len cut into 2 x context pieces; false: one contiguous chunk each
     context_balance: bool = True
     # false: logits in the compute dtype (bf16: half the bytes of the largest activation, as
     # PyTorch autocast has them); the loss upcasts them and runs in fp32 either way.
@@ -61,33 +63,33 @@ class LanguageModelConfig:
     # (auto): slices of at most 8,192 columns where the vocabulary is larger (gpt2_124m on
     # an H200: 3% faster a step and 1.5 GiB less, benchmarks/RESULTS.md), else whole
     loss_chunks: int = -1
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal initialiser of every weight matrix
     norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
     # llama only: key/value heads of grouped-query attention (0: as many as heads), and the
     # Llama-3 rope scaling of long contexts with its four numbers (as in HF's config.json).
     kv_heads: int = 0
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_length: int = 8192
+    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's long-context rope
+    rope_factor: float = 8.0  # llama3 rope scaling: how much longer the context grows
+    rope_low_freq_factor: float = 1.0  # llama3 rope scaling: low-frequency wavelength bound
+    rope_high_freq_factor: float = 4.0  # llama3 rope scaling: high-frequency bound
+    rope_original_length: int = 8192  # llama3 rope scaling: the context trained before
     # llama only: each attention head's width (0: width / heads; Qwen3's head_dim is wider),
     # and an RMSNorm of each head's queries and keys before the rotary positions (Qwen3's).
     head_width: int = 0
-    qk_norm: bool = False
+    qk_norm: bool = False  # llama only: RMSNorm on each head's queries and keys (Qwen3)
     qkv_bias: bool = False  # llama only: biases on the queries, keys and values (Qwen2's)
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when
     # (i + 1) % moe_every == 0, Qwen-MoE's decoder_sparse_step).
     experts: int = 0
-    experts_per_token: int = 2
-    expert_mlp_width: int = 0
+    experts_per_token: int = 2  # the experts each token is routed to (top-k)
+    expert_mlp_width: int = 0  # each expert's SwiGLU hidden width (0: mlp_width)
     # Seats per expert: capacity_factor x tokens x experts_per_token / experts per batch
     # row, the choices beyond dropped; 0 is dropless (every choice kept).
     expert_capacity_factor: float = 0.0
-    moe_every: int = 1
+    moe_every: int = 1  # every n-th block has experts, the others dense (1: all)
     shared_experts: int = 0  # DeepSeek: SwiGLU experts every token takes, unweighted
     router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores
     router_renormalize: bool = True  # the chosen experts' weights sum to 1 (Mixtral)
@@ -205,7 +207,7 @@ class VisionConfig:
 
     name: str = ""  # registry name: resnet, vgg or vit (empty: the variant's family)
     variant: str = ""  # resnet18/34/50/101/152, vgg11/13/16/19, vit_b16, vit_tiny; empty: default
-    num_classes: int = 1000
+    num_classes: int = 1000  # classes of the classifier head (at least 2)
     image_size: int = 224  # square input images, image_size x image_size pixels
     channels: int = 3  # input channels (1 for grayscale)
     width: int = 0  # ResNet/VGG: first-stage channels (64); ViT: embedding width

@@ -14,7 +14,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 class RunConfig:
     """Where the run writes and what it shows."""
 
-    name: str = "default"
+    name: str = "default"  # the run's name: runs/<name>, and in the trackers
     dir: str = ""  # empty: runs/<name>
     # where metrics.jsonl's records also go (process 0 only): tensorboard, wandb, mlflow
     trackers: tuple[str, ...] = ("tensorboard",)

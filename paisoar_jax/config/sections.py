@@ -65,10 +65,12 @@ class ShardingConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule, clipping and weight decay."""
 
-    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
-    lr: float = 3e-3
+    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"  # the optax optimizer
+    lr: float = 3e-3  # the peak learning rate, reached after warmup_steps
+    # the learning rate after warm-up: cosine or linear decay to lr x final_lr_fraction at
+    # train.steps, or constant
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 30
+    warmup_steps: int = 30  # steps of linear warm-up from 0 to lr
     final_lr_fraction: float = 0.1  # cosine/linear decay ends at lr * this
     # Global-norm clipping; 0 disables. Unset: 1.0 around the config's optimizer, none around
     # an optimizer given to fit (it runs as given; set this to clip it too).
@@ -76,9 +78,9 @@ class OptimConfig:
     # adamw, lamb: decoupled; sgd: L2 on the gradient; lars: before the trust ratio; never
     # norms, biases
     weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    b1: float = 0.9  # adamw, lamb: decay of the first-moment (mean) estimate
+    b2: float = 0.95  # adamw, lamb: decay of the second-moment (variance) estimate
+    eps: float = 1e-8  # adamw, lamb: added to the root of the second moment
     momentum: float = 0.9  # sgd and lars
     nesterov: bool = False  # sgd and lars
     trust_coefficient: float = 0.001  # lars: the layer-wise trust ratio's coefficient
@@ -105,13 +107,15 @@ class OptimConfig:
 class PrecisionConfig:
     """Mixed-precision policy: params stay fp32, compute runs in the policy's dtype."""
 
-    policy: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"  # fp8: bf16 + fp8 block matmuls
+    # the compute dtype (params stay fp32): fp32; bf16; fp16 (with a dynamic loss scale);
+    # fp8 (bf16, the zoo blocks' matmuls in fp8 with delayed scaling)
+    policy: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     loss_scale: str = "auto"  # auto (dynamic for fp16, else none) | dynamic | none | static:<v>
-    initial_scale: float = 2.0**15
+    initial_scale: float = 2.0**15  # the dynamic loss scale's first value
     growth_interval: int = 2000  # finite steps in a row before the scale doubles
     hysteresis: int = 1  # non-finite steps in a row before the scale halves
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
+    min_scale: float = 1.0  # the dynamic loss scale never halves below this
+    max_scale: float = 2.0**24  # the dynamic loss scale never doubles above this
     # A model of one's own: cast the batch's floating arrays to the compute dtype before the
     # loss. Off, each input reaches the loss in its own dtype (a float32 timestep stays exact;
     # the flax layers cast what they are given).
@@ -143,6 +147,9 @@ class PrecisionConfig:
 class RematConfig:
     """Activation checkpointing per block (policy names in paisoar_jax.numerics.remat)."""
 
+    # what each block keeps for the backward pass (numerics/remat.py): none (everything);
+    # full (nothing: the block recomputed); dots, dots_no_batch (matmul outputs);
+    # minimal (attention and MLP outputs); offload_* (those moved to host memory)
     policy: Literal[
         "none",
         "full",
@@ -201,11 +208,11 @@ def check_stage_groups(name: str, layers: int, stages: int, repeats: int) -> Non
 class TrainConfig:
     """Length, batch and cadence of the training loop."""
 
-    steps: int = 400
+    steps: int = 400  # optimizer steps of the run (the schedule ends here)
     global_batch: int = 16  # sequences per optimizer step, over all devices and micro-batches
     grad_accum: int = 1  # micro-batches per optimizer step, accumulated inside the step
-    seed: int = 0
-    log_every: int = 10
+    seed: int = 0  # seeds the initial weights, the data order and the step's random stream
+    log_every: int = 10  # steps between metrics.jsonl records and printed lines
     # Steps between evals of the default eval set (0: never; a data.eval_sets entry with an
     # every of its own is still evaluated)
     eval_every: int = 100
@@ -222,7 +229,7 @@ class TrainConfig:
     # mesh.stage > 1: micro-batches per pipeline pass (0: 2 x stages), and laps round the
     # stages (1: gpipe; more: the circular schedule, a smaller bubble)
     pipeline_microbatches: int = 0
-    pipeline_repeats: int = 1
+    pipeline_repeats: int = 1  # mesh.stage > 1: laps round the stages (1: gpipe)
     # An exponential moving average of the weights, moved each step: average * d + new * (1
     # - d) (0.999: about the last 1000 steps). Checkpointed with the run; fit's result has it
     # as .ema_model, `load(..., ema=True)` and `export --ema` read it. 0: none.
@@ -280,7 +287,18 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """The whole run: one section per concern."""
+    """The whole run: one section per concern.
+
+    Example:
+        ```python
+        import dataclasses
+
+        config = paisoar_jax.Config()  # the defaults: the embedded tiny GPT
+        shorter = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=50))
+        print(shorter.train.steps, shorter.model.name)  # 50 gpt
+        ```
+
+    """
 
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: LanguageModelConfig | VisionConfig = field(default_factory=LanguageModelConfig)

@@ -36,6 +36,16 @@ class ImageExamples:
     `examples[i]` is image i decoded and centre-cropped (what eval reads, and what a first
     look or a fingerprint reads); `example_stream(seed, shuffle)` is the endless stream the
     global sampler reads, augmented when shuffled for training and `augment` is on.
+
+    Example:
+        ```python
+        train, held_out = paisoar_jax.source_examples(
+            "images:pictures", image_size=32, eval_fraction=0.25  # source_examples' pictures
+        )
+        example = held_out[0]  # decoded and centre-cropped, as eval reads it
+        print(len(train), example["image"].shape, example["label"])  # 6 (32, 32, 3) ...
+        ```
+
     """
 
     def __init__(
@@ -108,6 +118,24 @@ def source_examples(
 
     Returns:
         (train, held-out) examples, as fit's data and eval_data take them.
+
+    Example:
+        ```python
+        import pathlib
+
+        import numpy as np
+        from PIL import Image
+
+        for label in ("dark", "light"):  # a class-per-folder tree of images
+            folder = pathlib.Path("pictures", label)
+            folder.mkdir(parents=True, exist_ok=True)
+            for index in range(4):
+                shade = np.full((40, 40, 3), 30 * index + 120 * (label == "light"), np.uint8)
+                Image.fromarray(shade).save(folder / f"{index}.png")
+        train, held_out = paisoar_jax.source_examples(
+            "images:pictures", image_size=32, eval_fraction=0.25
+        )
+        ```
 
     """
     known = {field.name for field in dataclasses.fields(DataConfig)}

@@ -333,6 +333,19 @@ def token_windows(
     Returns:
         (train, eval): random-access examples, as fit's data and eval_data take them.
 
+    Example:
+        ```python
+        import pathlib
+
+        from paisoar_jax.tools import convert
+
+        pathlib.Path("texts").mkdir(exist_ok=True)
+        pathlib.Path("texts/a.txt").write_text("Some text to learn from. " * 400)
+        convert.main(["text", "--input", "texts/*.txt", "--output", "data/texts"])
+        train, held_out = paisoar_jax.token_windows("data/texts", seq_len=64)
+        print(len(train), train[0].shape)  # windows of 65 tokens: 64 in, each one's next out
+        ```
+
     """
     if packing is None or loss_on is None:  # what the data holds: responses marked or not
         responses = TokenRecords(dataset_directory(str(directory))).has_loss_mask

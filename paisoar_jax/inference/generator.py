@@ -98,18 +98,29 @@ def end_of_sequence_ids(
 class Generator:
     """A decoder's weights on the devices, generating for many prompts at once.
 
-        generator = paisoar_jax.Generator("runs/sft")          # a run, a step or an export
-        answers = generator.complete(["2+2=", "3+5="], max_new=8)  # text in, text out
-        tokens = generator.generate([[1, 2, 3], [4, 5]], max_new=8)  # ids in, ids out
-
+    `complete` takes texts (or chats) and gives texts; `generate` takes and gives token ids.
     Prompts go in batches of up to `batch_size` rows (the longest prompts together), each
     left-padded to its longest with the padding masked, decoded with a key/value cache in
     one compiled loop that stops once every row has ended. One compile per batch shape
     (rows, prompt length, max_new and the sampling settings), kept for the next call.
+
+    Args:
+        source: a run directory (its newest checkpoint), a checkpoint step or an export of
+            a zoo decoder (gpt, llama; an hf-import's too).
+        devices: the devices to place the weights on; None: every device jax sees, the
+            weights split as the run's config says (fsdp and tensor kept).
+
+    Example:
+        ```python
+        generator = paisoar_jax.Generator("runs/tiny")  # a run, a checkpoint step or an export
+        print(generator.complete(["def "], max_new=16))  # text in, text out
+        print(generator.generate([[100, 101, 102]], max_new=4))  # token ids in, ids out
+        ```
+
     """
 
     @one_line_errors("paisoar_jax.Generator")
-    def __init__(self, source: str | pathlib.Path, devices=None):
+    def __init__(self, source: str | pathlib.Path, devices: Sequence[jax.Device] | None = None):
         choose_platform()  # before jax starts its backends (runtime/platform.py)
         source = pathlib.Path(source)
         config, path, self.tokenizer_file = weights_of(source)

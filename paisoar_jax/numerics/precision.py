@@ -100,6 +100,20 @@ def fp32_function(function: Callable) -> Callable:
     Returns:
         `function`, its floating arguments cast to fp32 first.
 
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+
+
+        @paisoar_jax.fp32_function
+        def rms_norm(x):
+            return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+
+
+        print(rms_norm(jnp.ones((2, 4), jnp.bfloat16)).dtype)  # float32
+        ```
+
     """
 
     @functools.wraps(function)
@@ -120,6 +134,25 @@ def force_policy(module: nnx.Module, name: str) -> None:
     Args:
         module: an nnx.Module of the model (a head to keep in fp32, say).
         name: a precision.policy preset: `fp32`, `bf16`, `fp16`, `fp8`.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from flax import nnx
+
+
+        class Classifier(nnx.Module):
+            def __init__(self, rngs):
+                self.body = nnx.Linear(16, 64, rngs=rngs)
+                self.head = nnx.Linear(64, 10, rngs=rngs)
+                paisoar_jax.force_policy(self.head, "fp32")  # the head in fp32 in a bf16 run
+
+            def __call__(self, x):
+                return self.head(self.body(x))
+
+
+        print(Classifier(nnx.Rngs(0))(jnp.ones((2, 16))).shape)  # (2, 10)
+        ```
 
     """
     policy = get_policy(name)

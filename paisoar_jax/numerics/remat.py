@@ -129,6 +129,25 @@ def remat_block(target: Target, policy: str | None = None) -> Target:
     Returns:
         `target`, checkpointed.
 
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from flax import nnx
+
+
+        class Tower(nnx.Module):
+            def __init__(self, rngs):
+                self.low = paisoar_jax.remat_block(nnx.Linear(64, 64, rngs=rngs))  # remat.policy
+                top = nnx.Linear(64, 64, rngs=rngs)
+                self.high = paisoar_jax.remat_block(top, policy="full")
+
+            def __call__(self, x):
+                return self.high(self.low(x))
+
+
+        print(Tower(nnx.Rngs(0))(jnp.ones((2, 64))).shape)  # (2, 64)
+        ```
+
     """
     context = _BUILDING.get()
     name = policy if policy is not None else (context.policy if context else "none")

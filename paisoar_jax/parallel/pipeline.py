@@ -165,6 +165,33 @@ def scan_layers(step: Callable, x: Any, stacked: Any, *, with_outputs: bool = Fa
     Returns:
         The final x; with `with_outputs`, (x, the ys stacked).
 
+    Example:
+        ```python
+        import jax
+        from flax import nnx
+
+
+        class Stack(nnx.Module):
+            def __init__(self, rngs):
+                @nnx.split_rngs(splits=4)
+                @nnx.vmap(in_axes=(0,), out_axes=0)
+                def blocks(rngs):  # 4 blocks, their weights stacked on a leading axis
+                    return nnx.Linear(32, 32, rngs=rngs)
+
+                self.blocks = blocks(rngs)
+
+            def __call__(self, x):
+                graphdef, stacked = nnx.split(self.blocks)
+
+                def step(x, layer):
+                    return x + jax.nn.gelu(nnx.merge(graphdef, layer)(x)), None
+
+                return paisoar_jax.scan_layers(step, x, stacked)  # pipelined: mesh.stage > 1
+
+
+        print(Stack(nnx.Rngs(0))(jax.numpy.ones((2, 32))).shape)  # (2, 32)
+        ```
+
     """
     context = _ACTIVE.get()
     if context is None:

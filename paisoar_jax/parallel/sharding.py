@@ -197,6 +197,12 @@ def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
     Returns:
         (slot, slots): ready batches hold global_batch / slots rows in each process.
 
+    Example:
+        ```python
+        slot, slots = paisoar_jax.input_slot()  # (0, 1) in one process
+        rows = 64 // slots  # this process's rows of each ready global batch of 64
+        ```
+
     """
     mesh = jax.sharding.get_mesh() if mesh is None else mesh
     if mesh.empty or mesh.shape.get("stage", 1) == mesh.shape.get("context", 1) == 1:

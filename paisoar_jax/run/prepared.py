@@ -75,6 +75,14 @@ class Prepared:
         mesh: the device mesh the run is sharded over.
         run: the run's Setup (layout, sections, compiled-step options).
 
+    Example:
+        ```python
+        overrides = ["model.layers=2", "train.steps=10", "run.dir=runs/own-loop"]
+        with paisoar_jax.prepare(None, overrides) as prepared:  # prepare's example ran first
+            print(prepared.start_step)  # 10: restored from its last save
+            print(prepared.evaluate(prepared.state))  # {"eval_loss": ..., ...}
+        ```
+
     """
 
     def __init__(self, run: Setup, workload: Workload, train_source: Any, opened: Opened):

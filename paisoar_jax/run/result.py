@@ -19,6 +19,15 @@ class FitResult(Mapping[str, Any]):
     inference in plain Python (paisoar_jax/tasks/trained.py). It is built when first read,
     gathering the weights whole onto one device (under several processes, every process
     must read it). None for a zoo model (`python -m paisoar_jax.export` writes its weights).
+
+    Example:
+        ```python
+        overrides = ["model.layers=2", "train.steps=20", "run.dir=runs/tiny"]
+        result = paisoar_jax.fit(None, overrides)  # fit's example's run: resumed, finished
+        assert result["final_loss"] == result.final_loss  # a mapping and named fields
+        print(dict(result)["run_dir"], result.stopped_by)  # runs/tiny None
+        ```
+
     """
 
     def __init__(

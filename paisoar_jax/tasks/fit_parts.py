@@ -158,7 +158,40 @@ def build_workload(
 
 @dataclasses.dataclass(frozen=True)
 class Eval:
-    """An eval set of fit's `eval_sets` with a cadence of its own: `Eval(data, every=500)`."""
+    """An eval set of fit's `eval_sets` with a cadence of its own: `Eval(data, every=500)`.
+
+    Args:
+        data: the set's examples, in any form fit's `eval_data` takes.
+        every: steps between its evals; 0: every train.eval_every steps. Each set is also
+            evaluated at the last step.
+
+    Example:
+        ```python
+        import numpy as np
+        import optax
+        from flax import nnx
+
+
+        def loss(model, batch, rng):
+            logits = model(batch["x"])
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return losses.mean(), {}
+
+
+        x = np.random.default_rng(0).normal(size=(2048, 2)).astype(np.float32)
+        data = {"x": x, "y": (x[:, 0] > 0).astype(np.int32)}
+        held_out = {name: column[:256] for name, column in data.items()}
+        result = paisoar_jax.fit(
+            None,
+            ["train.steps=40", "train.eval_every=10", "run.dir=runs/two-evals"],
+            model=lambda rngs: nnx.Linear(2, 2, rngs=rngs),
+            loss=loss,
+            data=data,
+            eval_sets={"often": held_out, "rarely": paisoar_jax.Eval(held_out, every=40)},
+        )
+        ```
+
+    """
 
     data: Any  # what eval_data takes
     every: int = 0  # steps between its evals (and the last step); 0: train.eval_every's

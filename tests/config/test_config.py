@@ -216,6 +216,31 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
     line = next(line for line in text.splitlines() if line.startswith("  train.eval_batches=0 "))
     assert "0: every eval reads the whole eval set" in line
     assert "  optim.schedule=cosine" in text and "  mesh.zero=0 " in text
+    assert max(len(line) for line in text.splitlines()) <= 88  # a terminal's width
+
+
+def test_every_key_has_a_meaning_and_a_choice_lists_its_values(capsys):
+    """Before: 33 keys (model.layers, optim.schedule, train.steps, ...) had no meaning, on the
+    site as in --help, and precision.policy listed none of its values."""
+    from paisoar_jax import train
+    from paisoar_jax.config.keys import key_table
+
+    rows = key_table()
+    assert len(rows) >= 150
+    blank = [row.key for row in rows if len(row.meaning) < 12]
+    assert not blank, f"keys without a meaning (write a comment beside them): {blank}"
+    by_key = {}
+    for row in rows:  # a key both model families have: the language models' first
+        by_key.setdefault(row.key, row)
+    assert by_key["precision.policy"].allowed == "fp32 | bf16 | fp16 | fp8"
+    assert by_key["optim.schedule"].allowed == "cosine | linear | constant"
+    assert by_key["checkpoint.async_save"].allowed == "true | false"
+    assert by_key["model.heads"].family == "gpt, llama"
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "[fp32 | bf16 | fp16 | fp8]" in text  # the values, in --help as on the site
+    assert "  model.num_classes=1000                (resnet, vgg, vit) classes of" in text
 
 
 def test_the_mesh_section_sizes_each_axis_of_the_table_and_nothing_else():

@@ -1,44 +1,47 @@
 """`python -m paisoar_jax.doctor RUN_DIR [--json]`: what holds a run back, and the fix.
 
 Reads RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl and, when present, RUN_DIR/plan.json
-(written by `python -m paisoar_jax.plan ... --output RUN_DIR/plan.json`), and runs one check
-per known problem. Each finding shows its evidence (numbers and steps of this run) and the
-fixes, most useful first, each naming the override to type. The exit status is 0 whatever
-is found ("no findings" for a healthy run), 2 with one line when the run directory or its
-metrics cannot be read.
+(written by `python -m paisoar_jax.plan ... --output RUN_DIR/plan.json`), and runs one
+check per known problem. Each finding shows its evidence (numbers and steps of this run)
+and the fixes, most useful first, each naming the override to type. The exit status is 0
+whatever is found ("no findings" for a healthy run), 2 with one line when the run
+directory or its metrics cannot be read.
 
-    check                  fires when
-    out-of-memory          the run stopped at a step that did not fit (out_of_memory.json)
-    bad-inputs             the loss is not finite at the first step, before any update, or
-                           a batch made it so from sane weights (its examples named)
-    exploding              a finite loss reached 3x the loss before any update
-    diverging              a non-finite loss, or a loss rising for 3 log steps to 25% over
-                           its minimum
-    loss-scale-collapse    the dynamic loss scale fell at each of the last 3 log steps
-    not-learning           the loss ends (median of its last 3 logs) at 98% of the first
-    no-gradient            the gradient is exactly 0 at the first step
-    skipped-steps          over 5% of the steps after the loss scale's start-up were skipped
-    input-bound            the input wait is over 5% of the step time (20% on a CPU), after
-                           the first log; the workers it proposes fit the run's cores
-    poor-scaling           scaling.json (bench --scaling): strong efficiency under 50%; or
-                           a run over several processes on CPUs (gloo)
-    communication-bound    plan.json: collectives over 30% of the projected step
-    pipeline-bubble        mesh.stage > 1: the schedule's bubble is over 20% of the step
-    low-mfu                the median MFU is below the floor for the model's size
-    memory-headroom        peak device memory under 50% of the limit (room for more batch);
-                           without a measured peak, plan.json's GPU plan (plan --target)
-    memory-near-limit      peak device memory (or the GPU plan's) over 90% of the limit
-    recompiles             the train step compiled again after its first compilation
-    expert-imbalance       a MoE layer's busiest expert takes over 2x the mean expert's tokens
-    dropped-tokens         a MoE layer's capacity drops over 3% of its expert choices
-    context-bound          plan.json: a slice's keys and values move slower than it is attended
+  check                 fires when
+  out-of-memory         the run stopped at a step that did not fit (out_of_memory.json)
+  bad-inputs            the loss is not finite at the first step, before any update, or
+                        a batch made it so from sane weights (its examples named)
+  exploding             a finite loss reached 3x the loss before any update
+  diverging             a non-finite loss, or a loss rising for 3 log steps to 25% over
+                        its minimum
+  loss-scale-collapse   the dynamic loss scale fell at each of the last 3 log steps
+  not-learning          the loss ends (median of its last 3 logs) at 98% of the first
+  no-gradient           the gradient is exactly 0 at the first step
+  skipped-steps         over 5% of the steps after the loss scale's start-up were
+                        skipped
+  input-bound           the input wait is over 5% of the step time (20% on a CPU), after
+                        the first log; the workers it proposes fit the run's cores
+  poor-scaling          scaling.json (bench --scaling): strong efficiency under 50%; or
+                        a run over several processes on CPUs (gloo)
+  communication-bound   plan.json: collectives over 30% of the projected step
+  pipeline-bubble       mesh.stage > 1: the schedule's bubble is over 20% of the step
+  low-mfu               the median MFU is below the floor for the model's size
+  memory-headroom       peak device memory under 50% of the limit (room for more batch);
+                        without a measured peak, plan.json's GPU plan (plan --target)
+  memory-near-limit     peak device memory (or the GPU plan's) over 90% of the limit
+  recompiles            the train step compiled again after its first compilation
+  expert-imbalance      a MoE layer's busiest expert takes over 2x the mean expert's
+                        tokens
+  dropped-tokens        a MoE layer's capacity drops over 3% of its expert choices
+  context-bound         plan.json: a slice's keys and values move slower than it is
+                        attended
 
-`--measure-scaling` first runs `bench --scaling` on the run's config into RUN_DIR/scaling.json.
-Measurements come first (metrics.jsonl, out_of_memory.json, scaling.json), projections
-(plan.json) after, and each finding's evidence says which it read. Missing or null
-metrics fields (memory on CPU, MFU without a known peak) skip their check. The checks and
-their thresholds are in the *_findings.py modules beside this one, and
-tools/plan/context_split.py.
+`--measure-scaling` first runs `bench --scaling` on the run's config into
+RUN_DIR/scaling.json. Measurements come first (metrics.jsonl, out_of_memory.json,
+scaling.json), projections (plan.json) after, and each finding's evidence says which it
+read. Missing or null metrics fields (memory on CPU, MFU without a known peak) skip
+their check. The checks and their thresholds are in the *_findings.py modules beside
+this one, and tools/plan/context_split.py.
 """
 
 from __future__ import annotations

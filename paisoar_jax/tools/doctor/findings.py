@@ -230,7 +230,7 @@ def communication_bound(run: Run) -> Finding | None:
         f"{bucket_mb}: XLA's combine thresholds on GPUs); `python -m paisoar_jax.plan "
         "--target h200 --flag-effects` shows what it changes",
         "overlap the layer loop's collectives: XLA_FLAGS=--xla_gpu_enable_pipelined_all_gather"
-        "=true and the other pipelining flags (docs/explanation/multihost.md); measure with bench",
+        "=true and the other pipelining flags (docs/how-to/multi-process.md); measure with bench",
     ]
     return Finding(
         "communication-bound", "communication dominates the step", evidence, tuple(fixes)

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 PROGRAM = "paisoar_jax.launch"
-USAGE = f"python -m {PROGRAM} --nproc N [options] -- [train arguments | python SCRIPT ARGS]"
+USAGE = f"python -m {PROGRAM} --nproc N [options] --\n       [train arguments | python SCRIPT ARGS]"
 DESCRIPTION = "N processes of paisoar_jax.train, or of a script of your own, joined as one job."
 
 

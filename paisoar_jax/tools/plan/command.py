@@ -29,9 +29,10 @@ from paisoar_jax.tools.plan.core import (
 )
 from paisoar_jax.tools.plan.table import format_table
 
+# Written with its line breaks: the parser prints descriptions as they are (its key table).
 DESCRIPTION = (
-    "Plan a run without running it: per-device memory, the collectives of one step and a "
-    "projected step time, from the step compiled on abstract arrays. Peak FLOP/s: "
+    "Plan a run without running it: per-device memory, the collectives of one step and a\n"
+    "projected step time, from the step compiled on abstract arrays. Peak FLOP/s:\n"
     "train.peak_tflops, else the device's (metrics.PEAK_TFLOPS), else 989 (H200 dense bf16)."
 )
 
