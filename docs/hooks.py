@@ -10,6 +10,7 @@ page from benchmarks/RESULTS.md. The Python API page is mkdocstrings' (reference
 from __future__ import annotations
 
 import contextlib
+import html
 import importlib
 import io
 import os
@@ -78,8 +79,22 @@ def on_pre_build(config, **kwargs) -> None:
 
 
 def _cell(text: str) -> str:
-    """`text` fit for a table cell (pipes escaped, one line)."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """`text` (a comment from the code) fit for a table cell, as the reader should see it.
+
+    One line; `<dir>` and the like kept as text (not taken for HTML tags); `code` spans as
+    HTML code elements, so a `|` inside one neither splits the row nor shows a backslash.
+    """
+    parts = str(text).replace("\n", " ").split("`")
+    shown = []
+    for index, part in enumerate(parts):
+        escaped = html.escape(part, quote=False).replace("|", "&#124;")
+        shown.append(f"<code>{escaped}</code>" if index % 2 else escaped)
+    return "".join(shown)
+
+
+def _default(value: str) -> str:
+    """A default in its cell: as typed, or a word for the empty string."""
+    return f"<code>{_cell(value)}</code>" if value else "(empty)"
 
 
 def config_keys() -> str:
@@ -113,7 +128,7 @@ def config_keys() -> str:
                 anchor = f"{row.key}-{family.split(',')[0]}" if row.key in anchored else row.key
                 anchored.add(row.key)
                 lines.append(
-                    f'| <a id="{anchor}"></a>`{row.key}` | `{_cell(row.default)}` | '
+                    f'| <a id="{anchor}"></a>`{row.key}` | {_default(row.default)} | '
                     f"{_cell(row.allowed)} | {_cell(row.meaning)} |"
                 )
     return "\n".join(lines) + "\n"

@@ -90,6 +90,8 @@ def initialize(config: ConfigLike = None) -> None:
         ```python
         import jax
 
+        import paisoar_jax
+
         paisoar_jax.initialize()  # under launch, SLURM or mpirun: joins the others
         print(jax.process_index(), jax.process_count())  # alone: 0 1
         ```
@@ -222,17 +224,20 @@ def prepare(
             eval_data, eval_sets, flops_per_example.
 
     Returns:
-        A Prepared run: `.state` (sharded; restored when the run directory holds a
-        checkpoint), `.start_step`, `.batches()` (global batches on the mesh from the
-        state's step), `.train_step(state, batch) -> (state, metrics)` (fit's compiled
-        step), `.evaluate(state)` (fit's eval of every eval set), `.should_stop(step)`,
-        `.save(state)`, `.log(step, metrics)`, `.model(state)` and `.close()`.
+        A Prepared run: `.state` (sharded; restored when the run directory holds
+            a checkpoint), `.start_step`, `.batches()` (global batches on the mesh from
+            the state's step), `.train_step(state, batch) -> (state, metrics)` (fit's
+            compiled step), `.evaluate(state)` (fit's eval of every eval set),
+            `.should_stop(step)`, `.save(state)`, `.log(step, metrics)`, `.model(state)`
+            and `.close()`.
 
     Raises:
         UserError: bad input, with one line naming it (exit status 2 when uncaught).
 
     Example:
         ```python
+        import paisoar_jax
+
         overrides = ["model.layers=2", "train.steps=10", "run.dir=runs/own-loop"]
         with paisoar_jax.prepare(None, overrides) as prepared:
             state = prepared.state
@@ -284,6 +289,8 @@ def load(
     Example:
         ```python
         import jax.numpy as jnp
+
+        import paisoar_jax
 
         model = paisoar_jax.load("runs/tiny")  # fit's example's zoo GPT, its trained weights
         logits = model(jnp.zeros((1, 8), jnp.int32))  # (batch, tokens, vocabulary)
@@ -348,6 +355,8 @@ def plan_fit(
 
     Example:
         ```python
+        import paisoar_jax
+
         plan = paisoar_jax.plan_fit(None, ["model.layers=2", "mesh.fsdp=2"], show=False)
         print(plan["mesh"], plan["memory_bytes"])  # what each device would hold
         ```
@@ -393,11 +402,13 @@ def bench_fit(
             (`ModelKeywords`).
 
     Returns:
-        One JSON-ready dict (also printed): examples/s, step time, MFU, compile time and
-        data wait; with `scaling`, what scaling.json holds.
+        One JSON-ready dict (also printed): examples/s, step time, MFU, compile time
+            and data wait; with `scaling`, what scaling.json holds.
 
     Example:
         ```python
+        import paisoar_jax
+
         speed = paisoar_jax.bench_fit(None, ["model.layers=2", "train.steps=5"])
         print(speed["tokens_per_s"], speed["step_ms"], speed["compile_s"])
         ```
@@ -445,6 +456,8 @@ def export_run(
 
     Example:
         ```python
+        import paisoar_jax
+
         step = paisoar_jax.export_run("runs/tiny", "exports/tiny")  # fit's example's run
         # a later run fine-tunes from it: checkpoint.init_from=exports/tiny
         ```

@@ -44,6 +44,8 @@ class UserError(ValueError):
 
     Example:
         ```python
+        import paisoar_jax
+
         try:
             paisoar_jax.fit(None, ["optim.lr=-1"])
         except paisoar_jax.UserError as error:

@@ -214,6 +214,8 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
 
     Example:
         ```python
+        import paisoar_jax
+
         config = paisoar_jax.load_config("gpt2_124m", ["train.steps=100", "mesh.fsdp=2"])
         print(config.model.layers, config.train.steps, config.run_dir)
         ```

@@ -33,7 +33,7 @@ class LanguageModelConfig:
     """
 
     name: Literal["gpt", "llama"] = "gpt"  # the family: gpt (GPT-2 blocks) or llama (Llama 3)
-    vocab_size: int = 256  # the embedded corpus is read byte-level
+    vocab_size: int = 256  # token ids the model embeds (256: bytes, as the embedded corpus)
     seq_len: int = 128  # the training window, in tokens
     # Positions the model holds (0: seq_len): the learned table's rows, the export's
     # n_positions / max_position_embeddings, the longest generation; at least seq_len.
@@ -66,17 +66,15 @@ class LanguageModelConfig:
     init_std: float = 0.02  # std of the normal initialiser of every weight matrix
     norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
-    # llama only: key/value heads of grouped-query attention (0: as many as heads), and the
-    # Llama-3 rope scaling of long contexts with its four numbers (as in HF's config.json).
-    kv_heads: int = 0
-    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's long-context rope
+    kv_heads: int = 0  # llama only: key/value heads of grouped-query attention (0: heads)
+    # llama only: llama3 is Llama 3.1's long-context rope scaling, with the four numbers below
+    # (as in HF's config.json)
+    rope_scaling: Literal["none", "llama3"] = "none"
     rope_factor: float = 8.0  # llama3 rope scaling: how much longer the context grows
     rope_low_freq_factor: float = 1.0  # llama3 rope scaling: low-frequency wavelength bound
     rope_high_freq_factor: float = 4.0  # llama3 rope scaling: high-frequency bound
     rope_original_length: int = 8192  # llama3 rope scaling: the context trained before
-    # llama only: each attention head's width (0: width / heads; Qwen3's head_dim is wider),
-    # and an RMSNorm of each head's queries and keys before the rotary positions (Qwen3's).
-    head_width: int = 0
+    head_width: int = 0  # llama only: each head's width (0: width / heads; Qwen3's is wider)
     qk_norm: bool = False  # llama only: RMSNorm on each head's queries and keys (Qwen3)
     qkv_bias: bool = False  # llama only: biases on the queries, keys and values (Qwen2's)
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's

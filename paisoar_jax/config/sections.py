@@ -226,10 +226,10 @@ class TrainConfig:
     # Seconds without a finished step before a process says it hangs, asks for a save and
     # exits with status 3 (watchdog.py); 0: off; -1: 600 s when several processes train.
     hang_timeout_s: float = -1.0
-    # mesh.stage > 1: micro-batches per pipeline pass (0: 2 x stages), and laps round the
-    # stages (1: gpipe; more: the circular schedule, a smaller bubble)
-    pipeline_microbatches: int = 0
-    pipeline_repeats: int = 1  # mesh.stage > 1: laps round the stages (1: gpipe)
+    pipeline_microbatches: int = 0  # mesh.stage > 1: micro-batches a pass (0: 2 x stages)
+    # mesh.stage > 1: laps round the stages (1: gpipe; more: the circular schedule, a smaller
+    # bubble)
+    pipeline_repeats: int = 1
     # An exponential moving average of the weights, moved each step: average * d + new * (1
     # - d) (0.999: about the last 1000 steps). Checkpointed with the run; fit's result has it
     # as .ema_model, `load(..., ema=True)` and `export --ema` read it. 0: none.
@@ -292,6 +292,8 @@ class Config:
     Example:
         ```python
         import dataclasses
+
+        import paisoar_jax
 
         config = paisoar_jax.Config()  # the defaults: the embedded tiny GPT
         shorter = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=50))

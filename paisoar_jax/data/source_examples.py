@@ -36,16 +36,6 @@ class ImageExamples:
     `examples[i]` is image i decoded and centre-cropped (what eval reads, and what a first
     look or a fingerprint reads); `example_stream(seed, shuffle)` is the endless stream the
     global sampler reads, augmented when shuffled for training and `augment` is on.
-
-    Example:
-        ```python
-        train, held_out = paisoar_jax.source_examples(
-            "images:pictures", image_size=32, eval_fraction=0.25  # source_examples' pictures
-        )
-        example = held_out[0]  # decoded and centre-cropped, as eval reads it
-        print(len(train), example["image"].shape, example["label"])  # 6 (32, 32, 3) ...
-        ```
-
     """
 
     def __init__(
@@ -117,7 +107,9 @@ def source_examples(
         **data: other keys of the data section.
 
     Returns:
-        (train, held-out) examples, as fit's data and eval_data take them.
+        (train, held-out) examples, as fit's data and eval_data take them. For an
+            `images:` source each is an ImageExamples: `examples[i]` is image i decoded and
+            centre-cropped, {"image": uint8 (size, size, channels), "label": int}.
 
     Example:
         ```python
@@ -125,6 +117,8 @@ def source_examples(
 
         import numpy as np
         from PIL import Image
+
+        import paisoar_jax
 
         for label in ("dark", "light"):  # a class-per-folder tree of images
             folder = pathlib.Path("pictures", label)
@@ -135,6 +129,8 @@ def source_examples(
         train, held_out = paisoar_jax.source_examples(
             "images:pictures", image_size=32, eval_fraction=0.25
         )
+        example = held_out[0]  # decoded and centre-cropped, as eval reads it
+        print(len(train), example["image"].shape, example["label"])  # 6 (32, 32, 3) ...
         ```
 
     """

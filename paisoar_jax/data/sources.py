@@ -339,6 +339,8 @@ def token_windows(
 
         from paisoar_jax.tools import convert
 
+        import paisoar_jax
+
         pathlib.Path("texts").mkdir(exist_ok=True)
         pathlib.Path("texts/a.txt").write_text("Some text to learn from. " * 400)
         convert.main(["text", "--input", "texts/*.txt", "--output", "data/texts"])

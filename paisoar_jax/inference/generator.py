@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import pathlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -112,6 +113,8 @@ class Generator:
 
     Example:
         ```python
+        import paisoar_jax
+
         generator = paisoar_jax.Generator("runs/tiny")  # a run, a checkpoint step or an export
         print(generator.complete(["def "], max_new=16))  # text in, text out
         print(generator.generate([[100, 101, 102]], max_new=4))  # token ids in, ids out
@@ -142,15 +145,22 @@ class Generator:
 
     @one_line_errors("paisoar_jax.Generator")
     def complete(
-        self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings
+        self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings: Any
     ) -> list[str]:
         """The text each prompt continues with, up to its end-of-sequence token (left out).
 
         A prompt is text (tokenized as transformers' `tokenizer(text)`, with the tokenizer's
         own markers: Llama's BOS, once) or a chat, a list of {role, content} messages (its
         tokens are `apply_chat_template(chat, add_generation_prompt=True, tokenize=True)`'s).
-        `settings` are `generate`'s (greedy, temperature, ..., batch_size); stop_at defaults
-        to the model's end-of-sequence ids.
+
+        Args:
+            prompts: texts, or chats (lists of {"role", "content"} messages).
+            max_new: the most tokens each continues with.
+            **settings: `generate`'s keywords (greedy, temperature, top_k, top_p, seed,
+                stop_at, batch_size); stop_at defaults to the model's end-of-sequence ids.
+
+        Returns:
+            Each prompt's continuation as text, its end-of-sequence token left out.
         """
         if self._text is None:
             self._text = Text(self.tokenizer_file, self.config.model.vocab_size)
@@ -184,6 +194,20 @@ class Generator:
         Fewer when one of `stop_at` (end-of-sequence ids) comes first: it ends the list, as
         in transformers' generate. Sampling (greedy=False) draws from `temperature`, the
         `top_k` likeliest and the `top_p` nucleus; a prompt's draws depend on its batch.
+
+        Args:
+            prompts: each prompt's token ids.
+            max_new: the most tokens each prompt continues with.
+            greedy: the likeliest token each time; False samples.
+            temperature: the logits divided by it before sampling (0: greedy).
+            top_k: sample among the k likeliest tokens only (0: all).
+            top_p: sample from the smallest set of tokens holding this probability.
+            seed: the sampling's random seed.
+            stop_at: token ids that end a row (included in its list).
+            batch_size: the most prompts decoded together.
+
+        Returns:
+            The new token ids of each prompt.
         """
         prompts = [list(map(int, prompt)) for prompt in prompts]
         if not prompts:

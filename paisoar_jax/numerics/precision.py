@@ -105,6 +105,8 @@ def fp32_function(function: Callable) -> Callable:
         import jax
         import jax.numpy as jnp
 
+        import paisoar_jax
+
 
         @paisoar_jax.fp32_function
         def rms_norm(x):
@@ -139,6 +141,8 @@ def force_policy(module: nnx.Module, name: str) -> None:
         ```python
         import jax.numpy as jnp
         from flax import nnx
+
+        import paisoar_jax
 
 
         class Classifier(nnx.Module):

@@ -134,6 +134,8 @@ def remat_block(target: Target, policy: str | None = None) -> Target:
         import jax.numpy as jnp
         from flax import nnx
 
+        import paisoar_jax
+
 
         class Tower(nnx.Module):
             def __init__(self, rngs):

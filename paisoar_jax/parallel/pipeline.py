@@ -170,6 +170,8 @@ def scan_layers(step: Callable, x: Any, stacked: Any, *, with_outputs: bool = Fa
         import jax
         from flax import nnx
 
+        import paisoar_jax
+
 
         class Stack(nnx.Module):
             def __init__(self, rngs):

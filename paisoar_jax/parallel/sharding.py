@@ -199,6 +199,8 @@ def input_slot(mesh: Mesh | None = None) -> tuple[int, int]:
 
     Example:
         ```python
+        import paisoar_jax
+
         slot, slots = paisoar_jax.input_slot()  # (0, 1) in one process
         rows = 64 // slots  # this process's rows of each ready global batch of 64
         ```

@@ -67,16 +67,21 @@ class Opened:
 
 
 class Prepared:
-    """The pieces of a prepared run (see the module docstring).
+    """The pieces of a prepared run, for a training loop of one's own.
+
+    Made by `paisoar_jax.prepare` (not constructed directly): fit's compiled step, its
+    batches, evaluation, records, saving and stop signal, each one call; the loop is yours.
 
     Attributes:
-        state: the train state, sharded, at `start_step`.
-        start_step: the step the state has done (0, or the checkpoint's).
-        mesh: the device mesh the run is sharded over.
-        run: the run's Setup (layout, sections, compiled-step options).
+        state (TrainState): the train state, sharded, at `start_step`.
+        start_step (int): the step the state has done (0, or the checkpoint's).
+        mesh (jax.sharding.Mesh): the device mesh the run is sharded over.
+        run (Setup): the run's settings and layout (`run.run_dir`: its directory).
 
     Example:
         ```python
+        import paisoar_jax
+
         overrides = ["model.layers=2", "train.steps=10", "run.dir=runs/own-loop"]
         with paisoar_jax.prepare(None, overrides) as prepared:  # prepare's example ran first
             print(prepared.start_step)  # 10: restored from its last save
@@ -124,6 +129,13 @@ class Prepared:
 
         A state of another run (another model, mesh or optimizer) or a batch of another
         shape is refused in one line naming what differs.
+
+        Args:
+            state: the state `prepare` gave, or the last one this returned.
+            batch: a global batch from `batches()`.
+
+        Returns:
+            (the new state, the step's metrics: loss, grad_norm, lr, loss_scale, ...).
         """
         if state is not self._last_state:
             check_state(state, self.run.layout)
@@ -164,9 +176,15 @@ class Prepared:
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Writes a metrics.jsonl record of `step`, as fit's loop does; the record.
 
-        `metrics`: what train_step returned (the record then has fit's fields: loss, lr,
-        grad_norm, loss_scale, step_time_s, tokens_per_s or examples_per_s, mfu,
-        data_wait_frac, ...), or what `evaluate` returned (eval_loss, ...), or both merged.
+        Args:
+            step: the step the metrics are of.
+            metrics: what train_step returned (the record then has fit's fields: loss, lr,
+                grad_norm, loss_scale, step_time_s, tokens_per_s or examples_per_s, mfu,
+                data_wait_frac, ...), or what `evaluate` returned (eval_loss, ...), or both
+                merged.
+
+        Returns:
+            The record written.
         """
         if self._instruments is None:
             raise UserError("log(step, metrics) comes after the first train_step")
@@ -186,6 +204,13 @@ class Prepared:
 
         Each metric's mean over the batch is its sum / rows. `evaluate` does this over
         whole eval sets, as fit does (the last batch's padding rows left out).
+
+        Args:
+            state: the train state to evaluate.
+            batch: a global batch, shaped as `batches()` gives them.
+
+        Returns:
+            {metric: its sum over the batch's rows, "rows": the count}.
         """
         if state is not self._last_state:
             check_state(state, self.run.layout)
@@ -199,8 +224,14 @@ class Prepared:
     def evaluate(self, state: TrainState, step: int | None = None) -> dict[str, float]:
         """The eval of every eval set (eval_data, eval_sets), each whole, as fit evaluates.
 
-        Each metric's mean, named as fit names them in metrics.jsonl (eval_loss,
-        eval_<name>_loss, ...); {} without eval sets. `step`: a mixture's weights' step.
+        Args:
+            state: the train state to evaluate.
+            step: the step whose mixture weights weigh a mixture's eval (None: the step
+                reached).
+
+        Returns:
+            Each metric's mean, named as fit names them in metrics.jsonl (`eval_loss`,
+            `eval_NAME_loss`, ...); {} without eval sets.
         """
         eval_sets, step = self._opened.eval_sets, self._step if step is None else step
         if not eval_sets:
@@ -217,6 +248,12 @@ class Prepared:
 
         Several processes agree (a small collective every 10 steps), so all stop at the
         same step; call it at every step, from every process.
+
+        Args:
+            step: the step just done.
+
+        Returns:
+            True once a stop was asked for (on every process at the same step).
         """
         return stop_agreed(self._opened.stop, step, False) is not None
 
@@ -225,6 +262,12 @@ class Prepared:
         """Saves `state` with the input's position (async); the step saved.
 
         A step already saved is left as it is (saving it again does nothing).
+
+        Args:
+            state: the train state to save.
+
+        Returns:
+            The step saved.
         """
         if self._opened.checkpointer is None:
             raise UserError("checkpoint.enabled=false: this run has nowhere to save")
@@ -238,7 +281,14 @@ class Prepared:
 
     @one_line_errors("paisoar_jax.prepare")
     def model(self, state: TrainState) -> Any:
-        """The NNX module of `state`'s weights (a model of one's own's factory builds it)."""
+        """The NNX module of `state`'s weights (a model of one's own's factory builds it).
+
+        Args:
+            state: the train state whose weights the module takes.
+
+        Returns:
+            The module, its weights gathered whole.
+        """
         if not callable(self.workload.model) or self.workload.follows_policy:
             raise UserError("model(state) is for a model of your own; export a zoo run instead")
         return trained.model_with(

@@ -22,6 +22,8 @@ class FitResult(Mapping[str, Any]):
 
     Example:
         ```python
+        import paisoar_jax
+
         overrides = ["model.layers=2", "train.steps=20", "run.dir=runs/tiny"]
         result = paisoar_jax.fit(None, overrides)  # fit's example's run: resumed, finished
         assert result["final_loss"] == result.final_loss  # a mapping and named fields

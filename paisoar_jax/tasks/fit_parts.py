@@ -171,6 +171,8 @@ class Eval:
         import optax
         from flax import nnx
 
+        import paisoar_jax
+
 
         def loss(model, batch, rng):
             logits = model(batch["x"])

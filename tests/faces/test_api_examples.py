@@ -17,7 +17,7 @@ import paisoar_jax
 
 # The entries whose examples run here: they train nothing (the slow tier runs the rest).
 QUICK = ("load_config", "Config", "force_policy", "fp32_function", "remat_block")
-QUICK += ("scan_layers", "input_slot", "token_windows", "source_examples", "ImageExamples")
+QUICK += ("scan_layers", "input_slot", "token_windows", "source_examples")
 QUICK += ("UserError",)
 # The classes a user constructs (the others fit and prepare return): their Args too.
 CONSTRUCTED = ("Eval", "Generator")

@@ -16,7 +16,7 @@ directory or its metrics cannot be read.
                         its minimum
   loss-scale-collapse   the dynamic loss scale fell at each of the last 3 log steps
   not-learning          the loss ends (median of its last 3 logs) at 98% of the first
-  no-gradient           the gradient is exactly 0 at the first step
+  no-gradient           the gradient is exactly 0 at every log step
   skipped-steps         over 5% of the steps after the loss scale's start-up were
                         skipped
   input-bound           the input wait is over 5% of the step time (20% on a CPU), after
