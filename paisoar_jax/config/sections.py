@@ -287,7 +287,24 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """The whole run: one section per concern.
+    """The whole run: one section per concern ([config keys](config.md) lists every key).
+
+    Usually made by `load_config` (a YAML file and overrides); each section is a frozen
+    dataclass that checks its own values, and `dataclasses.replace` makes a changed copy.
+
+    Args:
+        mesh: the device mesh: its axes' sizes, ZeRO, the gradients on the wire.
+        model: the model: a zoo decoder's or image classifier's shape, or a model of one's own.
+        data: the input: its source, tokenizer, packing, workers and eval sets.
+        optim: the optimizer, learning-rate schedule, clipping and weight decay.
+        precision: the compute dtype and loss scaling.
+        remat: what each block keeps for the backward pass.
+        lora: low-rank adapters (rank 0: none).
+        sharding: rules placing the parameters of a model of one's own.
+        checkpoint: where, how often and how many checkpoints; resume and init_from.
+        train: steps, batch, accumulation, cadences, the pipeline's schedule.
+        run: the run's name and directory, trackers, progress bar.
+        distributed: the multi-process start-up (what the environment leaves unset).
 
     Example:
         ```python

@@ -78,6 +78,12 @@ class Prepared:
         mesh (jax.sharding.Mesh): the device mesh the run is sharded over.
         run (Setup): the run's settings and layout (`run.run_dir`: its directory).
 
+    Args:
+        run: the run built from its config (prepare builds it).
+        workload: the model, loss and task the run trains.
+        train_source: the training examples or batches.
+        opened: the checkpointer, eval sets, run lock and stop request prepare opened.
+
     Example:
         ```python
         import paisoar_jax

@@ -20,6 +20,11 @@ class FitResult(Mapping[str, Any]):
     gathering the weights whole onto one device (under several processes, every process
     must read it). None for a zoo model (`python -m paisoar_jax.export` writes its weights).
 
+    Args:
+        summary: the run's summary fields (fit makes it; not constructed by hand).
+        build_model: builds `.model` when first read; None for a zoo model.
+        build_ema_model: builds `.ema_model`; None without a moving average.
+
     Example:
         ```python
         import paisoar_jax

@@ -156,8 +156,7 @@ def test_the_api_page_gives_each_public_name_a_heading_signature_and_parameters(
     for name, entry in names.items():
         assert "doc-signature" in entry, f"{name}: no signature"
         assert "language-python" in entry or "highlight" in entry, f"{name}: no example"
-        if name not in ("FitResult", "Prepared", "Config"):
-            assert "Parameters:" in plain(entry), f"{name}: no parameter table"
+        assert "Parameters:" in plain(entry), f"{name}: no parameter table"
     assert "admonition" not in page  # no docstring line taken for a note
     for group in ("Training", "Your own loop", "Inspection and export", "Generation"):
         assert f">{group}<" in page.replace('<a class="headerlink"', "<"), group
