@@ -134,14 +134,7 @@ def source_examples(
         ```
 
     """
-    known = {field.name for field in dataclasses.fields(DataConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UserError(
-            f"source_examples: {', '.join(unknown)} is not a key of the data section "
-            f"(known: {', '.join(sorted(known - {'source'}))})"
-        )
-    data_config = DataConfig(source=source, **data)
+    data_config = _data_section(source, data)
     if source.startswith("images:"):
         return _image_examples(data_config, image_size, channels, augment)
     if not (source.startswith(("arrayrecord:", "hf:")) or source == "embedded"):
@@ -158,6 +151,18 @@ def source_examples(
     model_config = LanguageModelConfig(seq_len=seq_len, vocab_size=2**31 - 1)
     train, held_out = open_source(data_config, model_config, seed)
     return train, held_out if data_config.eval_fraction > 0 else None
+
+
+def _data_section(source: str, data: dict[str, Any]) -> DataConfig:
+    """The data section of `source` and the other keys given (an unknown one is one line)."""
+    known = {field.name for field in dataclasses.fields(DataConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(
+            f"source_examples: {', '.join(unknown)} is not a key of the data section "
+            f"(known: {', '.join(sorted(known - {'source'}))})"
+        )
+    return DataConfig(source=source, **data)
 
 
 def _image_examples(

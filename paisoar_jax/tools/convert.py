@@ -45,8 +45,8 @@ from paisoar_jax.data.writing import (
     write_shards,
 )
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.families import ARCHITECTURES
 from paisoar_jax.tools import hf
-from paisoar_jax.tools.hf.layouts import ARCHITECTURES
 
 PROGRAM = "paisoar_jax.convert"
 SHOWN_SKIPPED = 3

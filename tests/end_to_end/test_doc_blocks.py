@@ -63,7 +63,7 @@ def test_an_indented_block_is_not_left_behind_unmarked():
 @pytest.mark.parametrize("name", ["package-map", "architecture-flow", "data-flow"])
 def test_the_maps_of_the_code_name_files_and_folders_that_exist(name):
     text = doc_block(name).text
-    paths = re.findall(r"\b([a-z_]+/(?:[a-z_]+\.py)?)", text)
+    paths = re.findall(r"(?<![\w/])((?:[a-z_]+/)+(?:[a-z_]+\.py)?)", text)  # nested too
     paths += [f"paisoar_jax/{file}" for file in re.findall(r"(?<![/\w])([a-z_]+\.py)\b", text)]
     assert len(paths) >= 10, paths
     for path in paths:
@@ -130,7 +130,7 @@ def test_every_importable_architecture_is_tested_for_import_export_and_logits():
     architecture hf-import reads has a test of each of the three, or the page shows a gap."""
     model_families = docs_module("model_families")
 
-    from paisoar_jax.tools.hf.layouts import ARCHITECTURES
+    from paisoar_jax.models.families import ARCHITECTURES
 
     found = model_families.marks(TESTS)
     for architecture in ARCHITECTURES:

@@ -59,8 +59,8 @@ def index(tmp_path):
 def config_json(tmp_path):
     import transformers
 
+    from paisoar_jax.models.families import model_config_from_hf
     from paisoar_jax.runtime.user_files import read_json
-    from paisoar_jax.tools.hf.layouts import model_config_from_hf
 
     small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, vocab_size=64)
     settings = transformers.LlamaConfig(num_attention_heads=2, **small).to_dict()

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints and adapters in and out (`python -m paisoar_jax.convert`).
 
 Modules: checkpoints.py imports and exports whole models (`hf_import`, `hf_export`: the
-library side, re-exported here), layouts.py maps each family's tensors onto ours, peft.py
-reads and writes LoRA adapters in PEFT's format. Hugging Face `datasets` are data's
+library side, re-exported here) with each family's tensor table and config.json mapping
+(paisoar_jax/models/families/, a module per family), peft.py reads and writes LoRA adapters
+in PEFT's format. Hugging Face `datasets` are data's
 (data/hf_datasets.py, data/hf_sources.py).
 """
 

@@ -31,17 +31,16 @@ from paisoar_jax.checkpointing.weights import TOKEN_IDS_FILE, kept_file
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
 from paisoar_jax.data.tokenizing import EOS_NAMES
 from paisoar_jax.errors import UserError
-from paisoar_jax.output import describe_params
-from paisoar_jax.runtime.user_files import read_json, safetensors_errors
-from paisoar_jax.tools.hf import peft
-from paisoar_jax.tools.hf.layouts import (
-    ARCHITECTURES,
+from paisoar_jax.models.families import (
     Tensor,
+    family_of,
     hf_config,
-    hf_type,
     model_config_from_hf,
     tensors_of,
 )
+from paisoar_jax.output import describe_params
+from paisoar_jax.runtime.user_files import read_json, safetensors_errors
+from paisoar_jax.tools.hf import peft
 
 __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
@@ -249,7 +248,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
             shutil.copyfile(found, output / name)
     if (output / "tokenizer.json").is_file():
         _complete_tokenizer_config(output, token_ids)
-    return f"exported {where} as a Hugging Face {ARCHITECTURES[hf_type(model)]} -> {output}"
+    return f"exported {where} as a Hugging Face {family_of(model).architecture} -> {output}"
 
 
 def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, where) -> str:

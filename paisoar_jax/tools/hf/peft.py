@@ -3,10 +3,11 @@
 `adapter_tensors` gives a LoRA run's adapters as PEFT saves them: our adapter of a kernel
 (`blocks.q_kernel_lora.a`, A: in x r, and `.b`, B: r x out, stacked over the layers) becomes
 the `lora_A.weight` (r x in) and `lora_B.weight` (out x r) of the Hugging Face module that
-kernel maps to (layouts.py: `model.layers.{i}.self_attn.q_proj`), each key under PEFT's
-prefix `base_model.model.`: an adapter saved without it loads in PEFT with no error, only a
-warning, and every lora_B left at zero. `adapter_config` writes the rank, alpha, dropout and
-target modules the run trained with, so nothing is typed again at export.
+kernel maps to (its family's table in models/families/: `model.layers.{i}.self_attn.q_proj`),
+each key under PEFT's prefix `base_model.model.`: an adapter saved without it loads in PEFT
+with no error, only a warning, and every lora_B left at zero. `adapter_config` writes the
+rank, alpha, dropout and target modules the run trained with, so nothing is typed again at
+export.
 
 `merged` folds each adapter into its kernel (W + alpha / r x A B) for `hf-export --merged`.
 `read_adapter` reads a PEFT adapter back into our adapters for `hf-import --adapter`, with
@@ -24,8 +25,8 @@ import numpy as np
 
 from paisoar_jax.config import LanguageModelConfig, LoraConfig
 from paisoar_jax.errors import UserError
+from paisoar_jax.models.families import family_of, tensors_of
 from paisoar_jax.runtime.user_files import read_json, safetensors_errors
-from paisoar_jax.tools.hf.layouts import hf_type, tensors_of
 
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own wrapping modules
 ADAPTER_SUFFIXES = ("_lora.a", "_lora.b")
@@ -105,7 +106,7 @@ def adapter_config(
         "target_modules": targets,
         "bias": "none",
         # GPT-2's Conv1D keeps in x out: PEFT transposes its delta for it.
-        "fan_in_fan_out": hf_type(model) == "gpt2",
+        "fan_in_fan_out": family_of(model).hf_type == "gpt2",
         "inference_mode": True,
         "init_lora_weights": True,
         "use_rslora": False,

@@ -1,0 +1,73 @@
+"""What a model family is: one Hugging Face architecture, in one slice of the models wing.
+
+A `Family` says everything that is particular to one architecture: transformers' names for
+it, the zoo decoder that runs it (its model code), each tensor's HF name and layout
+(`Tensor`s), the config.json it reads and writes, and the shipped configs of its shape. The
+shared pieces stay where every family finds them: attention and rotary positions
+(models/attention.py), the decoder block and stack (models/gpt.py), RMSNorm and the llama
+block (models/llama.py), the router and experts (models/moe.py). Adding a family is one
+module beside this one and one line in the registry (families/__init__.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+
+from paisoar_jax.config import LanguageModelConfig
+
+Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
+# The training window (model.seq_len) an import starts with, at most; the model keeps all
+# its positions (model.max_positions), which the export writes back.
+MAX_TRAINING_WINDOW = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter: our dotted path, HF's name, and the two conversions.
+
+    In HF's name {i} is the layer and {j} the expert; the conversions take one HF tensor
+    (a layer's, or a layer's expert's). HF's Linear stores out x in, GPT-2's Conv1D in x
+    out; our kernels are in x out, with heads as an axis of their own.
+    """
+
+    ours: str
+    theirs: str
+    to_ours: Convert = lambda array, config: array  # noqa: E731
+    to_theirs: Convert = lambda array, config: array  # noqa: E731
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture and how a zoo decoder holds it."""
+
+    hf_type: str  # config.json's model_type
+    architecture: str  # transformers' class, config.json's architectures
+    model: str  # the zoo decoder's class that runs it, dotted (its model.name is zoo_name)
+    zoo_name: str  # model.name of that decoder
+    tensors: Callable[[LanguageModelConfig], tuple[Tensor, ...]]
+    from_hf: Callable[[dict, pathlib.Path], LanguageModelConfig]  # config.json -> model
+    # model section -> config.json; None: it exports as another family (a Mistral as a Llama)
+    to_hf: Callable[[LanguageModelConfig], dict] | None
+    # whether a model section is this family's export form (the registry asks each in turn)
+    holds: Callable[[LanguageModelConfig], bool]
+    configs: tuple[str, ...] = ()  # the shipped configs of its shapes (configs/NAME.yaml)
+
+    def model_class(self) -> type:
+        """The zoo decoder's class (imported when asked: the tables need no jax)."""
+        module, _, name = self.model.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def transposed(ours: str, theirs: str) -> Tensor:
+    """An HF Linear (out, in) as our (in, out) kernel."""
+    return Tensor(ours, theirs, lambda array, config: array.T, lambda array, config: array.T)
+
+
+def norm(ours: str, theirs: str) -> tuple[Tensor, Tensor]:
+    """A LayerNorm's scale and bias."""
+    return Tensor(f"{ours}.scale", f"{theirs}.weight"), Tensor(f"{ours}.bias", f"{theirs}.bias")

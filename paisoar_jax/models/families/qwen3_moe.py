@@ -1,0 +1,57 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention over a mixture of experts.
+
+Softmax top-k routing (the chosen weights renormalised where norm_topk_prob says so),
+experts of their own width (moe_intermediate_size), a Llama MLP each.
+"""
+
+from __future__ import annotations
+
+from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.models.families import llama, qwen3
+from paisoar_jax.models.families.family import transposed
+
+EXPERTS = (
+    transposed("blocks.moe.router_kernel", "model.layers.{i}.mlp.gate.weight"),
+    transposed("blocks.moe.gate_kernel", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
+    transposed("blocks.moe.up_kernel", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
+    transposed("blocks.moe.down_kernel", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
+)
+
+
+def _keys(hf: dict) -> dict:
+    """Qwen3's normed queries and keys, and our MoE keys of its experts."""
+    return dict(
+        qk_norm=True,
+        experts=hf.get("num_local_experts") or hf["num_experts"],  # 5.x's name, then 4.x's
+        experts_per_token=hf["num_experts_per_tok"],
+        router_aux_loss=float(hf.get("router_aux_loss_coef", 0.02)),
+        expert_mlp_width=hf["moe_intermediate_size"],
+        router_renormalize=bool(hf.get("norm_topk_prob", False)),
+    )
+
+
+def _json(model: LanguageModelConfig) -> dict:
+    """Qwen3-MoE's expert keys, once its routing is HF's."""
+    llama.check_routing(model, "Qwen3-MoE", renormalized=model.router_renormalize)
+    return {
+        "use_sliding_window": False,
+        "num_experts": model.experts,  # transformers 4.x's name
+        "num_local_experts": model.experts,  # 5.x's
+        "num_experts_per_tok": model.experts_per_token,
+        "moe_intermediate_size": model.expert_width,
+        "norm_topk_prob": model.router_renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": model.router_aux_loss,
+    }
+
+
+FAMILY = llama.variant(
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    keys=_keys,
+    json=_json,
+    tensors=lambda model: llama.ATTENTION + qwen3.QK_NORMS + EXPERTS,
+    holds=lambda model: model.name == "llama" and model.qk_norm and bool(model.experts),
+    configs=("qwen3_30b_a3b",),
+)

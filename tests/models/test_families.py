@@ -1,0 +1,101 @@
+"""The model families (paisoar_jax/models/families/): one slice per Hugging Face architecture.
+
+Each family is found from its module (transformers' class, the zoo decoder, the tensor
+table, config.json both ways, the shipped configs), and the registry that hf-import and
+hf-export read picks exactly one family for any config.json and any model section.
+"""
+
+import dataclasses
+import pathlib
+
+import pytest
+
+from paisoar_jax.config import CONFIG_DIR, LanguageModelConfig, load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.models import families
+from paisoar_jax.tasks import zoo
+
+WHERE = pathlib.Path("config.json")
+TINY = dict(vocab_size=64, layers=2, width=32, heads=4, mlp_width=64, seq_len=16, max_positions=16)
+LLAMA = dict(TINY, name="llama", kv_heads=2)  # (config.json holds every count it implies)
+# A model section each family exports, as small as it goes.
+HELD = {
+    "gpt2": LanguageModelConfig(name="gpt", **TINY),
+    "llama": LanguageModelConfig(**LLAMA),
+    "mixtral": LanguageModelConfig(experts=4, **LLAMA),
+    "qwen2": LanguageModelConfig(qkv_bias=True, **LLAMA),
+    "qwen3": LanguageModelConfig(qk_norm=True, head_width=16, **LLAMA),
+    "qwen3_moe": LanguageModelConfig(qk_norm=True, experts=4, expert_mlp_width=24, **LLAMA),
+}
+
+
+def test_every_family_is_registered_once_with_its_model_and_configs():
+    types = [family.hf_type for family in families.FAMILIES]
+    assert len(types) == len(set(types)) >= 7
+    for family in families.FAMILIES:
+        assert family.model_class() is zoo.model_class(family.zoo_name), family.hf_type
+        for name in family.configs:
+            assert (pathlib.Path(CONFIG_DIR) / f"{name}.yaml").is_file(), name
+
+
+def test_each_shipped_decoder_config_is_claimed_by_the_family_that_holds_it():
+    """A shipped config is found from its family's slice: the one its model section is."""
+    claimed = {name: family for family in families.FAMILIES for name in family.configs}
+    for path in sorted(pathlib.Path(CONFIG_DIR).glob("*.yaml")):
+        model = load_config(path.stem).model
+        if not isinstance(model, LanguageModelConfig):
+            continue  # the image classifiers are no Hugging Face family here
+        assert path.stem in claimed, f"{path.stem}: no family lists it"
+        assert claimed[path.stem] is families.family_of(model), path.stem
+
+
+@pytest.mark.parametrize("hf_type", sorted(HELD))
+def test_a_section_goes_to_config_json_and_back_unchanged(hf_type):
+    model = HELD[hf_type]
+    family = families.family_of(model)
+    assert family.hf_type == hf_type
+    hf = families.hf_config(model)
+    assert hf["model_type"] == hf_type and hf["architectures"] == [family.architecture]
+    assert families.family_of_hf(hf, WHERE) is family
+    back = families.model_config_from_hf(hf, WHERE)
+    assert back == model, {
+        field.name: (getattr(back, field.name), getattr(model, field.name))
+        for field in dataclasses.fields(model)
+        if getattr(back, field.name) != getattr(model, field.name)
+    }
+
+
+def test_a_mistral_imports_and_exports_as_a_llama():
+    hf = families.hf_config(HELD["llama"]) | {"model_type": "mistral", "sliding_window": None}
+    model = families.model_config_from_hf(hf, WHERE)
+    assert model == HELD["llama"] and families.family_of(model).hf_type == "llama"
+    with pytest.raises(UserError, match="sliding_window=4096 is not a Llama this model reads"):
+        families.model_config_from_hf(hf | {"sliding_window": 4096}, WHERE)
+
+
+def test_every_section_has_one_family_or_one_line():
+    for qk_norm in (False, True):
+        for qkv_bias in (False, True):
+            for experts in (0, 4):
+                model = LanguageModelConfig(
+                    name="llama", qk_norm=qk_norm, qkv_bias=qkv_bias, experts=experts, **TINY
+                )
+                if qkv_bias and (qk_norm or experts):
+                    with pytest.raises(UserError, match="no Hugging Face architecture has"):
+                        families.family_of(model)
+                else:
+                    assert families.family_of(model).hf_type in HELD
+
+
+def test_an_architecture_of_no_family_is_one_line_naming_those_that_import():
+    hf = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(UserError, match="Gemma3ForCausalLM is not an architecture this imports"):
+        families.model_config_from_hf(hf, WHERE)
+
+
+@pytest.mark.parametrize("hf_type", sorted(HELD))
+def test_a_familys_table_names_each_tensor_once(hf_type):
+    tensors = families.tensors_of(HELD[hf_type])
+    ours = [tensor.ours for tensor in tensors]
+    theirs = [tensor.theirs for tensor in tensors]
+    assert len(set(ours)) == len(ours) and len(set(theirs)) == len(theirs)
