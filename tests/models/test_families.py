@@ -69,8 +69,51 @@ def test_a_mistral_imports_and_exports_as_a_llama():
     hf = families.hf_config(HELD["llama"]) | {"model_type": "mistral", "sliding_window": None}
     model = families.model_config_from_hf(hf, WHERE)
     assert model == HELD["llama"] and families.family_of(model).hf_type == "llama"
-    with pytest.raises(UserError, match="sliding_window=4096 is not a Llama this model reads"):
-        families.model_config_from_hf(hf | {"sliding_window": 4096}, WHERE)
+    # A window as long as the positions never binds: the same logits as full attention.
+    assert families.model_config_from_hf(hf | {"sliding_window": 16}, WHERE) == model
+    with pytest.raises(UserError, match="sliding_window=8 is shorter than the model's 16 pos"):
+        families.model_config_from_hf(hf | {"sliding_window": 8}, WHERE)
+
+
+def transformers_config(model_type: str, **settings) -> dict:
+    """config.json as transformers writes it for `model_type` (its defaults, then ours)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type](**settings).to_dict()
+
+
+def test_sliding_windows_import_where_config_json_turns_them_off():
+    """Before: Mistral and Qwen2 with any sliding_window set were refused."""
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+    small |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    off = transformers_config("qwen2", sliding_window=16, use_sliding_window=False, **small)
+    assert families.model_config_from_hf(off, WHERE).qkv_bias
+    # Qwen2 slides the layers from max_window_layers on: none here, every one with 0.
+    on = dict(sliding_window=16, use_sliding_window=True, **small)
+    assert families.model_config_from_hf(transformers_config("qwen2", **on), WHERE).qkv_bias
+    every = transformers_config("qwen2", max_window_layers=0, **on)
+    with pytest.raises(UserError, match="positions on 2 of its 2 layers"):
+        families.model_config_from_hf(every, WHERE)
+    whole = transformers_config("mistral", sliding_window=64, **small)
+    assert families.model_config_from_hf(whole, WHERE).name == "llama"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("gemma3_text", "interleaved sliding-window and global layers"),
+        ("gpt_oss", "attention sinks"),
+        ("deepseek_v3", "multi-head latent attention"),
+        ("phi3", "fused query-key-value"),
+        ("olmo2", "norms after attention"),
+        ("smollm3", "NoPE"),
+        ("qwen3_5_text", "DeltaNet"),
+    ],
+)
+def test_an_architecture_not_imported_yet_is_one_line_with_the_reason(model_type, reason):
+    hf = transformers_config(model_type)
+    with pytest.raises(UserError, match=f"does not import yet: .*{reason}"):
+        families.model_config_from_hf(hf, WHERE)
 
 
 def test_every_section_has_one_family_or_one_line():
@@ -88,8 +131,8 @@ def test_every_section_has_one_family_or_one_line():
 
 
 def test_an_architecture_of_no_family_is_one_line_naming_those_that_import():
-    hf = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
-    with pytest.raises(UserError, match="Gemma3ForCausalLM is not an architecture this imports"):
+    hf = {"model_type": "falcon", "architectures": ["FalconForCausalLM"]}
+    with pytest.raises(UserError, match="FalconForCausalLM is not an architecture this imports"):
         families.model_config_from_hf(hf, WHERE)
 
 

@@ -29,6 +29,29 @@ FAMILIES: tuple[Family, ...] = (
 )
 # transformers' class of each family, by config.json's model_type.
 ARCHITECTURES = {family.hf_type: family.architecture for family in FAMILIES}
+# Architectures people fine-tune that no family imports yet, by model_type: what they have
+# that the zoo's decoders do not compute (an import would give other logits).
+NOT_YET = {
+    "gemma": "Gemma's embeddings scaled by sqrt(width), (1 + w) RMSNorms and GeGLU MLP",
+    "gemma2": "Gemma 2's sliding-window layers, pre- and post-norms and logit soft-capping",
+    "gemma3_text": "Gemma 3's interleaved sliding-window and global layers, each with its own "
+    "rotary base, pre- and post-norms and (1 + w) RMSNorms",
+    "gemma3": "Gemma 3's vision tower and interleaved sliding-window layers",
+    "gpt_oss": "GPT-OSS's attention sinks, sliding-window layers, clamped SwiGLU experts "
+    "with biases and YaRN rotary scaling",
+    "deepseek_v2": "multi-head latent attention (low-rank queries and keys/values) and "
+    "group-limited routing",
+    "deepseek_v3": "multi-head latent attention (low-rank queries and keys/values), "
+    "group-limited sigmoid routing and multi-token prediction",
+    "phi3": "Phi-3's fused query-key-value and gate-up projections",
+    "olmo2": "OLMo 2's norms after attention and the MLP, and its queries and keys normed "
+    "over the whole width",
+    "smollm3": "SmolLM3's layers without rotary positions (NoPE, every fourth layer)",
+    "qwen3_next": "Qwen3-Next's gated DeltaNet linear-attention layers",
+    "qwen3_5": "Qwen3.5's gated DeltaNet linear-attention layers and vision tower",
+    "qwen3_5_text": "Qwen3.5's gated DeltaNet linear-attention layers",
+    "llama4": "Llama 4's interleaved chunked attention layers without rotary positions",
+}
 
 
 def family_of_hf(hf: dict, where: pathlib.Path) -> Family:
@@ -36,10 +59,15 @@ def family_of_hf(hf: dict, where: pathlib.Path) -> Family:
     for family in FAMILIES:
         if family.hf_type == hf.get("model_type"):
             return family
-    found = hf.get("architectures") or [hf.get("model_type")]
+    found = ", ".join(map(str, hf.get("architectures") or [hf.get("model_type")]))
+    if hf.get("model_type") in NOT_YET:
+        raise UserError(
+            f"{where}: {found} does not import yet: the zoo's decoders do not compute "
+            f"{NOT_YET[hf['model_type']]}"
+        )
     known = sorted(ARCHITECTURES.values())
     raise UserError(
-        f"{where}: {', '.join(map(str, found))} is not an architecture this imports "
+        f"{where}: {found} is not an architecture this imports "
         f"({', '.join(known[:-1])} or {known[-1]})"
     )
 

@@ -87,19 +87,25 @@ def config_from_hf(
     """
     variant = variant or {}
     width, heads = hf["hidden_size"], hf["num_attention_heads"]
-    windowed = hf.get("use_sliding_window", hf.get("sliding_window") is not None)
     refused = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         # (Qwen2's are on q, k and v alone, always: model.qkv_bias; a Llama's on o too)
         "attention_bias": not variant.get("qkv_bias") and hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
-        "sliding_window": windowed,  # every layer attends to all the window
         "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1,  # Qwen3-MoE's
         "mlp_only_layers": bool(hf.get("mlp_only_layers")),
     }
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
+    sliding = _sliding_layers(hf)
+    if sliding:
+        raise UserError(
+            f"{where}: sliding_window={hf['sliding_window']} is shorter than the model's "
+            f"{hf.get('max_position_embeddings', 2048)} positions on {len(sliding)} of its "
+            f"{hf['num_hidden_layers']} layers: the zoo's llama attends to every earlier "
+            f"token (sliding-window attention is not modelled yet)"
+        )
     head_width = hf.get("head_dim") or width // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return LanguageModelConfig(
@@ -119,6 +125,23 @@ def config_from_hf(
         **_rope_scaling(rope, where),
         **variant,
     )
+
+
+def _sliding_layers(hf: dict) -> list[int]:
+    """The layers whose sliding window binds: shorter than the positions the model holds.
+
+    A window at least as long as max_position_embeddings never binds (the same logits as
+    full attention), nor one that config.json turns off (use_sliding_window false, Qwen2's
+    max_window_layers, or transformers 5's layer_types).
+    """
+    window, layers = hf.get("sliding_window"), range(hf["num_hidden_layers"])
+    if window is None or window >= hf.get("max_position_embeddings", 2048):
+        return []
+    if hf.get("layer_types"):
+        return [i for i in layers if hf["layer_types"][i] == "sliding_attention"]
+    if hf.get("use_sliding_window") is False:
+        return []
+    return [i for i in layers if i >= (hf.get("max_window_layers") or 0)]
 
 
 def to_hf(model: LanguageModelConfig) -> dict:
