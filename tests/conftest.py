@@ -274,6 +274,16 @@ def build_run(overrides, devices, base=TINY):
     return config, mesh, layout, state, train_step
 
 
+def step_losses(overrides, devices, steps=3):
+    """(the losses of `steps` train steps on token_batches, (initial, final) params)."""
+    _, _, _, state, train_step = build_run(overrides, devices)
+    initial, values = jax.device_get(state.params), []
+    for batch in token_batches(steps):
+        state, metrics = train_step(state, batch)
+        values.append(float(metrics["loss"]))
+    return values, (initial, jax.device_get(state.params))
+
+
 def losses(run_dir, steps=None) -> dict:
     """{step: loss} of run_dir/metrics.jsonl; with `steps`, it must hold 1 .. steps once each."""
     records = run_records(run_dir)

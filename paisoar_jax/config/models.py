@@ -17,7 +17,8 @@ from paisoar_jax.errors import UserError
 # The keys of the model section that only model.name=llama reads.
 LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
 LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "qk_norm")
-LLAMA_KEYS += ("qkv_bias",)
+LLAMA_KEYS += ("qkv_bias", "sliding_window", "global_every", "local_rope_theta", "norm_offset")
+LLAMA_KEYS += ("post_norms", "mlp_activation", "embed_scale", "query_scale_width")
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
@@ -68,15 +69,34 @@ class LanguageModelConfig:
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
     kv_heads: int = 0  # llama only: key/value heads of grouped-query attention (0: heads)
     # llama only: llama3 is Llama 3.1's long-context rope scaling, with the four numbers below
-    # (as in HF's config.json)
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0  # llama3 rope scaling: how much longer the context grows
+    # (as in HF's config.json); linear divides every frequency by rope_factor (Gemma 3's
+    # global layers)
+    rope_scaling: Literal["none", "llama3", "linear"] = "none"
+    rope_factor: float = 8.0  # llama3 or linear rope scaling: how much longer the context grows
     rope_low_freq_factor: float = 1.0  # llama3 rope scaling: low-frequency wavelength bound
     rope_high_freq_factor: float = 4.0  # llama3 rope scaling: high-frequency bound
     rope_original_length: int = 8192  # llama3 rope scaling: the context trained before
     head_width: int = 0  # llama only: each head's width (0: width / heads; Qwen3's is wider)
     qk_norm: bool = False  # llama only: RMSNorm on each head's queries and keys (Qwen3)
     qkv_bias: bool = False  # llama only: biases on the queries, keys and values (Qwen2's)
+    # llama only: a token attends to this many tokens, itself and those just before it (0:
+    # every earlier token; Mistral's and Gemma's sliding window)
+    sliding_window: int = 0
+    # llama only, with sliding_window: block i attends to every earlier token when
+    # (i + 1) % global_every == 0 (Gemma 3: 6, Gemma 2: 2); 0: every block slides
+    global_every: int = 0
+    local_rope_theta: float = 0.0  # llama only: the sliding blocks' rotary base (0: rope_theta)
+    norm_offset: bool = False  # llama only: every RMSNorm scales by (1 + w), w from 0 (Gemma's)
+    # llama only: RMSNorms on the attention's and the MLP's outputs too, before each joins
+    # the stream (Gemma 2 and 3)
+    post_norms: bool = False
+    # llama only: the gated MLP's activation: silu (SwiGLU, Llama's) or gelu_tanh (GeGLU
+    # with tanh GELU, Gemma's)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    embed_scale: bool = False  # llama only: embeddings times sqrt(width) (Gemma's)
+    # llama only: attention logits divided by sqrt(this) instead of sqrt(head width) (0:
+    # the head width; Gemma's query_pre_attn_scalar)
+    query_scale_width: float = 0.0
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when
@@ -117,6 +137,7 @@ class LanguageModelConfig:
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
         check_at_least("model", self, {"head_width": 0, "loss_chunks": -1})
         check_at_least("model", self, {"max_positions": 0})
+        self._check_window()
         if self.max_positions and self.seq_len > self.max_positions:
             raise UserError(
                 f"model.seq_len={self.seq_len} is longer than the model's "
@@ -183,6 +204,27 @@ class LanguageModelConfig:
                 f"model.moe_every={self.moe_every} mixes dense and MoE blocks, which one "
                 "scanned stack cannot hold: set model.scan_layers=false (or model.moe_every=1)"
             )
+
+    def _check_window(self) -> None:
+        """The sliding window's keys: blocks that differ need model.scan_layers=false."""
+        check_at_least("model", self, {"sliding_window": 0, "global_every": 0})
+        for key in ("local_rope_theta", "query_scale_width"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise UserError(f"model.{key} must be a finite number >= 0, got {value}")
+        if not self.sliding_window and (self.global_every or self.local_rope_theta):
+            key = "global_every" if self.global_every else "local_rope_theta"
+            raise UserError(f"model.{key} is for sliding-window blocks: set model.sliding_window")
+        if self.global_every > 1 and self.scan_layers:
+            raise UserError(
+                f"model.global_every={self.global_every} mixes sliding-window and global "
+                "blocks, which one scanned stack cannot hold: set model.scan_layers=false"
+            )
+
+    def window_of(self, layer: int) -> int:
+        """How many tokens block `layer` (from 0) attends to, itself included; 0: all before."""
+        every = self.global_every
+        return 0 if every and (layer + 1) % every == 0 else self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` (from 0) has experts: every moe_every-th, the last of each."""

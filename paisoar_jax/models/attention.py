@@ -45,14 +45,20 @@ def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array)
 
 
 def attention(
-    q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, implementation: str, segments_BxT: jax.Array | None = None
+    q_BxTxHxE,
+    k_BxTxHxE,
+    v_BxTxHxE,
+    implementation: str,
+    segments_BxT: jax.Array | None = None,
+    window: int = 0,
 ) -> jax.Array:
     """Causal attention via jax.nn.dot_product_attention; logits and softmax in fp32.
 
     With `segments_BxT` (packed documents), a token attends only to the tokens of its own
-    segment (cuDNN takes the mask as a dense bias). XLA on CPU has no fp16 matmul with
-    fp32 accumulation, which jax's fp16 attention asks for, so fp16 attention on CPU runs
-    in fp32 (GPUs keep fp16).
+    segment (cuDNN takes the mask as a dense bias). `window` > 0: only to the `window`
+    tokens ending at itself (a sliding window; cuDNN skips the blocks outside it). XLA on
+    CPU has no fp16 matmul with fp32 accumulation, which jax's fp16 attention asks for, so
+    fp16 attention on CPU runs in fp32 (GPUs keep fp16).
     """
     dtype = q_BxTxHxE.dtype
     if dtype == jnp.float16 and compile_platform() == "cpu":
@@ -66,6 +72,7 @@ def attention(
         v_BxTxHxE,
         mask=mask_Bx1xTxT,
         is_causal=True,
+        local_window_size=(window - 1, 0) if window else None,
         implementation=implementation,
     )
     return out_BxTxHxE.astype(dtype)

@@ -38,11 +38,15 @@ def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index: jax.Array, valid_BxS=None):
+def cached_attention(
+    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index: jax.Array, valid_BxS=None, window: int = 0
+):
     """Causal attention of T new positions over the cache, after writing theirs into it.
 
     `valid_BxS` (batched prompts, left-padded) marks each row's cache slots that hold its
-    own tokens; the padding before a shorter prompt is never attended to.
+    own tokens; the padding before a shorter prompt is never attended to. `window` > 0: a
+    sliding-window block's, each position seeing the `window` slots ending at its own (the
+    cache still holds every position: a ring of `window` slots is not built yet).
     Returns (out_BxTxHxE, (keys, values) with the new ones at index .. index + T - 1).
     """
     keys_BxSxKxE, values_BxSxKxE = cache
@@ -55,7 +59,10 @@ def cached_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index: jax.Array, v
     heads = ("batch", "length", "act_heads", "head_dim")
     keys_BxSxKxE, values_BxSxKxE = constrain(keys_BxSxKxE, heads), constrain(values_BxSxKxE, heads)
     T, S = q_BxTxHxE.shape[1], keys_BxSxKxE.shape[1]
-    visible_TxS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
+    distance_TxS = index + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]
+    visible_TxS = distance_TxS >= 0
+    if window:
+        visible_TxS = visible_TxS & (distance_TxS < window)
     mask = visible_TxS[None, None]
     if valid_BxS is not None:
         mask = mask & valid_BxS[:, None, None, :]

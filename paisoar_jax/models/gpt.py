@@ -48,6 +48,7 @@ class DecoderBlock(nnx.Module):
     """
 
     moe: MoeFeedForward | None = None
+    window: int = 0  # attends to this many tokens ending at itself; 0: every earlier one
     # The projections LoRA may adapt (lora.py), each with its count of input axes: the
     # kernel's leading axes that the projection contracts.
     LORA_KERNELS: dict[str, int] = {}
@@ -80,7 +81,7 @@ class DecoderBlock(nnx.Module):
         else:
             # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
             attention_BxTxHxE = attention(
-                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT
+                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT, self.window
             )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
@@ -88,7 +89,7 @@ class DecoderBlock(nnx.Module):
         """The block at positions index.., attending over the cache (models/decoding.py)."""
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         attention_BxTxHxE, cache = cached_attention(
-            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS, self.window
         )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)[0], cache
 
@@ -339,10 +340,13 @@ class Decoder(nnx.Module):
 
         Grouped kv heads change the parameter count, not the attention's FLOPs. N counts
         the active parameters: a mixture of experts leaves out the experts a token skips.
+        A sliding-window block attends over its window, not T.
         """
         active = param_count - inactive_parameters(config)
         attention_width = config.heads * config.head_size  # the width, unless heads are wider
-        return 6 * active + 12 * config.layers * attention_width * config.seq_len
+        T = config.seq_len
+        spans = [min(config.window_of(layer) or T, T) for layer in range(config.layers)]
+        return 6 * active + 12 * attention_width * sum(spans)
 
 
 class GPT(Decoder):

@@ -43,31 +43,45 @@ class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last axis, computed in fp32 (HF's LlamaRMSNorm).
 
     `axis`: the scale's logical axis name (`embed`, or `head_dim` for a head's norm).
+    `offset`: the scale is 1 + w, w starting at 0 (Gemma's RMSNorm), so weight decay pulls
+    it toward 1 as Gemma's training does.
     """
 
-    def __init__(self, width: int, epsilon: float, rngs: nnx.Rngs, axis: str = "embed"):
-        self.epsilon = epsilon
-        self.scale = param(rngs, nnx.initializers.ones, (width,), (axis,))
+    def __init__(
+        self, width: int, epsilon: float, rngs: nnx.Rngs, axis: str = "embed", offset=False
+    ):
+        self.epsilon, self.offset = epsilon, offset
+        initial = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = param(rngs, initial, (width,), (axis,))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         """The normalised stream, fp32."""
         x = float32_island(x_BxTxD)
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
-        return normed * self.scale[...]
+        return normed * (1.0 + self.scale[...] if self.offset else self.scale[...])
 
 
-def inverse_frequencies(config: LanguageModelConfig) -> jax.Array:
-    """The E/2 rotary frequencies, with the Llama-3 scaling when model.rope_scaling says so.
+def norm_of(config: LanguageModelConfig) -> Callable[..., RMSNorm]:
+    """The model's RMSNorm maker, `(width, epsilon, rngs, axis=...)`: offset as it says."""
+    return functools.partial(RMSNorm, offset=config.norm_offset)
+
+
+def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax.Array:
+    """The E/2 rotary frequencies, with the scaling model.rope_scaling says.
 
     Llama 3: wavelengths longer than original_length / low_freq_factor are slowed by
     `factor`, those shorter than original_length / high_freq_factor are kept, and the band
-    between blends the two.
+    between blends the two. linear: every frequency divided by `factor`. `local`: the
+    sliding blocks' own base (model.local_rope_theta), never scaled (Gemma 3's).
     """
     head_width = config.head_size
-    inverse = 1.0 / (config.rope_theta ** (jnp.arange(0, head_width, 2) / head_width))
-    if config.rope_scaling == "none":
+    theta = config.local_rope_theta if local else config.rope_theta
+    inverse = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
+    if config.rope_scaling == "none" or local:
         return inverse
     factor, original = config.rope_factor, config.rope_original_length
+    if config.rope_scaling == "linear":
+        return inverse / factor
     low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
     wavelength = 2 * math.pi / inverse
     slowed = jnp.where(wavelength > original / low, inverse / factor, inverse)
@@ -78,9 +92,18 @@ def inverse_frequencies(config: LanguageModelConfig) -> jax.Array:
 
 
 def rotary_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
-    """(sin, cos), each T x E/2 (B x T x E/2 for positions per row), at the positions."""
-    angles_TxE2 = positions_T[..., None].astype(jnp.float32) * inverse_frequencies(config)
-    return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+    """((sin, cos), the sliding blocks' (sin, cos) or None) at the positions.
+
+    Each table is T x E/2 (B x T x E/2 for positions per row); the second pair exists
+    where the sliding blocks have a rotary base of their own (model.local_rope_theta).
+    """
+
+    def tables(local: bool) -> tuple[jax.Array, jax.Array]:
+        frequencies = inverse_frequencies(config, local)
+        angles_TxE2 = positions_T[..., None].astype(jnp.float32) * frequencies
+        return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+
+    return tables(False), tables(True) if config.local_rope_theta else None
 
 
 def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
@@ -96,6 +119,9 @@ class Block(DecoderBlock):
     """x + attention(rmsnorm(x)), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x).
 
     With experts (model.experts: Mixtral, Qwen3-MoE), they take the SwiGLU MLP's place.
+    Gemma's options: a sliding window on some blocks (model.sliding_window, global_every)
+    with their own rotary base, RMSNorms on the attention's and MLP's outputs too
+    (post_norms), GeGLU (mlp_activation), queries scaled by query_scale_width.
     """
 
     LORA_KERNELS = {
@@ -113,10 +139,16 @@ class Block(DecoderBlock):
         E = config.head_size
         normal = nnx.initializers.normal(config.init_std)
         residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
+        norm = norm_of(config)
         self.policy = policy
         self.attention_impl = resolve_attention(config.attention, policy, E)
         self.context = config.context_attention  # gather or ring, with mesh.context > 1
-        self.attention_norm = RMSNorm(D, config.norm_eps, rngs)
+        self.window = config.window_of(layer)  # 0: every earlier token
+        self.activation = config.mlp_activation
+        # Queries scaled so that attention's own 1 / sqrt(E) makes 1 / sqrt(query_scale_width):
+        # every attention path (cuDNN, context-parallel, cached) then stays as it is.
+        self.query_scale = math.sqrt(E / (config.query_scale_width or E))
+        self.attention_norm = norm(D, config.norm_eps, rngs)
         self.q_kernel = param(rngs, normal, (D, H, E), ("embed", "heads", "head_dim"))
         self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
@@ -126,9 +158,12 @@ class Block(DecoderBlock):
             self.k_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
             self.v_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
         if config.qk_norm:  # Qwen3: each head's queries and keys normed, before the rotation
-            self.q_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
-            self.k_norm = RMSNorm(E, config.norm_eps, rngs, axis="head_dim")
-        self.mlp_norm = RMSNorm(D, config.norm_eps, rngs)
+            self.q_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
+            self.k_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
+        if config.post_norms:  # Gemma 2 and 3: the outputs normed before they join the stream
+            self.post_attention_norm = norm(D, config.norm_eps, rngs)
+            self.post_mlp_norm = norm(D, config.norm_eps, rngs)
+        self.mlp_norm = norm(D, config.norm_eps, rngs)
         self.moe = experts_of(config, policy, rngs, layer)
         if self.moe is None:
             self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
@@ -150,21 +185,33 @@ class Block(DecoderBlock):
         if hasattr(self, "q_norm"):
             q_BxTxHxE = self.policy.cast_to_compute(self.q_norm(q_BxTxHxE))
             k_BxTxKxE = self.policy.cast_to_compute(self.k_norm(k_BxTxKxE))
-        return rotate(q_BxTxHxE, *rotary), rotate(k_BxTxKxE, *rotary), v_BxTxKxE
+        if self.query_scale != 1.0:
+            q_BxTxHxE = q_BxTxHxE * jnp.asarray(self.query_scale, q_BxTxHxE.dtype)
+        global_tables, local_tables = rotary
+        tables = local_tables if self.window and local_tables is not None else global_tables
+        return rotate(q_BxTxHxE, *tables), rotate(k_BxTxKxE, *tables), v_BxTxKxE
 
     def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
+        cast = self.policy.cast_to_compute
         out_BxTxD = self._project("bthe,hed->btd", attention_BxTxHxE, "out_kernel", "out")
+        if hasattr(self, "post_attention_norm"):
+            out_BxTxD = cast(self.post_attention_norm(out_BxTxD))
         x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
-        h_BxTxD = self.policy.cast_to_compute(self.mlp_norm(x_BxTxD))
-        out_BxTxD, statistics = self._feed_forward(h_BxTxD)
+        out_BxTxD, statistics = self._feed_forward(cast(self.mlp_norm(x_BxTxD)))
+        if hasattr(self, "post_mlp_norm"):
+            out_BxTxD = cast(self.post_mlp_norm(out_BxTxD))
         return constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed")), statistics
 
     def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
         gate_BxTxF = self._project("btd,df->btf", h_BxTxD, "gate_kernel", "gate")
         up_BxTxF = self._project("btd,df->btf", h_BxTxD, "up_kernel", "up")
+        if self.activation == "gelu_tanh":  # GeGLU, Gemma's (HF's gelu_pytorch_tanh)
+            activation = functools.partial(jax.nn.gelu, approximate=True)
+        else:
+            activation = jax.nn.silu
         hidden_BxTxF = recomputed_activation(
-            lambda gate, up: jax.nn.silu(gate) * up, gate_BxTxF, up_BxTxF
+            lambda gate, up: activation(gate) * up, gate_BxTxF, up_BxTxF
         )
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")
@@ -178,7 +225,7 @@ class Llama(Decoder):
         self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
     ):
         _check_tensor_split(config)
-        self._build(config, policy, remat_policy, rngs, Block, RMSNorm)
+        self._build(config, policy, remat_policy, rngs, Block, norm_of(config))
 
     def _embed(
         self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
@@ -186,6 +233,8 @@ class Llama(Decoder):
         """The tokens' embeddings, and the rotary tables of positions start.."""
         del positions_BxT  # rotary positions only: the blocks make them (rotary_function)
         x_BxTxD = self._token_embeddings(tokens_BxT)
+        if self.config.embed_scale:  # Gemma: sqrt(width) in the compute dtype, as HF rounds it
+            x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.config.width), x_BxTxD.dtype)
         rotary = rotary_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
 
@@ -195,9 +244,19 @@ class Llama(Decoder):
 
 
 def _check_tensor_split(config: LanguageModelConfig) -> None:
-    """Tensor parallelism splits the kv heads: their count must divide by mesh.tensor."""
+    """Tensor parallelism splits the kv heads: their count must divide by mesh.tensor.
+
+    A sliding window is refused with the sequence split over mesh.context (its attention
+    reaches every earlier token of the other devices).
+    """
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    if config.sliding_window and not mesh.empty and dict(mesh.shape).get("context", 1) > 1:
+        raise UserError(
+            f"model.sliding_window={config.sliding_window} with mesh.context > 1 is not "
+            "supported yet: context-parallel attention reaches every earlier token (use "
+            "mesh.context=1)"
+        )
     if config.key_value_heads % tensor:
         raise UserError(
             f"model.kv_heads={config.key_value_heads} is not divisible by mesh.tensor={tensor}: "

@@ -26,6 +26,13 @@ HELD = {
     "qwen2": LanguageModelConfig(qkv_bias=True, **LLAMA),
     "qwen3": LanguageModelConfig(qk_norm=True, head_width=16, **LLAMA),
     "qwen3_moe": LanguageModelConfig(qk_norm=True, experts=4, expert_mlp_width=24, **LLAMA),
+    "mistral": LanguageModelConfig(sliding_window=8, **LLAMA),
+    "gemma3_text": LanguageModelConfig(
+        **(LLAMA | dict(layers=4, head_width=16, tie_embeddings=True, scan_layers=False)),
+        **dict(sliding_window=8, global_every=2, local_rope_theta=1e4, rope_theta=1e6),
+        **dict(qk_norm=True, norm_offset=True, post_norms=True, embed_scale=True),
+        **dict(mlp_activation="gelu_tanh", query_scale_width=24.0),
+    ),
 }
 
 
@@ -71,8 +78,9 @@ def test_a_mistral_imports_and_exports_as_a_llama():
     assert model == HELD["llama"] and families.family_of(model).hf_type == "llama"
     # A window as long as the positions never binds: the same logits as full attention.
     assert families.model_config_from_hf(hf | {"sliding_window": 16}, WHERE) == model
-    with pytest.raises(UserError, match="sliding_window=8 is shorter than the model's 16 pos"):
-        families.model_config_from_hf(hf | {"sliding_window": 8}, WHERE)
+    # A shorter one slides on every layer: a Mistral (before: refused in one line).
+    sliding = families.model_config_from_hf(hf | {"sliding_window": 8}, WHERE)
+    assert sliding == HELD["mistral"] and families.family_of(sliding).hf_type == "mistral"
 
 
 def transformers_config(model_type: str, **settings) -> dict:
@@ -82,7 +90,7 @@ def transformers_config(model_type: str, **settings) -> dict:
     return CONFIG_MAPPING[model_type](**settings).to_dict()
 
 
-def test_sliding_windows_import_where_config_json_turns_them_off():
+def test_sliding_windows_import_where_every_layer_or_every_but_the_nth_slides():
     """Before: Mistral and Qwen2 with any sliding_window set were refused."""
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
     small |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -91,17 +99,26 @@ def test_sliding_windows_import_where_config_json_turns_them_off():
     # Qwen2 slides the layers from max_window_layers on: none here, every one with 0.
     on = dict(sliding_window=16, use_sliding_window=True, **small)
     assert families.model_config_from_hf(transformers_config("qwen2", **on), WHERE).qkv_bias
-    every = transformers_config("qwen2", max_window_layers=0, **on)
-    with pytest.raises(UserError, match="positions on 2 of its 2 layers"):
-        families.model_config_from_hf(every, WHERE)
+    every = families.model_config_from_hf(
+        transformers_config("qwen2", max_window_layers=0, **on), WHERE
+    )
+    assert (every.sliding_window, every.global_every, every.qkv_bias) == (16, 0, True)
+    back = families.hf_config(every)
+    assert (back["use_sliding_window"], back["max_window_layers"]) == (True, 0)
+    assert families.model_config_from_hf(back, WHERE) == every
     whole = transformers_config("mistral", sliding_window=64, **small)
     assert families.model_config_from_hf(whole, WHERE).name == "llama"
+    # Qwen2 sliding from its second layer on: no pattern the zoo's llama has.
+    later = transformers_config("qwen2", max_window_layers=1, **on | {"num_hidden_layers": 3})
+    with pytest.raises(UserError, match=r"sliding_window=16 on layers \[1, 2\] of 3: the zoo"):
+        families.model_config_from_hf(later, WHERE)
 
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("gemma3_text", "interleaved sliding-window and global layers"),
+        ("gemma2", "soft-capping"),
+        ("gemma3", "vision tower"),
         ("gpt_oss", "attention sinks"),
         ("deepseek_v3", "multi-head latent attention"),
         ("phi3", "fused query-key-value"),
@@ -128,6 +145,16 @@ def test_every_section_has_one_family_or_one_line():
                         families.family_of(model)
                 else:
                     assert families.family_of(model).hf_type in HELD
+
+
+def test_a_section_no_architecture_holds_is_one_line_naming_its_settings():
+    """Gemma's window pattern without Gemma's norms, or some of Gemma's norms alone."""
+    pattern = dict(sliding_window=8, global_every=2, scan_layers=False)
+    for settings in (pattern, dict(post_norms=True), dict(norm_offset=True, sliding_window=8)):
+        model = LanguageModelConfig(**LLAMA, **settings)
+        first = next(iter(settings))
+        with pytest.raises(UserError, match=f"no Hugging Face .* with .*model.{first}="):
+            families.family_of(model)
 
 
 def test_an_architecture_of_no_family_is_one_line_naming_those_that_import():

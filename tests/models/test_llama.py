@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import assert_steps_match, build_run, token_batches
+from conftest import assert_steps_match, build_run, step_losses
 from flax import nnx
 
 from paisoar_jax.config import LanguageModelConfig, load_config
@@ -15,12 +15,7 @@ LLAMA = ["model.name=llama", "model.kv_heads=2", "model.mlp_width=96"]
 
 
 def losses(overrides, devices, steps=3):
-    _, _, _, state, train_step = build_run([*LLAMA, *overrides], devices)
-    initial, values = jax.device_get(state.params), []
-    for batch in token_batches(steps):
-        state, metrics = train_step(state, batch)
-        values.append(float(metrics["loss"]))
-    return values, (initial, jax.device_get(state.params))
+    return step_losses([*LLAMA, *overrides], devices, steps)
 
 
 @pytest.mark.checks("sharded", families=["zoo:llama"])

@@ -12,8 +12,18 @@ from __future__ import annotations
 import pathlib
 
 from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.config.models import LLAMA_KEYS
 from paisoar_jax.errors import UserError
-from paisoar_jax.models.families import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from paisoar_jax.models.families import (
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from paisoar_jax.models.families.family import MAX_TRAINING_WINDOW, Family, Tensor
 
 __all__ = ["FAMILIES", "MAX_TRAINING_WINDOW", "Family", "Tensor", "family_of", "family_of_hf"]
@@ -26,6 +36,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
+    gemma3.FAMILY,
 )
 # transformers' class of each family, by config.json's model_type.
 ARCHITECTURES = {family.hf_type: family.architecture for family in FAMILIES}
@@ -34,9 +45,7 @@ ARCHITECTURES = {family.hf_type: family.architecture for family in FAMILIES}
 NOT_YET = {
     "gemma": "Gemma's embeddings scaled by sqrt(width), (1 + w) RMSNorms and GeGLU MLP",
     "gemma2": "Gemma 2's sliding-window layers, pre- and post-norms and logit soft-capping",
-    "gemma3_text": "Gemma 3's interleaved sliding-window and global layers, each with its own "
-    "rotary base, pre- and post-norms and (1 + w) RMSNorms",
-    "gemma3": "Gemma 3's vision tower and interleaved sliding-window layers",
+    "gemma3": "Gemma 3's vision tower (its text model, Gemma3ForCausalLM, imports)",
     "gpt_oss": "GPT-OSS's attention sinks, sliding-window layers, clamped SwiGLU experts "
     "with biases and YaRN rotary scaling",
     "deepseek_v2": "multi-head latent attention (low-rank queries and keys/values) and "
@@ -84,7 +93,19 @@ def family_of(model: LanguageModelConfig) -> Family:
             "(model.qkv_bias, Qwen2's) with model.qk_norm or model.experts"
         )
     held = [family for family in FAMILIES if family.holds(model)]
-    assert len(held) == 1, [family.hf_type for family in held]  # the holds are exclusive
+    assert len(held) <= 1, [family.hf_type for family in held]  # the holds are exclusive
+    if not held:
+        defaults = LanguageModelConfig(name=model.name)
+        settings = ", ".join(
+            f"model.{key}={getattr(model, key)}"
+            for key in LLAMA_KEYS + ("experts",)
+            if getattr(model, key) != getattr(defaults, key)
+        )
+        raise UserError(
+            f"no Hugging Face architecture exported here holds a {model.name} with {settings} "
+            f"(Gemma 3 slides on all blocks but every n-th with all of Gemma's norms; the "
+            f"others slide on every block or none)"
+        )
     return held[0]
 
 

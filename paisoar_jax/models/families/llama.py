@@ -60,11 +60,13 @@ MLP = (
 )
 
 
-def _rope_scaling(rope: dict, where: pathlib.Path) -> dict:
-    """The model keys of HF's rope_parameters (or rope_scaling): {} or Llama-3's four."""
+def rope_scaling_keys(rope: dict, where: pathlib.Path) -> dict:
+    """The model keys of HF's rope_parameters (or rope_scaling): {}, linear's or Llama-3's."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"{where}: rope type {rope_type!r} is not default or llama3")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise UserError(f"{where}: rope type {rope_type!r} is not default, linear or llama3")
+    if rope_type == "linear":
+        return dict(rope_scaling="linear", rope_factor=float(rope["factor"]))
     if rope_type != "llama3":
         return {}
     return dict(
@@ -98,14 +100,6 @@ def config_from_hf(
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
-    sliding = _sliding_layers(hf)
-    if sliding:
-        raise UserError(
-            f"{where}: sliding_window={hf['sliding_window']} is shorter than the model's "
-            f"{hf.get('max_position_embeddings', 2048)} positions on {len(sliding)} of its "
-            f"{hf['num_hidden_layers']} layers: the zoo's llama attends to every earlier "
-            f"token (sliding-window attention is not modelled yet)"
-        )
     head_width = hf.get("head_dim") or width // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return LanguageModelConfig(
@@ -122,9 +116,40 @@ def config_from_hf(
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         head_width=0 if head_width * heads == width else head_width,
-        **_rope_scaling(rope, where),
+        **rope_scaling_keys(rope, where),
+        **window_keys(hf, where),
         **variant,
     )
+
+
+def window_keys(hf: dict, where: pathlib.Path) -> dict:
+    """The model keys of config.json's sliding window: {} where it never binds.
+
+    The zoo's llama slides on every block, or on all but every n-th (model.global_every,
+    Gemma's pattern); another pattern (Qwen2's max_window_layers > 0) is one line.
+    """
+    sliding, layers = _sliding_layers(hf), hf["num_hidden_layers"]
+    if not sliding:
+        return {}
+    window = hf["sliding_window"]
+    if len(sliding) == layers:
+        return {"sliding_window": window}
+    every = min(set(range(layers)) - set(sliding)) + 1
+    if sliding == [i for i in range(layers) if (i + 1) % every]:
+        # blocks that differ are unrolled: one scanned stack holds identical blocks
+        return {"sliding_window": window, "global_every": every, "scan_layers": False}
+    raise UserError(
+        f"{where}: sliding_window={window} on layers {sliding} of {layers}: the zoo's llama "
+        f"slides on every layer or on all but every n-th (model.global_every)"
+    )
+
+
+def layer_types(model: LanguageModelConfig) -> list[str]:
+    """The layer_types transformers reads for a model section: each block sliding or full."""
+    return [
+        "sliding_attention" if model.window_of(layer) else "full_attention"
+        for layer in range(model.layers)
+    ]
 
 
 def _sliding_layers(hf: dict) -> list[int]:
@@ -147,6 +172,8 @@ def _sliding_layers(hf: dict) -> list[int]:
 def to_hf(model: LanguageModelConfig) -> dict:
     """The LlamaForCausalLM config.json of a llama model section (variants add theirs)."""
     rope_scaling = None
+    if model.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": model.rope_factor}
     if model.rope_scaling == "llama3":
         rope_scaling = {
             "rope_type": "llama3",
@@ -160,9 +187,9 @@ def to_hf(model: LanguageModelConfig) -> dict:
         "model_type": "llama",
         "vocab_size": model.vocab_size,
         "max_position_embeddings": (
-            model.positions
-            if model.rope_scaling == "none"
-            else max(model.positions, model.rope_original_length)
+            max(model.positions, model.rope_original_length)
+            if model.rope_scaling == "llama3"
+            else model.positions
         ),
         "hidden_size": model.width,
         "intermediate_size": model.mlp_width or 4 * model.width,
@@ -182,7 +209,21 @@ def to_hf(model: LanguageModelConfig) -> dict:
 
 def is_llama(model: LanguageModelConfig) -> bool:
     """A llama section with none of the variants' differences."""
-    return model.name == "llama" and not (model.experts or model.qk_norm or model.qkv_bias)
+    return model.name == "llama" and not (
+        model.experts or model.qk_norm or model.qkv_bias or model.sliding_window or is_gemma(model)
+    )
+
+
+def is_gemma(model: LanguageModelConfig) -> bool:
+    """A llama section with any of Gemma's differences (norms, embeddings, GeGLU, scale)."""
+    return model.name == "llama" and bool(
+        model.norm_offset
+        or model.post_norms
+        or model.embed_scale
+        or model.mlp_activation != "silu"
+        or model.query_scale_width
+        or model.local_rope_theta
+    )
 
 
 def check_routing(model: LanguageModelConfig, name: str, renormalized: bool) -> None:
@@ -233,8 +274,16 @@ def variant(
         return config_from_hf(hf, where, keys(hf))
 
     def variant_json(model: LanguageModelConfig) -> dict:
-        named = {"architectures": [architecture], "model_type": hf_type, "sliding_window": None}
-        return to_hf(model) | named | json(model)
+        window = model.sliding_window or None
+        named = {"architectures": [architecture], "model_type": hf_type, "sliding_window": window}
+        settings = to_hf(model) | named | json(model)
+        if window and "use_sliding_window" in settings:  # Qwen's: on, from the first layer
+            settings |= {"use_sliding_window": True, "max_window_layers": 0}
+        return settings
+
+    def variant_holds(model: LanguageModelConfig) -> bool:
+        # Every block slides or none: the pattern of some is Gemma's alone.
+        return holds(model) and not is_gemma(model) and model.global_every <= 1
 
     return Family(
         hf_type=hf_type,
@@ -244,7 +293,7 @@ def variant(
         tensors=tensors,
         from_hf=from_hf,
         to_hf=variant_json if json else None,
-        holds=holds,
+        holds=variant_holds,
         configs=configs,
     )
 

@@ -1,8 +1,8 @@
-"""Mistral (MistralForCausalLM): a Llama, when every layer attends to the whole context.
+"""Mistral (MistralForCausalLM): a Llama whose every layer attends over a sliding window.
 
-It imports as a llama and exports as one (transformers reads a Llama the same). A
-sliding window shorter than the model's positions is refused in one line: the zoo's llama
-attends to every earlier token.
+model.sliding_window: a token attends to the sliding_window tokens ending at itself
+(transformers' window, the token included). A Mistral without one (v0.2 on, or a window
+no shorter than its positions) imports as a llama and exports as a Llama.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ FAMILY = llama.variant(
     "mistral",
     "MistralForCausalLM",
     keys=lambda hf: {},
-    json=None,  # exports as a Llama
+    json=lambda model: {},  # the window: variant() writes it
     tensors=lambda model: llama.ATTENTION + llama.MLP,
-    holds=lambda model: False,
+    holds=lambda model: (
+        model.name == "llama"
+        and bool(model.sliding_window)
+        and not (model.experts or model.qk_norm or model.qkv_bias)
+    ),
 )

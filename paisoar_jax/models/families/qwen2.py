@@ -1,7 +1,8 @@
 """Qwen2 and Qwen2.5 (Qwen2ForCausalLM): a Llama with biased queries, keys and values.
 
 model.qkv_bias: one bias per head and feature on the q, k and v projections (none on the
-output projection). Sliding-window layers are refused in one line, as for a Mistral.
+output projection). A sliding window on every layer (use_sliding_window, max_window_layers
+0) is model.sliding_window; on some layers only, one line.
 """
 
 from __future__ import annotations

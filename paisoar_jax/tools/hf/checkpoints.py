@@ -135,7 +135,7 @@ def hf_import(
         kernel_shapes = {path: shape.shape for path, shape in expected.items()}
         adapters, lora_settings = peft.read_adapter(adapter, model, kernel_shapes, source)
     params = {}
-    for tensor in tensors_of(model):
+    for tensor in (laid for listed in tensors_of(model) for laid in _laid_out(listed, model)):
         if tensor.ours not in expected:  # the head of tied embeddings
             continue
         shape = expected[tensor.ours].shape
@@ -351,39 +351,55 @@ def _abstract_state(model: LanguageModelConfig):
         return jax.eval_shape(create)
 
 
+def _laid_out(tensor: Tensor, model: LanguageModelConfig) -> list[Tensor]:
+    """A table's tensor as our params hold it: stacked (one), or one per unscanned block.
+
+    Blocks that differ (model.scan_layers=false: a sliding-window pattern, dense layers
+    between experts) are params of their own, blocks.0.q_kernel, blocks.1.q_kernel, ...
+    """
+    if model.scan_layers or not tensor.ours.startswith("blocks."):
+        return [tensor]
+    rest = tensor.ours.removeprefix("blocks.")
+    return [
+        dataclasses.replace(
+            tensor, ours=f"blocks.{i}.{rest}", theirs=tensor.theirs.replace("{i}", str(i))
+        )
+        for i in range(model.layers)
+    ]
+
+
 def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
     """Our param as a global array: each device's shard read and converted on its own.
 
-    A stacked param's shard is built a layer (or a layer's expert) at a time: one HF tensor
-    in host memory.
+    A stacked param's leading axes are the layers ({i} in HF's name) and the experts ({j});
+    its shard is built an HF tensor at a time, one in host memory.
     """
+    import itertools
+
     import jax
 
-    if "{i}" not in tensor.theirs:
-        whole = _read(reader, source, tensor.theirs, tensor, model, shape)
-        return jax.make_array_from_callback(shape, place, lambda index: whole[index])
+    counts = {key: count for key, count in (("i", model.layers), ("j", model.experts))}
+    keys = [key for key in counts if f"{{{key}}}" in tensor.theirs]
     # Every tensor's shape is checked before any device is written, and only once.
-    names = _layer_names(tensor, model)
-    if isinstance(names[0], str):
-        stored = [_check_shape(reader, source, name, tensor, model, shape[1:]) for name in names]
-
-        def read(i, index):
-            return tensor.to_ours(reader.read(stored[i]), model)[index]
-
-    else:  # experts: [layer][expert] -> (layers, experts, ...)
-        stored = [
-            [_check_shape(reader, source, name, tensor, model, shape[2:]) for name in layer]
-            for layer in names
-        ]
-
-        def read(i, index):
-            experts = range(model.experts)[index[0]]
-            return np.stack(
-                [tensor.to_ours(reader.read(stored[i][j]), model)[index[1:]] for j in experts]
-            )
+    stored = {
+        combination: _check_shape(
+            reader,
+            source,
+            tensor.theirs.format(**dict(zip(keys, combination, strict=True))),
+            tensor,
+            model,
+            shape[len(keys) :],
+        )
+        for combination in itertools.product(*(range(counts[key]) for key in keys))
+    }
 
     def shard(index):
-        return np.stack([read(i, index[1:]) for i in range(model.layers)[index[0]]])
+        ranges = [range(counts[key])[part] for key, part in zip(keys, index, strict=False)]
+        pieces = [
+            tensor.to_ours(reader.read(stored[combination]), model)[index[len(keys) :]]
+            for combination in itertools.product(*ranges)
+        ]
+        return np.stack(pieces).reshape(*map(len, ranges), *pieces[0].shape)
 
     return jax.make_array_from_callback(shape, place, shard)
 
@@ -394,12 +410,6 @@ def _layer_names(tensor: Tensor, model: LanguageModelConfig) -> list:
         return [tensor.theirs.format(i=i) for i in range(model.layers)]
     experts = range(model.experts)
     return [[tensor.theirs.format(i=i, j=j) for j in experts] for i in range(model.layers)]
-
-
-def _read(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> np.ndarray:
-    """One HF tensor in our layout, checked against the shape our model has for it."""
-    stored = _check_shape(reader, source, name, tensor, model, shape)
-    return tensor.to_ours(reader.read(stored), model)
 
 
 def _check_shape(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> str:

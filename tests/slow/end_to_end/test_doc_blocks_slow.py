@@ -80,6 +80,12 @@ def test_a_stopped_run_resumes_on_another_mesh(tmp_path):
     ]
 
 
+def test_the_gemma3_page_trains_its_tiny_config(tmp_path):
+    run_block("gemma3-tiny", tmp_path, [*TINY, *SHORT, "model.layers=6", "model.sliding_window=8"])
+    records = run_records(tmp_path / "runs" / "gemma3_tiny")
+    assert records[-1]["step"] == 4 and "eval_loss" in records[-1]
+
+
 def test_the_meshes_pipeline_and_compressed_gradients(tmp_path):
     for name, extra in (
         ("three-axis-mesh", []),
