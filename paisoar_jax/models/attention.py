@@ -1,10 +1,10 @@
-"""Attention for the zoo's decoders: rotary positions, causal attention and its kernel.
+"""Attention for the zoo's decoders: causal attention, its sliding window and its kernel.
 
 `attention` runs jax.nn.dot_product_attention (logits and softmax in fp32), so cuDNN flash
 attention serves on GPU; `resolve_attention` says which implementation model.attention
 runs (auto: cuDNN where it compiles, else XLA's) and `check_attention` refuses what cuDNN
-cannot run. Rotary positions (`rotary_tables`, `apply_rotary`) are Llama's and, with
-model.positions=rotary, GPT's. Shape suffixes: B batch, T time, H heads, E head width.
+cannot run. Rotary positions are models/rotary.py's. Shape suffixes: B batch, T time, H
+heads, E head width.
 """
 
 from __future__ import annotations
@@ -18,30 +18,6 @@ from paisoar_jax import output
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics.precision import Policy, float32_island
 from paisoar_jax.runtime.platform import compile_platform, is_target_compile
-
-
-def rotary_tables(
-    positions_T: jax.Array, head_width: int, theta: float = 10000.0
-) -> tuple[jax.Array, jax.Array]:
-    """Sine and cosine tables (T x E/2, or B x T x E/2 for positions per row) at `positions_T`."""
-    inverse_frequency = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
-    angles_TxE2 = positions_T[..., None] * inverse_frequency
-    return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
-
-
-def apply_rotary(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
-    """Rotates pairs of features by position-dependent angles (computed in fp32).
-
-    The features are the last axis, the positions the second; the axes between (heads, or
-    queries-and-keys then heads) share the angles.
-    """
-    x = float32_island(x_BxTxHxE)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    between = (1,) * (x.ndim - 3)  # the angles broadcast over the heads
-    sin = sin_TxE2.reshape(*sin_TxE2.shape[:-1], *between, sin_TxE2.shape[-1])
-    cos = cos_TxE2.reshape(*cos_TxE2.shape[:-1], *between, cos_TxE2.shape[-1])
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x_BxTxHxE.dtype)
 
 
 def attention(

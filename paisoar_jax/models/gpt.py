@@ -22,10 +22,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.engine import lora
-from paisoar_jax.models.attention import apply_rotary, attention, resolve_attention, rotary_tables
+from paisoar_jax.models.attention import attention, resolve_attention
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, layer_norm, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
+from paisoar_jax.models.rotary import pairs_tables, rotate_pairs
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
 from paisoar_jax.numerics.remat import recomputed_activation, wrap_block_call
@@ -176,7 +177,7 @@ class Block(DecoderBlock):
         if rotary is not None:
             # Queries and keys turned together, in one kernel that reads the projection once
             # (gpt_1b on one H200: 9.7 GB less a step to move than one kernel each).
-            qk_BxTx2xHxE = apply_rotary(qk_BxTx2xHxE, *rotary)
+            qk_BxTx2xHxE = rotate_pairs(qk_BxTx2xHxE, *rotary)
         heads = ("batch", "length", "act_heads", "head_dim")
         q_BxTxHxE, k_BxTxHxE = (constrain(qk_BxTx2xHxE[:, :, i], heads) for i in range(2))
         return q_BxTxHxE, k_BxTxHxE, constrain(qkv_BxTx3xHxE[:, :, 2], heads)
@@ -387,7 +388,7 @@ class GPT(Decoder):
         if self.config.position == "learned":
             return None
         head_width = self.config.width // self.config.heads
-        return functools.partial(rotary_tables, head_width=head_width, theta=self.config.rope_theta)
+        return functools.partial(pairs_tables, head_width=head_width, theta=self.config.rope_theta)
 
 
 def output_head(model: nnx.Module) -> jax.Array:

@@ -1,6 +1,7 @@
-"""Shared building blocks: vision variants, convolutions, BatchNorm, remat, the layer norm.
+"""Shared building blocks: vision variants, convolutions, BatchNorm, remat, the two norms.
 
-The layer norm is the transformers' (GPT's and ViT's blocks); the rest the vision models'.
+The layer norm and RMSNorm are the transformers' (GPT's and ViT's; the Llama family's);
+the rest the vision models'.
 
 The models read their shape from `config.VisionConfig` (the `model` section when model.name
 is resnet, vgg or vit); `VARIANTS` fills the shape fields left at 0. Images are NHWC, conv
@@ -27,15 +28,16 @@ SyncBatchNorm does), with no `axis_name` and no shard_map.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax.config import VisionConfig
+from paisoar_jax.config import LanguageModelConfig, VisionConfig
 from paisoar_jax.errors import UserError
-from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
+from paisoar_jax.numerics.precision import Policy, float32_island, matmul_fp32_out
 from paisoar_jax.numerics.remat import wrap_block_call
 
 # The running statistics' decay (flax convention: PyTorch's momentum 0.1) and epsilon.
@@ -208,7 +210,7 @@ class Dense(nnx.Module):
 def layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
     """A layer norm computed and stored in fp32, its scale and bias on the `embed` axis.
 
-    The transformers' norm (GPT's and ViT's blocks); Llama's RMSNorm is its own.
+    The norm of GPT's and ViT's blocks; the Llama family's is RMSNorm below.
     """
     return nnx.LayerNorm(
         width,
@@ -219,6 +221,33 @@ def layer_norm(width: int, epsilon: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
         bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
         rngs=rngs,
     )
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last axis, computed in fp32 (HF's LlamaRMSNorm).
+
+    `axis`: the scale's logical axis name (`embed`, or `head_dim` for a head's norm).
+    `offset`: the scale is 1 + w, w starting at 0 (Gemma's RMSNorm), so weight decay pulls
+    it toward 1 as Gemma's training does.
+    """
+
+    def __init__(
+        self, width: int, epsilon: float, rngs: nnx.Rngs, axis: str = "embed", offset=False
+    ):
+        self.epsilon, self.offset = epsilon, offset
+        initial = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = param(rngs, initial, (width,), (axis,))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The normalised stream, fp32."""
+        x = float32_island(x_BxTxD)
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
+        return normed * (1.0 + self.scale[...] if self.offset else self.scale[...])
+
+
+def norm_of(config: LanguageModelConfig) -> Callable[..., RMSNorm]:
+    """The model's RMSNorm maker, `(width, epsilon, rngs, axis=...)`: offset as it says."""
+    return functools.partial(RMSNorm, offset=config.norm_offset)
 
 
 def batch_norm(features: int, rngs: nnx.Rngs, zero_scale: bool = False) -> nnx.BatchNorm:

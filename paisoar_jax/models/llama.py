@@ -1,10 +1,12 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, SwiGLU, rotary positions, grouped-query attention.
 
 The same math as Hugging Face's LlamaForCausalLM, so its checkpoints load as they are
-(paisoar_jax/tools/hf/): rotary positions rotate the two halves of each head (HF's
-`rotate_half`), with HF's `rope_theta` and the Llama-3 scaling of long contexts; no biases;
-embeddings tied or not. Attention (models/attention.py), scan over stacked blocks, remat
-and fp8 matmuls are GPT's (models/gpt.py). Every parameter carries logical axis names:
+(paisoar_jax/models/families/): rotary positions rotate the two halves of each head (HF's
+`rotate_half`, models/rotary.py), with HF's `rope_theta` and its scalings; no biases;
+embeddings tied or not. Its options make the other families' blocks (Qwen's biases and
+head norms, experts, Gemma's norms, GeGLU and sliding windows). Attention
+(models/attention.py), scan over stacked blocks, remat and fp8 matmuls are GPT's
+(models/gpt.py). Every parameter carries logical axis names:
 tensor parallelism splits the query heads and the key/value heads. Shape suffixes: B batch,
 T time, D width, H query heads, K key/value heads, E head width, F MLP width, V vocab.
 """
@@ -29,90 +31,15 @@ from paisoar_jax.models.gpt import (
     experts_of,
     mlp_width,
 )
-from paisoar_jax.models.layers import param
+from paisoar_jax.models.layers import norm_of, param
+from paisoar_jax.models.rotary import halves_tables, rotate_halves
 from paisoar_jax.numerics import fp8
-from paisoar_jax.numerics.precision import Policy, float32_island
+from paisoar_jax.numerics.precision import Policy
 from paisoar_jax.numerics.remat import recomputed_activation
 from paisoar_jax.parallel.sharding import constrain
 
 MATMULS = ("q", "k", "v", "out", "gate", "up", "down")  # each keeps its own fp8 scales
 ATTENTION_MATMULS = MATMULS[:4]  # with experts as the MLP: theirs run in bf16
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, computed in fp32 (HF's LlamaRMSNorm).
-
-    `axis`: the scale's logical axis name (`embed`, or `head_dim` for a head's norm).
-    `offset`: the scale is 1 + w, w starting at 0 (Gemma's RMSNorm), so weight decay pulls
-    it toward 1 as Gemma's training does.
-    """
-
-    def __init__(
-        self, width: int, epsilon: float, rngs: nnx.Rngs, axis: str = "embed", offset=False
-    ):
-        self.epsilon, self.offset = epsilon, offset
-        initial = nnx.initializers.zeros if offset else nnx.initializers.ones
-        self.scale = param(rngs, initial, (width,), (axis,))
-
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        """The normalised stream, fp32."""
-        x = float32_island(x_BxTxD)
-        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
-        return normed * (1.0 + self.scale[...] if self.offset else self.scale[...])
-
-
-def norm_of(config: LanguageModelConfig) -> Callable[..., RMSNorm]:
-    """The model's RMSNorm maker, `(width, epsilon, rngs, axis=...)`: offset as it says."""
-    return functools.partial(RMSNorm, offset=config.norm_offset)
-
-
-def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax.Array:
-    """The E/2 rotary frequencies, with the scaling model.rope_scaling says.
-
-    Llama 3: wavelengths longer than original_length / low_freq_factor are slowed by
-    `factor`, those shorter than original_length / high_freq_factor are kept, and the band
-    between blends the two. linear: every frequency divided by `factor`. `local`: the
-    sliding blocks' own base (model.local_rope_theta), never scaled (Gemma 3's).
-    """
-    head_width = config.head_size
-    theta = config.local_rope_theta if local else config.rope_theta
-    inverse = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
-    if config.rope_scaling == "none" or local:
-        return inverse
-    factor, original = config.rope_factor, config.rope_original_length
-    if config.rope_scaling == "linear":
-        return inverse / factor
-    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-    wavelength = 2 * math.pi / inverse
-    slowed = jnp.where(wavelength > original / low, inverse / factor, inverse)
-    smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * slowed / factor + smooth * slowed
-    in_band = (wavelength >= original / high) & (wavelength <= original / low)
-    return jnp.where(in_band, blended, slowed)
-
-
-def rotary_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
-    """((sin, cos), the sliding blocks' (sin, cos) or None) at the positions.
-
-    Each table is T x E/2 (B x T x E/2 for positions per row); the second pair exists
-    where the sliding blocks have a rotary base of their own (model.local_rope_theta).
-    """
-
-    def tables(local: bool) -> tuple[jax.Array, jax.Array]:
-        frequencies = inverse_frequencies(config, local)
-        angles_TxE2 = positions_T[..., None].astype(jnp.float32) * frequencies
-        return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
-
-    return tables(False), tables(True) if config.local_rope_theta else None
-
-
-def rotate(x_BxTxHxE: jax.Array, sin_TxE2: jax.Array, cos_TxE2: jax.Array) -> jax.Array:
-    """Rotary positions, HF's convention: the first and second half of a head form the pairs."""
-    x = float32_island(x_BxTxHxE)
-    first, second = jnp.split(x, 2, axis=-1)
-    sin, cos = sin_TxE2[..., None, :], cos_TxE2[..., None, :]  # over the heads
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x_BxTxHxE.dtype)
 
 
 class Block(DecoderBlock):
@@ -189,7 +116,7 @@ class Block(DecoderBlock):
             q_BxTxHxE = q_BxTxHxE * jnp.asarray(self.query_scale, q_BxTxHxE.dtype)
         global_tables, local_tables = rotary
         tables = local_tables if self.window and local_tables is not None else global_tables
-        return rotate(q_BxTxHxE, *tables), rotate(k_BxTxKxE, *tables), v_BxTxKxE
+        return rotate_halves(q_BxTxHxE, *tables), rotate_halves(k_BxTxKxE, *tables), v_BxTxKxE
 
     def _after_attention(self, x_BxTxD: jax.Array, attention_BxTxHxE: jax.Array) -> tuple:
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
@@ -235,12 +162,12 @@ class Llama(Decoder):
         x_BxTxD = self._token_embeddings(tokens_BxT)
         if self.config.embed_scale:  # Gemma: sqrt(width) in the compute dtype, as HF rounds it
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.config.width), x_BxTxD.dtype)
-        rotary = rotary_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
+        rotary = halves_tables(self.config, start + jnp.arange(tokens_BxT.shape[1]))
         return constrain(x_BxTxD, ("batch", "length", "act_embed")), rotary
 
     def rotary_function(self) -> Callable:
         """Maps positions to their (sin, cos) rotary tables (HF's, with the scaling)."""
-        return functools.partial(rotary_tables, self.config)
+        return functools.partial(halves_tables, self.config)
 
 
 def _check_tensor_split(config: LanguageModelConfig) -> None:

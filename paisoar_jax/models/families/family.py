@@ -3,9 +3,10 @@
 A `Family` says everything that is particular to one architecture: transformers' names for
 it, the zoo decoder that runs it (its model code), each tensor's HF name and layout
 (`Tensor`s), the config.json it reads and writes, and the shipped configs of its shape. The
-shared pieces stay where every family finds them: attention and rotary positions
-(models/attention.py), the decoder block and stack (models/gpt.py), RMSNorm and the llama
-block (models/llama.py), the router and experts (models/moe.py). Adding a family is one
+shared pieces stay where every family finds them: attention with its sliding window
+(models/attention.py), rotary positions with their scalings (models/rotary.py), the norms
+(models/layers.py), the decoder block and stack (models/gpt.py), the llama block with its
+options (models/llama.py), the router and experts (models/moe.py). Adding a family is one
 module beside this one and one line in the registry (families/__init__.py).
 """
 
