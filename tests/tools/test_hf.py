@@ -51,7 +51,7 @@ def built(model_class, config, decisive_routers=False, random_head_norms=False):
     model = model_class(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            if decisive_routers:
+            if decisive_routers and hasattr(layer.mlp, "gate"):  # (not a dense layer between)
                 layer.mlp.gate.weight.mul_(20.0)
             if random_head_norms:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -86,11 +86,13 @@ def mixtral():
     return built(transformers.MixtralForCausalLM, config, decisive_routers=True)
 
 
-def qwen3_moe():
+def qwen3_moe(sparse_step=1):
     """A 2-layer Qwen3-MoE: heads wider than width / heads, normed queries and keys, 4
-    experts of their own width, 2 per token with the weights not renormalised."""
+    experts of their own width, 2 per token with the weights not renormalised.
+    `sparse_step` 2: four layers, experts on the second and fourth, dense MLPs between."""
+    layers = {"num_hidden_layers": 4, "decoder_sparse_step": 2} if sparse_step == 2 else {}
     config = transformers.Qwen3MoeConfig(
-        **ATTENTION,
+        **(ATTENTION | layers),
         vocab_size=96,
         intermediate_size=96,
         moe_intermediate_size=48,
@@ -208,6 +210,31 @@ def test_imported_experts_split_over_expert_x_fsdp_give_transformers_logits(
     logits, params = our_logits(ours, devices[:4], mesh)
     assert params["blocks"]["moe"]["gate_kernel"].sharding.spec[1] in ("expert", ("expert",))
     assert np.abs(logits - torch_logits(model)).max() < 1e-4
+
+
+@pytest.mark.checks("import", "export", "logits", "greedy", families=["qwen3_moe"])
+def test_a_qwen3_moe_with_dense_layers_between_round_trips(devices, tmp_path):
+    """decoder_sparse_step=2 (before: refused): the blocks unrolled, experts on every second."""
+    model = qwen3_moe(sparse_step=2)
+    model.save_pretrained(tmp_path / "hf")
+    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+    config = load_config(str(tmp_path / "ours" / "config.yaml")).model
+    assert (config.moe_every, config.scan_layers, config.layers) == (2, False, 4)
+    logits, _ = our_logits(tmp_path / "ours", devices[:1])
+    assert np.abs(logits - torch_logits(model)).max() < 1e-4
+    hf.hf_export(tmp_path / "ours", tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert back.config.decoder_sparse_step == 2
+    for name, weight in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], weight), name
+    from paisoar_jax.inference.generator import Generator
+
+    prompt = [5, 17, 3, 88, 41, 9]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    generated = Generator(tmp_path / "ours", devices[:1]).generate([prompt], 6)[0]
+    assert generated == expected[0, len(prompt) :].tolist()
 
 
 def test_the_import_writes_a_config_that_fine_tunes(imported):

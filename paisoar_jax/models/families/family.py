@@ -40,6 +40,9 @@ class Tensor:
     theirs: str
     to_ours: Convert = lambda array, config: array  # noqa: E731
     to_theirs: Convert = lambda array, config: array  # noqa: E731
+    # Which blocks hold it, where they differ (model.scan_layers=false): Qwen3-MoE's experts
+    # on every decoder_sparse_step-th, its dense MLP on the others.
+    on_layer: Callable[[LanguageModelConfig, int], bool] = lambda config, layer: True  # noqa: E731
 
 
 @dataclasses.dataclass(frozen=True)

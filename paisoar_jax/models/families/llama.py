@@ -94,7 +94,6 @@ def config_from_hf(
         # (Qwen2's are on q, k and v alone, always: model.qkv_bias; a Llama's on o too)
         "attention_bias": not variant.get("qkv_bias") and hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
-        "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1,  # Qwen3-MoE's
         "mlp_only_layers": bool(hf.get("mlp_only_layers")),
     }
     for key, bad in refused.items():
@@ -226,13 +225,19 @@ def is_gemma(model: LanguageModelConfig) -> bool:
     )
 
 
-def check_routing(model: LanguageModelConfig, name: str, renormalized: bool) -> None:
-    """HF's MoE routes softmax top-k on every layer, with no shared experts: refuses others."""
+def check_routing(
+    model: LanguageModelConfig, name: str, renormalized: bool, dense_between: bool = False
+) -> None:
+    """HF's MoE routes softmax top-k with no shared experts: refuses others.
+
+    Every layer has experts, or (`dense_between`, Qwen3-MoE's decoder_sparse_step) every
+    model.moe_every-th.
+    """
     differences = {
         "model.router": model.router != "softmax",
         "model.router_renormalize": model.router_renormalize != renormalized,
         "model.shared_experts": model.shared_experts != 0,
-        "model.moe_every": model.moe_every != 1,
+        "model.moe_every": model.moe_every != 1 and not dense_between,
     }
     for key, differs in differences.items():
         if differs:

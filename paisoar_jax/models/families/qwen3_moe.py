@@ -1,26 +1,52 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention over a mixture of experts.
 
 Softmax top-k routing (the chosen weights renormalised where norm_topk_prob says so),
-experts of their own width (moe_intermediate_size), a Llama MLP each.
+experts of their own width (moe_intermediate_size), a Llama MLP each. decoder_sparse_step
+> 1 puts the experts on every n-th layer and a dense MLP (intermediate_size) on the others:
+model.moe_every, the blocks unrolled (model.scan_layers=false).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import llama, qwen3
 from paisoar_jax.models.families.family import transposed
 
-EXPERTS = (
-    transposed("blocks.moe.router_kernel", "model.layers.{i}.mlp.gate.weight"),
-    transposed("blocks.moe.gate_kernel", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
-    transposed("blocks.moe.up_kernel", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
-    transposed("blocks.moe.down_kernel", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
+
+def _on_experts(model: LanguageModelConfig, layer: int) -> bool:
+    return model.is_moe_layer(layer)
+
+
+def _on_dense(model: LanguageModelConfig, layer: int) -> bool:
+    return not model.is_moe_layer(layer)
+
+
+EXPERTS = tuple(
+    dataclasses.replace(tensor, on_layer=_on_experts)
+    for tensor in (
+        transposed("blocks.moe.router_kernel", "model.layers.{i}.mlp.gate.weight"),
+        transposed("blocks.moe.gate_kernel", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
+        transposed("blocks.moe.up_kernel", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
+        transposed("blocks.moe.down_kernel", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
+    )
 )
+# The dense layers between (decoder_sparse_step > 1): a Llama MLP at those layers only.
+DENSE = tuple(dataclasses.replace(tensor, on_layer=_on_dense) for tensor in llama.MLP)
 
 
 def _keys(hf: dict) -> dict:
     """Qwen3's normed queries and keys, and our MoE keys of its experts."""
-    return dict(
+    if hf.get("mlp_only_layers"):
+        raise UserError(
+            f"mlp_only_layers={hf['mlp_only_layers']} is not a Qwen3-MoE this model reads "
+            "(dense layers between the experts come every decoder_sparse_step-th)"
+        )
+    step = hf.get("decoder_sparse_step") or 1
+    between = {"moe_every": step, "scan_layers": False} if step > 1 else {}
+    return between | dict(
         qk_norm=True,
         experts=hf.get("num_local_experts") or hf["num_experts"],  # 5.x's name, then 4.x's
         experts_per_token=hf["num_experts_per_tok"],
@@ -32,7 +58,9 @@ def _keys(hf: dict) -> dict:
 
 def _json(model: LanguageModelConfig) -> dict:
     """Qwen3-MoE's expert keys, once its routing is HF's."""
-    llama.check_routing(model, "Qwen3-MoE", renormalized=model.router_renormalize)
+    llama.check_routing(
+        model, "Qwen3-MoE", renormalized=model.router_renormalize, dense_between=True
+    )
     return {
         "use_sliding_window": False,
         "num_experts": model.experts,  # transformers 4.x's name
@@ -40,7 +68,7 @@ def _json(model: LanguageModelConfig) -> dict:
         "num_experts_per_tok": model.experts_per_token,
         "moe_intermediate_size": model.expert_width,
         "norm_topk_prob": model.router_renormalize,
-        "decoder_sparse_step": 1,
+        "decoder_sparse_step": model.moe_every,
         "mlp_only_layers": [],
         "router_aux_loss_coef": model.router_aux_loss,
     }
@@ -51,7 +79,7 @@ FAMILY = llama.variant(
     "Qwen3MoeForCausalLM",
     keys=_keys,
     json=_json,
-    tensors=lambda model: llama.ATTENTION + qwen3.QK_NORMS + EXPERTS,
+    tensors=lambda model: llama.ATTENTION + qwen3.QK_NORMS + EXPERTS + DENSE,
     holds=lambda model: model.name == "llama" and model.qk_norm and bool(model.experts),
     configs=("qwen3_30b_a3b",),
 )

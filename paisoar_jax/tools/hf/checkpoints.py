@@ -20,6 +20,7 @@ scan layout, model.scan_layers=true). Both spellings of Llama-3's rope scaling a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import shutil
@@ -222,19 +223,13 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     token_ids = read_json(kept) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     tensors = {}
-    for tensor in tensors_of(model):
-        stored = _stacked(flat, tensor.ours, model)
-        if stored is None:  # the head of tied embeddings
+    for tensor in (laid for listed in tensors_of(model) for laid in _laid_out(listed, model)):
+        if tensor.ours not in flat:  # the head of tied embeddings
             continue
-        if "{i}" not in tensor.theirs:
-            tensors[tensor.theirs] = np.ascontiguousarray(tensor.to_theirs(stored, model))
-            continue
-        for i, names in enumerate(_layer_names(tensor, model)):
-            if isinstance(names, str):
-                tensors[names] = np.ascontiguousarray(tensor.to_theirs(stored[i], model))
-                continue
-            for j, name in enumerate(names):  # a layer's experts, each its own tensor
-                tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[i, j], model))
+        stored = np.asarray(flat[tensor.ours], np.float32)
+        for combination, name in _their_names(tensor, model).items():
+            # a leading axis per {i} and {j} of HF's name: one tensor per layer and expert
+            tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[combination], model))
     for name in KEPT_FILES:  # a broken one is refused before anything is written
         found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None and name.endswith(".json"):
@@ -365,7 +360,23 @@ def _laid_out(tensor: Tensor, model: LanguageModelConfig) -> list[Tensor]:
             tensor, ours=f"blocks.{i}.{rest}", theirs=tensor.theirs.replace("{i}", str(i))
         )
         for i in range(model.layers)
+        if tensor.on_layer(model, i)
     ]
+
+
+def _their_names(tensor: Tensor, model: LanguageModelConfig) -> dict[tuple, str]:
+    """HF's names of a tensor by the index of our array's leading axes ({i}, then {j})."""
+    keys = [key for key in ("i", "j") if f"{{{key}}}" in tensor.theirs]
+    return {
+        combination: tensor.theirs.format(**dict(zip(keys, combination, strict=True)))
+        for combination in itertools.product(*_leading_axes(tensor, model))
+    }
+
+
+def _leading_axes(tensor: Tensor, model: LanguageModelConfig) -> list[range]:
+    """Our array's leading axes of HF's name: the layers for {i}, the experts for {j}."""
+    counts = {"i": model.layers, "j": model.experts}
+    return [range(count) for key, count in counts.items() if f"{{{key}}}" in tensor.theirs]
 
 
 def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
@@ -374,42 +385,26 @@ def _placed(reader, source, tensor: Tensor, model, shape: tuple, place):
     A stacked param's leading axes are the layers ({i} in HF's name) and the experts ({j});
     its shard is built an HF tensor at a time, one in host memory.
     """
-    import itertools
-
     import jax
 
-    counts = {key: count for key, count in (("i", model.layers), ("j", model.experts))}
-    keys = [key for key in counts if f"{{{key}}}" in tensor.theirs]
+    names = _their_names(tensor, model)
+    counts = [len(axis) for axis in _leading_axes(tensor, model)]
+    lead = len(counts)  # our leading axes: the layers, the experts
     # Every tensor's shape is checked before any device is written, and only once.
     stored = {
-        combination: _check_shape(
-            reader,
-            source,
-            tensor.theirs.format(**dict(zip(keys, combination, strict=True))),
-            tensor,
-            model,
-            shape[len(keys) :],
-        )
-        for combination in itertools.product(*(range(counts[key]) for key in keys))
+        combination: _check_shape(reader, source, name, tensor, model, shape[lead:])
+        for combination, name in names.items()
     }
 
     def shard(index):
-        ranges = [range(counts[key])[part] for key, part in zip(keys, index, strict=False)]
+        ranges = [range(count)[part] for count, part in zip(counts, index, strict=False)]
         pieces = [
-            tensor.to_ours(reader.read(stored[combination]), model)[index[len(keys) :]]
+            tensor.to_ours(reader.read(stored[combination]), model)[index[lead:]]
             for combination in itertools.product(*ranges)
         ]
         return np.stack(pieces).reshape(*map(len, ranges), *pieces[0].shape)
 
     return jax.make_array_from_callback(shape, place, shard)
-
-
-def _layer_names(tensor: Tensor, model: LanguageModelConfig) -> list:
-    """HF's names of a stacked tensor: one per layer, or per layer a list, one per expert."""
-    if "{j}" not in tensor.theirs:
-        return [tensor.theirs.format(i=i) for i in range(model.layers)]
-    experts = range(model.experts)
-    return [[tensor.theirs.format(i=i, j=j) for j in experts] for i in range(model.layers)]
 
 
 def _check_shape(reader, source, name: str, tensor: Tensor, model, shape: tuple) -> str:
@@ -432,17 +427,6 @@ def _their_shape(tensor: Tensor, model: LanguageModelConfig, shape: tuple) -> tu
 
     ours = jax.ShapeDtypeStruct(shape, np.float32)
     return jax.eval_shape(lambda array: tensor.to_theirs(array, model), ours).shape
-
-
-def _stacked(flat: dict, path: str, model: LanguageModelConfig) -> np.ndarray | None:
-    """Our param at `path` as an array, the blocks' stacked on a leading layers axis."""
-    if path in flat:
-        return np.asarray(flat[path], np.float32)
-    if not path.startswith("blocks."):
-        return None
-    rest = path.removeprefix("blocks.")
-    layers = [flat.get(f"blocks.{i}.{rest}") for i in range(model.layers)]  # unscanned
-    return None if layers[0] is None else np.stack([np.asarray(x, np.float32) for x in layers])
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
