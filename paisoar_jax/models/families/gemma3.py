@@ -146,5 +146,5 @@ FAMILY = Family(
     from_hf=config_from_hf,
     to_hf=to_hf,
     holds=is_gemma3,
-    configs=("gemma3_tiny",),
+    configs=("gemma3_tiny", "gemma3_27b"),
 )
