@@ -19,10 +19,13 @@ LLAMA_KEYS = ("kv_heads", "rope_scaling", "rope_factor", "rope_low_freq_factor")
 LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "qk_norm")
 LLAMA_KEYS += ("qkv_bias", "sliding_window", "global_every", "local_rope_theta", "norm_offset")
 LLAMA_KEYS += ("post_norms", "mlp_activation", "embed_scale", "query_scale_width")
+LLAMA_KEYS += ("out_bias", "attention_sinks", "rope_beta_fast", "rope_beta_slow")
+LLAMA_KEYS += ("rope_truncate", "rope_attention_factor")
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
-MOE_KEYS += ("router_bias_rate",)
+MOE_KEYS += ("router_bias_rate", "expert_bias", "expert_activation", "swiglu_alpha")
+MOE_KEYS += ("swiglu_limit",)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,17 @@ class LanguageModelConfig:
     kv_heads: int = 0  # llama only: key/value heads of grouped-query attention (0: heads)
     # llama only: llama3 is Llama 3.1's long-context rope scaling, with the four numbers below
     # (as in HF's config.json); linear divides every frequency by rope_factor (Gemma 3's
-    # global layers)
-    rope_scaling: Literal["none", "llama3", "linear"] = "none"
+    # global layers); yarn blends the two by wavelength (GPT-OSS's, with the rope_beta_* keys)
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = "none"
     rope_factor: float = 8.0  # llama3 or linear rope scaling: how much longer the context grows
     rope_low_freq_factor: float = 1.0  # llama3 rope scaling: low-frequency wavelength bound
     rope_high_freq_factor: float = 4.0  # llama3 rope scaling: high-frequency bound
-    rope_original_length: int = 8192  # llama3 rope scaling: the context trained before
+    rope_original_length: int = 8192  # llama3 or yarn rope scaling: the context trained before
+    rope_beta_fast: float = 32.0  # yarn: rotations below which a frequency is interpolated
+    rope_beta_slow: float = 1.0  # yarn: rotations above which a frequency is kept
+    rope_truncate: bool = True  # yarn: the blend's bounds rounded to whole dimensions
+    # yarn: the rotary tables' scale (0: 0.1 ln(rope_factor) + 1, YaRN's)
+    rope_attention_factor: float = 0.0
     head_width: int = 0  # llama only: each head's width (0: width / heads; Qwen3's is wider)
     qk_norm: bool = False  # llama only: RMSNorm on each head's queries and keys (Qwen3)
     qkv_bias: bool = False  # llama only: biases on the queries, keys and values (Qwen2's)
@@ -97,6 +105,10 @@ class LanguageModelConfig:
     # llama only: attention logits divided by sqrt(this) instead of sqrt(head width) (0:
     # the head width; Gemma's query_pre_attn_scalar)
     query_scale_width: float = 0.0
+    out_bias: bool = False  # llama only: a bias on the attention's output projection (GPT-OSS)
+    # llama only: a learned logit per head in each softmax's denominator, attending to
+    # nothing (GPT-OSS's attention sinks)
+    attention_sinks: bool = False
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when
@@ -116,6 +128,14 @@ class LanguageModelConfig:
     # DeepSeek-V3's balancing without a loss: a per-expert bias on the scores that choose
     # (not on the weights), moved by this much after each batch toward the even load (0: off)
     router_bias_rate: float = 0.0
+    # biases on the router's logits and on each expert's three matmuls (GPT-OSS)
+    expert_bias: bool = False
+    # each expert's gated activation: silu (SwiGLU) or clamped_swiglu (GPT-OSS's: the gate
+    # capped at swiglu_limit, the up clipped to +-swiglu_limit, (up + 1) x gate x
+    # sigmoid(swiglu_alpha x gate))
+    expert_activation: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    swiglu_limit: float = 7.0  # clamped_swiglu: the gate's cap and the up's bound
 
     def __post_init__(self):
         if self.name == "llama":  # its positions are always rotary: config.yaml says so

@@ -27,14 +27,16 @@ def attention(
     implementation: str,
     segments_BxT: jax.Array | None = None,
     window: int = 0,
+    sinks_H: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention via jax.nn.dot_product_attention; logits and softmax in fp32.
 
     With `segments_BxT` (packed documents), a token attends only to the tokens of its own
     segment (cuDNN takes the mask as a dense bias). `window` > 0: only to the `window`
-    tokens ending at itself (a sliding window; cuDNN skips the blocks outside it). XLA on
-    CPU has no fp16 matmul with fp32 accumulation, which jax's fp16 attention asks for, so
-    fp16 attention on CPU runs in fp32 (GPUs keep fp16).
+    tokens ending at itself (a sliding window; cuDNN skips the blocks outside it).
+    `sinks_H`: each head's sink logit (`sink_attention`, XLA's math). XLA on CPU has no
+    fp16 matmul with fp32 accumulation, which jax's fp16 attention asks for, so fp16
+    attention on CPU runs in fp32 (GPUs keep fp16).
     """
     dtype = q_BxTxHxE.dtype
     if dtype == jnp.float16 and compile_platform() == "cpu":
@@ -42,6 +44,13 @@ def attention(
     mask_Bx1xTxT = None
     if segments_BxT is not None:
         mask_Bx1xTxT = (segments_BxT[:, :, None] == segments_BxT[:, None, :])[:, None]
+    if sinks_H is not None:
+        T = q_BxTxHxE.shape[1]
+        distance_TxT = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
+        visible_TxT = (distance_TxT >= 0) & ((distance_TxT < window) if window else True)
+        mask = visible_TxT[None, None] if mask_Bx1xTxT is None else mask_Bx1xTxT & visible_TxT
+        out_BxTxHxE = sink_attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, mask, sinks_H)
+        return out_BxTxHxE.astype(dtype)
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE,
         k_BxTxHxE,
@@ -52,6 +61,25 @@ def attention(
         implementation=implementation,
     )
     return out_BxTxHxE.astype(dtype)
+
+
+def sink_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask, sinks_H: jax.Array) -> jax.Array:
+    """Attention with a sink: each head's learned logit joins the softmax's denominator.
+
+    The sink attends to nothing (GPT-OSS's): a head can give a token little weight on every
+    key. `mask` (B or 1, 1, T, S) says what each query sees; the H query heads share the K
+    key/value heads in groups. Logits, softmax and sums in fp32.
+    """
+    H, K = q_BxTxHxE.shape[2], k_BxSxKxE.shape[2]
+    k_BxSxHxE = jnp.repeat(float32_island(k_BxSxKxE), H // K, axis=2)
+    v_BxSxHxE = jnp.repeat(float32_island(v_BxSxKxE), H // K, axis=2)
+    scale = q_BxTxHxE.shape[-1] ** -0.5
+    logits_BxHxTxS = jnp.einsum("bthe,bshe->bhts", float32_island(q_BxTxHxE), k_BxSxHxE) * scale
+    logits_BxHxTxS = jnp.where(mask, logits_BxHxTxS, -jnp.inf)
+    B, _, T, _ = logits_BxHxTxS.shape
+    sink_BxHxTx1 = jnp.broadcast_to(float32_island(sinks_H)[None, :, None, None], (B, H, T, 1))
+    weights = jax.nn.softmax(jnp.concatenate([logits_BxHxTxS, sink_BxHxTx1], axis=-1), axis=-1)
+    return jnp.einsum("bhts,bshe->bthe", weights[..., :-1], v_BxSxHxE)
 
 
 def check_attention(implementation: str, policy: Policy) -> None:

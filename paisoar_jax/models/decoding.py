@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paisoar_jax.models.attention import sink_attention
 from paisoar_jax.parallel.sharding import constrain
 
 
@@ -39,14 +40,22 @@ def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array
 
 
 def cached_attention(
-    q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index: jax.Array, valid_BxS=None, window: int = 0
+    q_BxTxHxE,
+    k_BxTxKxE,
+    v_BxTxKxE,
+    cache,
+    index: jax.Array,
+    valid_BxS=None,
+    window: int = 0,
+    sinks_H=None,
 ):
     """Causal attention of T new positions over the cache, after writing theirs into it.
 
     `valid_BxS` (batched prompts, left-padded) marks each row's cache slots that hold its
     own tokens; the padding before a shorter prompt is never attended to. `window` > 0: a
     sliding-window block's, each position seeing the `window` slots ending at its own (the
-    cache still holds every position: a ring of `window` slots is not built yet).
+    cache still holds every position: a ring of `window` slots is not built yet). `sinks_H`:
+    each head's sink logit.
     Returns (out_BxTxHxE, (keys, values) with the new ones at index .. index + T - 1).
     """
     keys_BxSxKxE, values_BxSxKxE = cache
@@ -67,6 +76,9 @@ def cached_attention(
     if valid_BxS is not None:
         mask = mask & valid_BxS[:, None, None, :]
     dtype = q_BxTxHxE.dtype
+    if sinks_H is not None:  # GPT-OSS's sinks (models/attention.py)
+        out_BxTxHxE = sink_attention(q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE, mask, sinks_H)
+        return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE.astype(jnp.float32),
         keys_BxSxKxE.astype(jnp.float32),

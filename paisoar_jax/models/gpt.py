@@ -82,7 +82,13 @@ class DecoderBlock(nnx.Module):
         else:
             # jax.nn.dot_product_attention groups H query heads over K < H kv heads itself.
             attention_BxTxHxE = attention(
-                q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, self.attention_impl, segments_BxT, self.window
+                q_BxTxHxE,
+                k_BxTxKxE,
+                v_BxTxKxE,
+                self.attention_impl,
+                segments_BxT,
+                self.window,
+                self._sinks(),
             )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
@@ -90,9 +96,13 @@ class DecoderBlock(nnx.Module):
         """The block at positions index.., attending over the cache (models/decoding.py)."""
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         attention_BxTxHxE, cache = cached_attention(
-            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS, self.window
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS, self.window, self._sinks()
         )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)[0], cache
+
+    def _sinks(self) -> jax.Array | None:
+        """Each head's attention-sink logit (model.attention_sinks), or None."""
+        return self.sinks[...] if hasattr(self, "sinks") else None
 
     def _feed_forward(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The dense MLP of the normed stream, or the experts with their statistics."""

@@ -84,6 +84,10 @@ class Block(DecoderBlock):
             self.q_bias = param(rngs, nnx.initializers.zeros, (H, E), ("heads", "head_dim"))
             self.k_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
             self.v_bias = param(rngs, nnx.initializers.zeros, (K, E), ("kv_heads", "head_dim"))
+        if config.out_bias:  # GPT-OSS: the output projection has a bias too
+            self.out_bias = param(rngs, nnx.initializers.zeros, (D,), ("embed",))
+        if config.attention_sinks:  # GPT-OSS: a logit per head that attends to nothing
+            self.sinks = param(rngs, nnx.initializers.zeros, (H,), ("heads",))
         if config.qk_norm:  # Qwen3: each head's queries and keys normed, before the rotation
             self.q_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
             self.k_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
@@ -122,6 +126,8 @@ class Block(DecoderBlock):
         attention_BxTxHxE = checkpoint_name(attention_BxTxHxE, "attention_out")
         cast = self.policy.cast_to_compute
         out_BxTxD = self._project("bthe,hed->btd", attention_BxTxHxE, "out_kernel", "out")
+        if hasattr(self, "out_bias"):
+            out_BxTxD = out_BxTxD + cast(self.out_bias[...])
         if hasattr(self, "post_attention_norm"):
             out_BxTxD = cast(self.post_attention_norm(out_BxTxD))
         x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "length", "act_embed"))
@@ -173,16 +179,22 @@ class Llama(Decoder):
 def _check_tensor_split(config: LanguageModelConfig) -> None:
     """Tensor parallelism splits the kv heads: their count must divide by mesh.tensor.
 
-    A sliding window is refused with the sequence split over mesh.context (its attention
-    reaches every earlier token of the other devices).
+    A sliding window or attention sinks are refused with the sequence split over
+    mesh.context (its attention reaches every earlier token and has no sink).
     """
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
-    if config.sliding_window and not mesh.empty and dict(mesh.shape).get("context", 1) > 1:
+    context = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+    if config.sliding_window and context > 1:
         raise UserError(
             f"model.sliding_window={config.sliding_window} with mesh.context > 1 is not "
             "supported yet: context-parallel attention reaches every earlier token (use "
             "mesh.context=1)"
+        )
+    if config.attention_sinks and context > 1:
+        raise UserError(
+            "model.attention_sinks with mesh.context > 1 is not supported yet: "
+            "context-parallel attention has no sink logit (use mesh.context=1)"
         )
     if config.key_value_heads % tensor:
         raise UserError(

@@ -73,6 +73,10 @@ class MoeShape:
     renormalize: bool = True  # the chosen experts' weights sum to 1
     shared_experts: int = 0  # DeepSeek: this many experts' width of SwiGLU every token takes
     bias_rate: float = 0.0  # DeepSeek-V3: the choosing bias's step toward even load (0: none)
+    biases: bool = False  # GPT-OSS: biases on the router's logits and the experts' matmuls
+    activation: Literal["silu", "clamped_swiglu"] = "silu"  # the experts' gated activation
+    alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    limit: float = 7.0  # clamped_swiglu: the gate's cap, the up's bound
 
     def capacity(self, tokens: int) -> int:
         """Seats per expert for a group of `tokens` tokens."""
@@ -93,6 +97,10 @@ def shape_of(model_config) -> MoeShape:
         renormalize=model_config.router_renormalize,
         shared_experts=model_config.shared_experts,
         bias_rate=model_config.router_bias_rate,
+        biases=model_config.expert_bias,
+        activation=model_config.expert_activation,
+        alpha=model_config.swiglu_alpha,
+        limit=model_config.swiglu_limit,
     )
 
 
@@ -205,15 +213,38 @@ def z_loss(logits_BxTxX: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(float32_island(logits_BxTxX), axis=-1) ** 2)
 
 
-def swiglu(x_NxD: jax.Array, gate_DxF, up_DxF, down_FxD, subscripts: tuple[str, str]):
-    """down(silu(x gate) * (x up)); `subscripts`: the in and out einsums (batched experts)."""
+def swiglu(
+    x_NxD: jax.Array,
+    gate_DxF,
+    up_DxF,
+    down_FxD,
+    subscripts: tuple[str, str],
+    shape: MoeShape | None = None,
+    biases: tuple | None = None,
+):
+    """down(silu(x gate) * (x up)); `subscripts`: the in and out einsums (batched experts).
+
+    `shape`'s activation (clamped_swiglu: GPT-OSS's) and `biases` (gate, up, down, each
+    broadcast against its product) where the experts have them.
+    """
     into, out = subscripts
-    hidden = recomputed_activation(
-        lambda gate, up: jax.nn.silu(gate) * up,
-        jnp.einsum(into, x_NxD, gate_DxF),
-        jnp.einsum(into, x_NxD, up_DxF),
-    )
-    return jnp.einsum(out, hidden, down_FxD)
+    gate, up = jnp.einsum(into, x_NxD, gate_DxF), jnp.einsum(into, x_NxD, up_DxF)
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    if shape is not None and shape.activation == "clamped_swiglu":
+        alpha, limit = shape.alpha, shape.limit
+
+        def activation(gate, up):
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+            return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+    else:
+
+        def activation(gate, up):
+            return jax.nn.silu(gate) * up
+
+    y = jnp.einsum(out, recomputed_activation(activation, gate, up), down_FxD)
+    return y if biases is None else y + biases[2]
 
 
 class MoeFeedForward(nnx.Module):
@@ -227,6 +258,12 @@ class MoeFeedForward(nnx.Module):
         self.gate_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.up_kernel = param(rngs, normal, (X, D, F), ("experts", "embed", "mlp"))
         self.down_kernel = param(rngs, normal, (X, F, D), ("experts", "mlp", "embed"))
+        if shape.biases:  # GPT-OSS: the router's logits and every expert matmul biased
+            zeros = nnx.initializers.zeros
+            self.router_logit_bias = param(rngs, zeros, (X,), ("router",))
+            self.gate_bias = param(rngs, zeros, (X, F), ("experts", "mlp"))
+            self.up_bias = param(rngs, zeros, (X, F), ("experts", "mlp"))
+            self.down_bias = param(rngs, zeros, (X, D), ("experts", "embed"))
         if shape.bias_rate:  # state the forward pass moves: the decoder writes it back
             self.router_bias = nnx.BatchStat(jnp.zeros((X,)), out_sharding=("router",))
         if shape.shared_experts:
@@ -241,6 +278,8 @@ class MoeFeedForward(nnx.Module):
         B, T, D = h_BxTxD.shape
         X, C = shape.experts, shape.capacity(T)
         logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
+        if shape.biases:
+            logits_BxTxX = logits_BxTxX + self.router_logit_bias[...]
         bias_X = self.router_bias[...] if shape.bias_rate else None
         weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape, bias_X)
         seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
@@ -258,6 +297,8 @@ class MoeFeedForward(nnx.Module):
             cast(self.up_kernel[...]),
             cast(self.down_kernel[...]),
             ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
+            shape,
+            self._expert_biases(),
         )
         outputs_XxBxCxD = constrain(outputs_XxBxCxD, BUFFERS)
         outputs_BxSxD = outputs_XxBxCxD.swapaxes(0, 1).reshape(B, X * C, D)
@@ -289,6 +330,16 @@ class MoeFeedForward(nnx.Module):
             step_X = shape.bias_rate * jnp.sign(jnp.mean(chosen_X) - chosen_X)
             statistics["router_bias"] = jax.lax.stop_gradient(bias_X + step_X)
         return y_BxTxD, statistics
+
+    def _expert_biases(self) -> tuple | None:
+        """(gate, up, down) biases shaped against the X x B x C buffers, or None."""
+        if not self.shape.biases:
+            return None
+        cast = self.policy.cast_to_compute
+        return tuple(
+            cast(getattr(self, name)[...])[:, None, None, :]
+            for name in ("gate_bias", "up_bias", "down_bias")
+        )
 
 
 def _dispatch(h_TxD: jax.Array, slot_TxK: jax.Array, slots: int) -> jax.Array:

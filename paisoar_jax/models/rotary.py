@@ -24,8 +24,9 @@ def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax
 
     Llama 3: wavelengths longer than original_length / low_freq_factor are slowed by
     `factor`, those shorter than original_length / high_freq_factor are kept, and the band
-    between blends the two. linear: every frequency divided by `factor`. `local`: the
-    sliding blocks' own base (model.local_rope_theta), never scaled (Gemma 3's).
+    between blends the two. linear: every frequency divided by `factor`. yarn: `_yarn`.
+    `local`: the sliding blocks' own base (model.local_rope_theta), never scaled (Gemma
+    3's).
     """
     head_width = config.head_size
     theta = config.local_rope_theta if local else config.rope_theta
@@ -35,6 +36,8 @@ def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax
     factor, original = config.rope_factor, config.rope_original_length
     if config.rope_scaling == "linear":
         return inverse / factor
+    if config.rope_scaling == "yarn":
+        return _yarn(config, inverse)
     low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
     wavelength = 2 * math.pi / inverse
     slowed = jnp.where(wavelength > original / low, inverse / factor, inverse)
@@ -42,6 +45,37 @@ def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax
     blended = (1 - smooth) * slowed / factor + smooth * slowed
     in_band = (wavelength >= original / high) & (wavelength <= original / low)
     return jnp.where(in_band, blended, slowed)
+
+
+def _yarn(config: LanguageModelConfig, inverse_E2: jax.Array) -> jax.Array:
+    """YaRN's frequencies: the slow dimensions interpolated (/ factor), the fast kept.
+
+    A dimension that turns fewer than beta_slow times over the original context is
+    interpolated, one that turns more than beta_fast times kept, the dimensions between a
+    linear blend (bounds rounded to whole dimensions where model.rope_truncate).
+    """
+    head_width, theta = config.head_size, config.rope_theta
+
+    def dimension(rotations: float) -> float:  # the dimension that turns this many times
+        wavelengths = config.rope_original_length / (rotations * 2 * math.pi)
+        return head_width * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = dimension(config.rope_beta_fast), dimension(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_width - 1)
+    high = high + 0.001 if low == high else high
+    ramp_E2 = jnp.clip((jnp.arange(head_width // 2) - low) / (high - low), 0, 1)
+    return inverse_E2 / config.rope_factor * ramp_E2 + inverse_E2 * (1 - ramp_E2)
+
+
+def attention_factor(config: LanguageModelConfig) -> float:
+    """The scale of the rotary tables: YaRN's (model.rope_attention_factor or its own), else 1."""
+    if config.rope_scaling != "yarn":
+        return 1.0
+    if config.rope_attention_factor:
+        return config.rope_attention_factor
+    return 0.1 * math.log(config.rope_factor) + 1.0 if config.rope_factor > 1 else 1.0
 
 
 def halves_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
@@ -54,7 +88,8 @@ def halves_tables(config: LanguageModelConfig, positions_T: jax.Array) -> tuple:
     def tables(local: bool) -> tuple[jax.Array, jax.Array]:
         frequencies = inverse_frequencies(config, local)
         angles_TxE2 = positions_T[..., None].astype(jnp.float32) * frequencies
-        return jnp.sin(angles_TxE2), jnp.cos(angles_TxE2)
+        scale = 1.0 if local else attention_factor(config)
+        return jnp.sin(angles_TxE2) * scale, jnp.cos(angles_TxE2) * scale
 
     return tables(False), tables(True) if config.local_rope_theta else None
 

@@ -33,6 +33,13 @@ HELD = {
         **dict(qk_norm=True, norm_offset=True, post_norms=True, embed_scale=True),
         **dict(mlp_activation="gelu_tanh", query_scale_width=24.0),
     ),
+    "gpt_oss": LanguageModelConfig(
+        **(LLAMA | dict(scan_layers=False, experts=4, mlp_width=24)),
+        **dict(qkv_bias=True, out_bias=True, attention_sinks=True, expert_bias=True),
+        **dict(expert_activation="clamped_swiglu", sliding_window=8, global_every=2),
+        **dict(rope_scaling="yarn", rope_factor=4.0, rope_original_length=8),
+        **dict(rope_truncate=False, router_aux_loss=0.001),
+    ),
 }
 
 
@@ -119,7 +126,6 @@ def test_sliding_windows_import_where_every_layer_or_every_but_the_nth_slides():
     [
         ("gemma2", "soft-capping"),
         ("gemma3", "vision tower"),
-        ("gpt_oss", "attention sinks"),
         ("deepseek_v3", "multi-head latent attention"),
         ("phi3", "fused query-key-value"),
         ("olmo2", "norms after attention"),
@@ -167,5 +173,30 @@ def test_an_architecture_of_no_family_is_one_line_naming_those_that_import():
 def test_a_familys_table_names_each_tensor_once(hf_type):
     tensors = families.tensors_of(HELD[hf_type])
     ours = [tensor.ours for tensor in tensors]
-    theirs = [tensor.theirs for tensor in tensors]
+    # (GPT-OSS's gate and up are two of ours interleaved in one of HF's: a part each)
+    theirs = [(tensor.theirs, tensor.interleaved) for tensor in tensors]
     assert len(set(ours)) == len(ours) and len(set(theirs)) == len(theirs)
+
+
+@pytest.mark.parametrize(
+    "config_name, architecture, billions",
+    [("gemma3_27b", "Gemma3ForCausalLM", 27.0), ("gpt_oss_20b", "GptOssForCausalLM", 20.9)],
+)
+def test_a_shipped_real_size_config_has_the_parameters_transformers_builds(
+    config_name, architecture, billions
+):
+    """Its export form, built by transformers on the meta device: the same count as ours."""
+    import jax
+    import torch
+    import transformers
+
+    from paisoar_jax.tools.hf.checkpoints import abstract_params
+
+    model = load_config(config_name).model
+    settings = families.hf_config(model)
+    config = transformers.AutoConfig.for_model(**settings)
+    with torch.device("meta"):
+        built = getattr(transformers, architecture)(config)
+    theirs = sum(weight.numel() for weight in built.parameters())
+    ours = sum(leaf.size for leaf in jax.tree.leaves(abstract_params(model)))
+    assert ours == theirs and round(ours / 1e9, 1) == billions

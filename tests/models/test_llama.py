@@ -61,7 +61,7 @@ def test_a_tensor_size_that_does_not_divide_the_kv_heads_is_refused(devices):
         (["model.name=gpt", "model.kv_heads=2"], "model.kv_heads is for model.name=llama"),
         (["model.rope_high_freq_factor=0.5"], "must be above model.rope_low_freq_factor=1.0"),
         (["model.rope_theta=0"], "model.rope_theta must be a finite number > 0"),
-        (["model.rope_scaling=yarn"], "'yarn' is not one of none, llama3"),
+        (["model.rope_scaling=dynamic"], "'dynamic' is not one of none, llama3, linear, yarn"),
     ],
 )
 def test_bad_llama_settings_get_one_line(overrides, message):

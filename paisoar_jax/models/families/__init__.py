@@ -17,6 +17,7 @@ from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import (
     gemma3,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     gemma3.FAMILY,
+    gpt_oss.FAMILY,
 )
 # transformers' class of each family, by config.json's model_type.
 ARCHITECTURES = {family.hf_type: family.architecture for family in FAMILIES}
@@ -46,8 +48,6 @@ NOT_YET = {
     "gemma": "Gemma's embeddings scaled by sqrt(width), (1 + w) RMSNorms and GeGLU MLP",
     "gemma2": "Gemma 2's sliding-window layers, pre- and post-norms and logit soft-capping",
     "gemma3": "Gemma 3's vision tower (its text model, Gemma3ForCausalLM, imports)",
-    "gpt_oss": "GPT-OSS's attention sinks, sliding-window layers, clamped SwiGLU experts "
-    "with biases and YaRN rotary scaling",
     "deepseek_v2": "multi-head latent attention (low-rank queries and keys/values) and "
     "group-limited routing",
     "deepseek_v3": "multi-head latent attention (low-rank queries and keys/values), "
@@ -87,7 +87,7 @@ def family_of(model: LanguageModelConfig) -> Family:
     A llama with biased queries, keys and values is a Qwen2; with its heads' queries and keys
     normed a Qwen3, with experts too a Qwen3-MoE; with experts alone a Mixtral.
     """
-    if model.qkv_bias and (model.qk_norm or model.experts):
+    if model.qkv_bias and (model.qk_norm or model.experts) and not model.attention_sinks:
         raise UserError(
             "no Hugging Face architecture has biased queries, keys and values "
             "(model.qkv_bias, Qwen2's) with model.qk_norm or model.experts"

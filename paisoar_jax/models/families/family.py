@@ -43,6 +43,9 @@ class Tensor:
     # Which blocks hold it, where they differ (model.scan_layers=false): Qwen3-MoE's experts
     # on every decoder_sparse_step-th, its dense MLP on the others.
     on_layer: Callable[[LanguageModelConfig, int], bool] = lambda config, layer: True  # noqa: E731
+    # (index, count): ours is every count-th feature of HF's last axis from index (GPT-OSS's
+    # gate and up interleaved in one gate_up_proj); the export adds the parts into one.
+    interleaved: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +78,21 @@ def transposed(ours: str, theirs: str) -> Tensor:
 def norm(ours: str, theirs: str) -> tuple[Tensor, Tensor]:
     """A LayerNorm's scale and bias."""
     return Tensor(f"{ours}.scale", f"{theirs}.weight"), Tensor(f"{ours}.bias", f"{theirs}.bias")
+
+
+def interleaved(ours: str, theirs: str, index: int, count: int) -> Tensor:
+    """One of `count` tensors interleaved on HF's last axis, ours from feature `index` on."""
+
+    def to_theirs(array, config):
+        import jax.numpy as jnp  # (traced for the shape check, numpy arrays at export)
+
+        whole = jnp.zeros((*array.shape[:-1], array.shape[-1] * count), array.dtype)
+        return whole.at[..., index::count].set(array)
+
+    return Tensor(
+        ours,
+        theirs,
+        lambda array, config: array[..., index::count],
+        to_theirs,
+        interleaved=(index, count),
+    )

@@ -19,7 +19,7 @@ import pathlib
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import llama, qwen3
-from paisoar_jax.models.families.family import MAX_TRAINING_WINDOW, Family, Tensor
+from paisoar_jax.models.families.family import Family, Tensor
 
 LAYER = "model.layers.{i}"
 NORMS = (
@@ -65,24 +65,13 @@ def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{where}: {key}={hf[key]} is not a Gemma 3 this model reads")
-    heads, positions = hf["num_attention_heads"], hf.get("max_position_embeddings", 131_072)
     # The layer types kept even where the window never binds: a sliding layer's rotary
     # base is its own either way.
     keys = _rope(hf, where) | llama.window_keys(hf | {"max_position_embeddings": math.inf}, where)
     if not keys.get("sliding_window"):
         keys["local_rope_theta"] = 0.0  # no block slides: no second base
     return LanguageModelConfig(
-        name="llama",
-        vocab_size=hf["vocab_size"],
-        seq_len=min(positions, MAX_TRAINING_WINDOW),
-        max_positions=positions,
-        layers=hf["num_hidden_layers"],
-        width=hf["hidden_size"],
-        heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        head_width=hf.get("head_dim", 256),
-        mlp_width=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        **llama.shape_keys(hf, positions=131_072),
         tie_embeddings=hf.get("tie_word_embeddings", True),
         qk_norm=True,
         norm_offset=True,

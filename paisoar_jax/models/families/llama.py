@@ -88,7 +88,6 @@ def config_from_hf(
     a sliding window, dense layers between experts.
     """
     variant = variant or {}
-    width, heads = hf["hidden_size"], hf["num_attention_heads"]
     refused = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         # (Qwen2's are on q, k and v alone, always: model.qkv_bias; a Llama's on o too)
@@ -99,25 +98,37 @@ def config_from_hf(
     for key, bad in refused.items():
         if bad:
             raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
-    head_width = hf.get("head_dim") or width // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return LanguageModelConfig(
+        **shape_keys(hf),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        **rope_scaling_keys(rope, where),
+        **window_keys(hf, where),
+        **variant,
+    )
+
+
+def shape_keys(hf: dict, positions: int = 2048, epsilon: float = 1e-6) -> dict:
+    """The model keys of a decoder's shape in config.json, what every family reads alike.
+
+    `positions` and `epsilon`: the architecture's defaults where config.json has none.
+    """
+    width, heads = hf["hidden_size"], hf["num_attention_heads"]
+    positions = hf.get("max_position_embeddings", positions)
+    head_width = hf.get("head_dim") or width // heads
+    return dict(
         name="llama",
         vocab_size=hf["vocab_size"],
-        seq_len=min(hf.get("max_position_embeddings", 2048), MAX_TRAINING_WINDOW),
-        max_positions=hf.get("max_position_embeddings", 2048),
+        seq_len=min(positions, MAX_TRAINING_WINDOW),
+        max_positions=positions,
         layers=hf["num_hidden_layers"],
         width=width,
         heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads,
+        head_width=0 if head_width * heads == width else head_width,  # 0: width / heads
         mlp_width=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        head_width=0 if head_width * heads == width else head_width,
-        **rope_scaling_keys(rope, where),
-        **window_keys(hf, where),
-        **variant,
+        norm_eps=hf.get("rms_norm_eps", epsilon),
     )
 
 
@@ -209,7 +220,23 @@ def to_hf(model: LanguageModelConfig) -> dict:
 def is_llama(model: LanguageModelConfig) -> bool:
     """A llama section with none of the variants' differences."""
     return model.name == "llama" and not (
-        model.experts or model.qk_norm or model.qkv_bias or model.sliding_window or is_gemma(model)
+        model.experts
+        or model.qk_norm
+        or model.qkv_bias
+        or model.sliding_window
+        or is_gemma(model)
+        or is_gpt_oss_like(model)
+    )
+
+
+def is_gpt_oss_like(model: LanguageModelConfig) -> bool:
+    """A llama section with any of GPT-OSS's differences (sinks, biases, clamped experts)."""
+    return model.name == "llama" and bool(
+        model.attention_sinks
+        or model.out_bias
+        or model.expert_bias
+        or model.expert_activation != "silu"
+        or model.rope_scaling == "yarn"
     )
 
 
@@ -288,7 +315,8 @@ def variant(
 
     def variant_holds(model: LanguageModelConfig) -> bool:
         # Every block slides or none: the pattern of some is Gemma's alone.
-        return holds(model) and not is_gemma(model) and model.global_every <= 1
+        own = is_gemma(model) or is_gpt_oss_like(model)
+        return holds(model) and not own and model.global_every <= 1
 
     return Family(
         hf_type=hf_type,

@@ -229,7 +229,10 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
         stored = np.asarray(flat[tensor.ours], np.float32)
         for combination, name in _their_names(tensor, model).items():
             # a leading axis per {i} and {j} of HF's name: one tensor per layer and expert
-            tensors[name] = np.ascontiguousarray(tensor.to_theirs(stored[combination], model))
+            array = np.asarray(tensor.to_theirs(stored[combination], model), np.float32)
+            if tensor.interleaved and name in tensors:  # the other parts' features are 0
+                array = tensors[name] + array
+            tensors[name] = np.ascontiguousarray(array)
     for name in KEPT_FILES:  # a broken one is refused before anything is written
         found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None and name.endswith(".json"):

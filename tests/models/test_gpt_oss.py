@@ -1,0 +1,133 @@
+"""GPT-OSS, checked against transformers itself (no hub).
+
+A tiny random GptOssForCausalLM (2 layers, the first sliding over 8 tokens, YaRN rotary
+scaling, every bias and sink randomised, the clamp of its SwiGLU low enough to bind) goes
+through hf-import and hf-export with transformers' logits, decodes transformers' greedy
+tokens past the window, and trains sharded over experts as on one device.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import assert_steps_match, step_losses
+from test_generate import transformers_greedy
+from test_hf import ATTENTION, TOKENS, our_logits, torch_logits
+
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.inference.generator import Generator
+from paisoar_jax.tools import hf
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0}
+YARN |= {"truncate": False, "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
+
+
+def gpt_oss():
+    """2 layers (sliding, full), 4 experts of width 48, 2 per token, heads of 16."""
+    config = transformers.GptOssConfig(
+        **ATTENTION,
+        vocab_size=96,
+        intermediate_size=48,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=0.5,
+        rope_parameters=YARN,
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # biases and sinks start at 0, which would hide a lost one
+        for name, weight in model.named_parameters():
+            if name.endswith("bias") or name.endswith("sinks"):
+                weight.normal_(0, 0.5)
+            if name.endswith("router.weight"):
+                weight.mul_(20.0)  # clear choices: no tie broken by the last bit
+            if name.endswith(("gate_up_proj", "down_proj")):
+                weight.normal_(0, 0.3)
+    return model
+
+
+MESHES = [["mesh.data=1"], ["mesh.data=1", "mesh.expert=2", "mesh.tensor=2"]]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(HF model, its directory, our import)."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    model = gpt_oss()
+    model.save_pretrained(root / "hf")
+    hf.hf_import(root / "hf", root / "ours")
+    return model, root / "hf", root / "ours"
+
+
+@pytest.mark.checks("import", "logits", families=["gpt_oss"])
+@pytest.mark.parametrize(
+    "mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.expert=2", "mesh.tensor=2"]]
+)
+def test_imported_gpt_oss_gives_transformers_logits(imported, devices, mesh):
+    model, _, ours = imported
+    logits, _ = our_logits(ours, devices[: 1 if len(mesh) == 1 else 4], mesh)
+    assert np.abs(logits - torch_logits(model, TOKENS)).max() < 1e-4
+    config = load_config(str(ours / "config.yaml")).model
+    assert (config.sliding_window, config.global_every, config.rope_scaling) == (8, 2, "yarn")
+    assert (config.attention_sinks, config.expert_activation) == (True, "clamped_swiglu")
+
+
+@pytest.mark.checks("export", families=["gpt_oss"])
+def test_the_export_loads_in_transformers_with_the_same_weights(imported, tmp_path):
+    """The gate and up, two arrays of ours, interleave back into one gate_up_proj."""
+    model, _, ours = imported
+    hf.hf_export(ours, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == "GptOssForCausalLM"
+    for name, weight in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], weight), name
+    assert back.config.rope_parameters == model.config.rope_parameters
+
+
+@pytest.mark.checks("greedy", families=["gpt_oss"])
+def test_greedy_tokens_past_the_window_are_transformers(imported, devices):
+    model, _, ours = imported
+    prompt = [int(token) for token in np.random.default_rng(1).integers(3, 96, 20)]
+    generated = Generator(ours, devices[:1]).generate([prompt], 10)[0]
+    assert generated == transformers_greedy(model, prompt, 10)
+
+
+@pytest.mark.checks("sharded", families=["gpt_oss"])
+def test_a_sharded_gpt_oss_step_matches_one_device(imported, devices):
+    """The import's own model section, trained from scratch over expert x data x tensor."""
+    _, _, ours = imported
+    config = dataclasses.asdict(load_config(str(ours / "config.yaml")).model)
+    keys = ("qkv_bias", "out_bias", "attention_sinks", "sliding_window", "global_every")
+    keys += ("scan_layers", "experts", "expert_bias", "expert_activation", "swiglu_limit")
+    keys += ("rope_scaling", "rope_factor", "rope_original_length", "rope_truncate")
+    model = [f"model.{key}={config[key]}" for key in keys]
+    model += ["model.name=llama", "model.kv_heads=2", "model.head_width=16"]
+    model += ["model.expert_mlp_width=48", "model.layers=2"]
+    single, single_state = step_losses([*model, "mesh.data=1"], devices[:1])
+    mesh = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]
+    sharded, sharded_state = step_losses([*model, *mesh], devices)
+    np.testing.assert_allclose(sharded, single, rtol=1e-5)
+    assert_steps_match(sharded_state, single_state)
+
+
+def test_a_quantized_checkpoint_is_one_line_with_the_way_out(imported, tmp_path):
+    _, source, _ = imported
+    settings = json.loads((source / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(UserError, match="stored in mxfp4.*Mxfp4Config\\(dequantize=True\\)"):
+        hf.hf_import(tmp_path / "hf", tmp_path / "ours")
+
+
+def test_sinks_over_context_parallelism_are_one_line(devices):
+    from conftest import build_run
+
+    with pytest.raises(UserError, match="model.attention_sinks with mesh.context > 1"):
+        build_run(["model.name=llama", "model.attention_sinks=true", "mesh.context=2"], devices[:2])
