@@ -68,18 +68,24 @@ def sink_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask, sinks_H: jax.Array) ->
 
     The sink attends to nothing (GPT-OSS's): a head can give a token little weight on every
     key. `mask` (B or 1, 1, T, S) says what each query sees; the H query heads share the K
-    key/value heads in groups. Logits, softmax and sums in fp32.
+    key/value heads in groups. The matmuls take the compute dtype and sum in fp32; logits
+    and softmax are fp32. (XLA's math, T x S logits in memory: cuDNN's kernel has no sink.)
     """
     H, K = q_BxTxHxE.shape[2], k_BxSxKxE.shape[2]
-    k_BxSxHxE = jnp.repeat(float32_island(k_BxSxKxE), H // K, axis=2)
-    v_BxSxHxE = jnp.repeat(float32_island(v_BxSxKxE), H // K, axis=2)
+    k_BxSxHxE = jnp.repeat(k_BxSxKxE, H // K, axis=2)
+    v_BxSxHxE = jnp.repeat(v_BxSxKxE, H // K, axis=2)
     scale = q_BxTxHxE.shape[-1] ** -0.5
-    logits_BxHxTxS = jnp.einsum("bthe,bshe->bhts", float32_island(q_BxTxHxE), k_BxSxHxE) * scale
-    logits_BxHxTxS = jnp.where(mask, logits_BxHxTxS, -jnp.inf)
+    logits_BxHxTxS = jnp.einsum(
+        "bthe,bshe->bhts", q_BxTxHxE, k_BxSxHxE, preferred_element_type=jnp.float32
+    )
+    logits_BxHxTxS = jnp.where(mask, logits_BxHxTxS * scale, -jnp.inf)
     B, _, T, _ = logits_BxHxTxS.shape
     sink_BxHxTx1 = jnp.broadcast_to(float32_island(sinks_H)[None, :, None, None], (B, H, T, 1))
     weights = jax.nn.softmax(jnp.concatenate([logits_BxHxTxS, sink_BxHxTx1], axis=-1), axis=-1)
-    return jnp.einsum("bhts,bshe->bthe", weights[..., :-1], v_BxSxHxE)
+    weights_BxHxTxS = weights[..., :-1].astype(v_BxSxHxE.dtype)
+    return jnp.einsum(
+        "bhts,bshe->bthe", weights_BxHxTxS, v_BxSxHxE, preferred_element_type=jnp.float32
+    )
 
 
 def check_attention(implementation: str, policy: Policy) -> None:

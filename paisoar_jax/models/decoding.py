@@ -77,7 +77,8 @@ def cached_attention(
         mask = mask & valid_BxS[:, None, None, :]
     dtype = q_BxTxHxE.dtype
     if sinks_H is not None:  # GPT-OSS's sinks (models/attention.py)
-        out_BxTxHxE = sink_attention(q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE, mask, sinks_H)
+        fp32 = [array.astype(jnp.float32) for array in (q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE)]
+        out_BxTxHxE = sink_attention(*fp32, mask, sinks_H)
         return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE.astype(jnp.float32),

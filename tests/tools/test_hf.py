@@ -212,31 +212,6 @@ def test_imported_experts_split_over_expert_x_fsdp_give_transformers_logits(
     assert np.abs(logits - torch_logits(model)).max() < 1e-4
 
 
-@pytest.mark.checks("import", "export", "logits", "greedy", families=["qwen3_moe"])
-def test_a_qwen3_moe_with_dense_layers_between_round_trips(devices, tmp_path):
-    """decoder_sparse_step=2 (before: refused): the blocks unrolled, experts on every second."""
-    model = qwen3_moe(sparse_step=2)
-    model.save_pretrained(tmp_path / "hf")
-    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
-    config = load_config(str(tmp_path / "ours" / "config.yaml")).model
-    assert (config.moe_every, config.scan_layers, config.layers) == (2, False, 4)
-    logits, _ = our_logits(tmp_path / "ours", devices[:1])
-    assert np.abs(logits - torch_logits(model)).max() < 1e-4
-    hf.hf_export(tmp_path / "ours", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
-    assert back.config.decoder_sparse_step == 2
-    for name, weight in model.state_dict().items():
-        assert torch.equal(back.state_dict()[name], weight), name
-    from paisoar_jax.inference.generator import Generator
-
-    prompt = [5, 17, 3, 88, 41, 9]
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
-    generated = Generator(tmp_path / "ours", devices[:1]).generate([prompt], 6)[0]
-    assert generated == expected[0, len(prompt) :].tolist()
-
-
 def test_the_import_writes_a_config_that_fine_tunes(imported):
     config = load_config(str(imported["llama"][2] / "config.yaml"))
     assert (config.model.name, config.model.kv_heads, config.model.rope_scaling) == (

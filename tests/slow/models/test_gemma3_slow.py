@@ -1,8 +1,9 @@
-"""The slow tier beside tests/models/test_gemma3.py: a LoRA fine-tune PEFT loads as ours."""
+"""The slow tier beside tests/models/test_gemma3.py: sharded steps, a LoRA fine-tune PEFT loads."""
 
 import numpy as np
 import pytest
-from test_gemma3 import gemma3
+from conftest import assert_steps_match, step_losses
+from test_gemma3 import GEMMA, gemma3
 from test_peft import lora_fine_tune, our_logits, peft_model, torch_logits
 
 from paisoar_jax.checkpointing.weights import checkpoint_step
@@ -20,3 +21,12 @@ def test_a_lora_tuned_gemma3_exports_an_adapter_peft_loads_with_our_logits(tmp_p
     _, step_dir, _ = checkpoint_step(run_dir)
     ours, _ = our_logits(run_dir / "config.yaml", step_dir)
     np.testing.assert_allclose(torch_logits(model), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.checks("sharded", families=["gemma3_text", "zoo:llama"])
+def test_a_sharded_gemma3_step_matches_one_device(devices):
+    single, single_state = step_losses([*GEMMA, "mesh.data=1"], devices[:1])
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    sharded, sharded_state = step_losses([*GEMMA, *mesh], devices)
+    np.testing.assert_allclose(sharded, single, rtol=1e-5)
+    assert_steps_match(sharded_state, single_state)
