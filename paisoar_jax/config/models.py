@@ -219,6 +219,16 @@ class LanguageModelConfig:
                 f"model.moe_every={self.moe_every} is more than model.layers={self.layers}: "
                 "no layer would have experts"
             )
+        if self.mlp_activation != "silu" and self.moe_every == 1:
+            raise UserError(
+                f"model.mlp_activation={self.mlp_activation} is the dense MLP's, and every "
+                "block has experts: set model.expert_activation for theirs"
+            )
+        if self.expert_activation != "silu" and self.shared_experts:
+            raise UserError(
+                f"model.expert_activation={self.expert_activation} with model.shared_experts: "
+                "the shared experts are SwiGLU (no architecture has both yet)"
+            )
         if self.moe_every > 1 and self.scan_layers:
             raise UserError(
                 f"model.moe_every={self.moe_every} mixes dense and MoE blocks, which one "
@@ -232,6 +242,26 @@ class LanguageModelConfig:
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise UserError(f"model.{key} must be a finite number >= 0, got {value}")
+        if self.attention_sinks and self.attention == "cudnn":
+            raise UserError(
+                "model.attention=cudnn has no attention sinks (model.attention_sinks runs "
+                "XLA's attention): use auto or xla"
+            )
+        if self.global_every == 1:
+            raise UserError(
+                "model.global_every=1 makes every block global: leave it 0 for a window on "
+                "every block, or set model.sliding_window=0 for none"
+            )
+        for key in ("rope_beta_fast", "rope_beta_slow"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) > 0):
+                raise UserError(
+                    f"model.{key} must be a finite number > 0, got {getattr(self, key)}"
+                )
+        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
+            raise UserError(
+                f"model.rope_attention_factor must be a finite number >= 0 (0: YaRN's own), "
+                f"got {self.rope_attention_factor}"
+            )
         if not self.sliding_window and (self.global_every or self.local_rope_theta):
             key = "global_every" if self.global_every else "local_rope_theta"
             raise UserError(f"model.{key} is for sliding-window blocks: set model.sliding_window")

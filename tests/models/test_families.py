@@ -154,13 +154,40 @@ def test_every_section_has_one_family_or_one_line():
 
 
 def test_a_section_no_architecture_holds_is_one_line_naming_its_settings():
-    """Gemma's window pattern without Gemma's norms, or some of Gemma's norms alone."""
+    """Gemma's window pattern without Gemma's norms, some of Gemma's norms alone, a Gemma
+    with GPT-OSS's sinks, a GPT-OSS with Llama 3's rotary scaling."""
     pattern = dict(sliding_window=8, global_every=2, scan_layers=False)
     for settings in (pattern, dict(post_norms=True), dict(norm_offset=True, sliding_window=8)):
         model = LanguageModelConfig(**LLAMA, **settings)
         first = next(iter(settings))
         with pytest.raises(UserError, match=f"no Hugging Face .* with .*model.{first}="):
             families.family_of(model)
+    gemma = dataclasses.replace(HELD["gemma3_text"], attention_sinks=True)
+    oss = dataclasses.replace(HELD["gpt_oss"], rope_scaling="llama3")
+    for model in (gemma, oss):
+        with pytest.raises(UserError, match="no Hugging Face architecture exported here"):
+            families.family_of(model)
+
+
+def test_configs_transformers_4_wrote_import_as_transformers_5_reads_them():
+    """Gemma 3 without layer_types (every sliding_window_pattern-th global) and with its
+    rotary keys at the top level; GPT-OSS without layer_types (sliding first, alternating)."""
+    shape = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    shape |= dict(intermediate_size=64, vocab_size=64, num_hidden_layers=12)
+    gemma = transformers_config("gemma3_text", sliding_window=8, **shape)
+    for key in ("layer_types", "rope_parameters"):
+        gemma.pop(key)
+    gemma |= dict(sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4)
+    gemma |= dict(rope_scaling={"rope_type": "linear", "factor": 8.0})
+    model = families.model_config_from_hf(gemma, WHERE)
+    assert (model.sliding_window, model.global_every, model.scan_layers) == (8, 6, False)
+    assert (model.rope_scaling, model.rope_factor, model.local_rope_theta) == ("linear", 8, 1e4)
+    oss = transformers_config("gpt_oss", sliding_window=8, num_local_experts=4, **shape)
+    oss.pop("layer_types")
+    assert families.model_config_from_hf(oss, WHERE).global_every == 2
+    # A Gemma 3 scaled by its head width exports (the scale is written as a number).
+    plain = dataclasses.replace(HELD["gemma3_text"], query_scale_width=0.0)
+    assert families.hf_config(plain)["query_pre_attn_scalar"] == 16
 
 
 def test_an_architecture_of_no_family_is_one_line_naming_those_that_import():

@@ -139,11 +139,24 @@ def test_a_gemma3_the_zoo_does_not_compute_is_one_line(tmp_path, changes, messag
         ),
         (["model.name=gpt", "model.sliding_window=8"], "model.sliding_window is for model.name"),
         (["model.mlp_activation=relu"], "'relu' is not one of silu, gelu_tanh"),
+        (["model.sliding_window=8", "model.global_every=1"], "makes every block global"),
+        (["model.attention_sinks=true", "model.attention=cudnn"], "has no attention sinks"),
+        (
+            ["model.experts=4", "model.mlp_activation=gelu_tanh"],
+            "every block has experts: set model.expert_activation",
+        ),
+        (["model.rope_beta_slow=0"], "model.rope_beta_slow must be a finite number > 0"),
     ],
 )
 def test_bad_window_settings_get_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, ["model.name=llama", *overrides])
+
+
+def test_a_peft_adapter_onto_differing_blocks_is_one_line(imported, tmp_path):
+    _, source, _ = imported
+    with pytest.raises(UserError, match="blocks differ .* is not supported yet"):
+        hf.hf_import(source, tmp_path / "ours", adapter=tmp_path / "adapter")
 
 
 def test_a_sliding_window_over_context_parallelism_is_one_line(devices):

@@ -38,9 +38,16 @@ TENSORS = (
 
 
 def _rope(hf: dict, where: pathlib.Path) -> dict:
-    """Our rotary keys of config.json's rope_parameters, one entry per layer type."""
+    """Our rotary keys of config.json's rope_parameters, one entry per layer type.
+
+    transformers 4.x wrote rope_theta, rope_local_base_freq and rope_scaling (the global
+    layers') at the top level instead.
+    """
     rope = hf.get("rope_parameters") or {}
-    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if "full_attention" in rope or "sliding_attention" in rope:
+        full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    else:
+        full, local = dict(rope or hf.get("rope_scaling") or {}), {}
     if local.get("rope_type", "default") != "default":
         raise UserError(
             f"{where}: the sliding layers' rope type {local['rope_type']!r} is not default"
@@ -67,7 +74,14 @@ def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
             raise UserError(f"{where}: {key}={hf[key]} is not a Gemma 3 this model reads")
     # The layer types kept even where the window never binds: a sliding layer's rotary
     # base is its own either way.
-    keys = _rope(hf, where) | llama.window_keys(hf | {"max_position_embeddings": math.inf}, where)
+    # transformers 4.x wrote no layer_types: every sliding_window_pattern-th layer global.
+    pattern = hf.get("sliding_window_pattern") or 6
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
+    every = hf | {"max_position_embeddings": math.inf, "layer_types": types}
+    keys = _rope(hf, where) | llama.window_keys(every, where)
     if not keys.get("sliding_window"):
         keys["local_rope_theta"] = 0.0  # no block slides: no second base
     return LanguageModelConfig(
@@ -89,8 +103,9 @@ def to_hf(model: LanguageModelConfig) -> dict:
     full = {"rope_type": "default", "rope_theta": model.rope_theta}
     if llama_json["rope_scaling"]:
         full |= llama_json["rope_scaling"]
-    local_theta = model.local_rope_theta or model.rope_theta
-    scale_width = model.query_scale_width or model.head_size
+    # Without a base of their own, the sliding blocks turn as the global ones, scaling too.
+    local = {"rope_type": "default", "rope_theta": model.local_rope_theta}
+    scale_width = float(model.query_scale_width or model.head_size)
     return {
         key: llama_json[key]
         for key in ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size")
@@ -105,7 +120,7 @@ def to_hf(model: LanguageModelConfig) -> dict:
         "layer_types": llama.layer_types(model),
         "rope_parameters": {
             "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+            "sliding_attention": local if model.local_rope_theta else dict(full),
         },
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
@@ -122,7 +137,7 @@ def is_gemma3(model: LanguageModelConfig) -> bool:
         and model.embed_scale
         and model.qk_norm
         and model.mlp_activation == "gelu_tanh"
-        and not (model.experts or model.qkv_bias)
+        and not (model.experts or model.qkv_bias or llama.is_gpt_oss_like(model))
     )
 
 

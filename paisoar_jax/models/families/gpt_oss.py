@@ -63,6 +63,13 @@ def _rope(hf: dict, where: pathlib.Path) -> dict:
     )
 
 
+def _layer_types(hf: dict) -> list[str]:
+    """config.json's layer_types, or transformers' default: sliding first, alternating."""
+    layers = range(hf["num_hidden_layers"])
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers]
+    return hf.get("layer_types") or alternating
+
+
 def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     """Our model section for a GPT-OSS config.json; what differs is one line."""
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
@@ -88,7 +95,7 @@ def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
         **_rope(hf, where),
-        **llama.window_keys(hf, where),
+        **llama.window_keys(hf | {"layer_types": _layer_types(hf)}, where),
     )
 
 
@@ -142,6 +149,7 @@ def is_gpt_oss(model: LanguageModelConfig) -> bool:
         and model.qkv_bias
         and model.expert_bias
         and model.expert_activation == "clamped_swiglu"
+        and model.rope_scaling in ("none", "yarn")
         and not (model.qk_norm or llama.is_gemma(model))
     )
 

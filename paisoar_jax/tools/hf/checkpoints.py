@@ -222,10 +222,11 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     kept = kept_file(TOKEN_IDS_FILE, config.checkpoint.init_from, source)
     token_ids = read_json(kept) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
-    tensors = {}
+    tensors, written = {}, set()
     for tensor in (laid for listed in tensors_of(model) for laid in _laid_out(listed, model)):
         if tensor.ours not in flat:  # the head of tied embeddings
             continue
+        written.add(tensor.ours)
         stored = np.asarray(flat[tensor.ours], np.float32)
         for combination, name in _their_names(tensor, model).items():
             # a leading axis per {i} and {j} of HF's name: one tensor per layer and expert
@@ -233,6 +234,12 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
             if tensor.interleaved and name in tensors:  # the other parts' features are 0
                 array = tensors[name] + array
             tensors[name] = np.ascontiguousarray(array)
+    unwritten = sorted(set(flat) - written)
+    if unwritten:  # a setting the architecture has no tensor for: never silently dropped
+        raise UserError(
+            f"{source}: a Hugging Face {family_of(model).architecture} has no tensor for our "
+            f"{', '.join(unwritten[:4])}{' ...' if len(unwritten) > 4 else ''}"
+        )
     for name in KEPT_FILES:  # a broken one is refused before anything is written
         found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None and name.endswith(".json"):

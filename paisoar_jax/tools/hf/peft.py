@@ -127,6 +127,13 @@ def read_adapter(
     adapter whose modules or shapes the base does not have (an adapter for another base) is
     refused in one line that sets its layers, width and base model beside this one's.
     """
+    if not model.scan_layers:
+        raise UserError(
+            f"{directory}: importing a PEFT adapter onto a model whose blocks differ "
+            f"(model.scan_layers=false: sliding and global layers, dense layers between "
+            f"experts) is not supported yet: import the base, fine-tune with lora.rank, or "
+            f"merge the adapter in transformers (merge_and_unload) and import that"
+        )
     settings = read_adapter_settings(directory)
     stored = read_adapter_tensors(directory)
     _check_base(directory, stored, model, base)
