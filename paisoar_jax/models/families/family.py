@@ -83,7 +83,7 @@ def norm(ours: str, theirs: str) -> tuple[Tensor, Tensor]:
 def interleaved(ours: str, theirs: str, index: int, count: int) -> Tensor:
     """One of `count` tensors interleaved on HF's last axis, ours from feature `index` on."""
 
-    def to_theirs(array, config):
+    def to_theirs(array, model):  # (the model section, unused)
         import jax.numpy as jnp  # (traced for the shape check, numpy arrays at export)
 
         whole = jnp.zeros((*array.shape[:-1], array.shape[-1] * count), array.dtype)
