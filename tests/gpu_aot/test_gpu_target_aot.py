@@ -22,10 +22,15 @@ from test_gpu_target import (
 
 from paisoar_jax.tools.plan import gpu_target
 
+# Unrolled real-size stacks (their blocks differ) compile one pattern's worth of layers here:
+# the whole stack took 377 s (gemma3_27b) and 163 s (gpt_oss_20b) on 2 cores; its full
+# plan is in benchmarks/RESULTS.md.
+ONE_PATTERN = {"gemma3_27b": ["model.layers=6"], "gpt_oss_20b": ["model.layers=2"]}
+
 
 @pytest.mark.parametrize("config_name", CONFIGS)
 def test_every_shipped_config_compiles_for_8_h200(config_name):
-    result = target_plan(config_name)
+    result = target_plan(config_name, *ONE_PATTERN.get(config_name, []))
     assert result["target"]["device"] == "NVIDIA H200 141GB HBM3e"
     assert result["memory_bytes"]["total"] > 0 and result["target"]["matmuls"]
     assert result["target"]["estimate"]["step_s"] > 0
