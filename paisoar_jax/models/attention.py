@@ -46,8 +46,7 @@ def attention(
         mask_Bx1xTxT = (segments_BxT[:, :, None] == segments_BxT[:, None, :])[:, None]
     if sinks_H is not None:
         T = q_BxTxHxE.shape[1]
-        distance_TxT = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
-        visible_TxT = (distance_TxT >= 0) & ((distance_TxT < window) if window else True)
+        visible_TxT = visible(0, T, T, window)
         mask = visible_TxT[None, None] if mask_Bx1xTxT is None else mask_Bx1xTxT & visible_TxT
         out_BxTxHxE = sink_attention(q_BxTxHxE, k_BxTxHxE, v_BxTxHxE, mask, sinks_H)
         return out_BxTxHxE.astype(dtype)
@@ -61,6 +60,17 @@ def attention(
         implementation=implementation,
     )
     return out_BxTxHxE.astype(dtype)
+
+
+def visible(first, queries: int, keys: int, window: int = 0) -> jax.Array:
+    """What queries at positions first.. see of keys at positions 0.. (queries x keys).
+
+    Every key at or before the query; with `window` > 0 only the `window` ending at it
+    (transformers' sliding window: query - key < window).
+    """
+    distance_TxS = first + jnp.arange(queries)[:, None] - jnp.arange(keys)[None, :]
+    seen_TxS = distance_TxS >= 0
+    return seen_TxS & (distance_TxS < window) if window else seen_TxS
 
 
 def sink_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask, sinks_H: jax.Array) -> jax.Array:

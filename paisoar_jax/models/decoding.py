@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax.models.attention import sink_attention
+from paisoar_jax.models.attention import sink_attention, visible
 from paisoar_jax.parallel.sharding import constrain
 
 
@@ -68,11 +68,7 @@ def cached_attention(
     heads = ("batch", "length", "act_heads", "head_dim")
     keys_BxSxKxE, values_BxSxKxE = constrain(keys_BxSxKxE, heads), constrain(values_BxSxKxE, heads)
     T, S = q_BxTxHxE.shape[1], keys_BxSxKxE.shape[1]
-    distance_TxS = index + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]
-    visible_TxS = distance_TxS >= 0
-    if window:
-        visible_TxS = visible_TxS & (distance_TxS < window)
-    mask = visible_TxS[None, None]
+    mask = visible(index, T, S, window)[None, None]
     if valid_BxS is not None:
         mask = mask & valid_BxS[:, None, None, :]
     dtype = q_BxTxHxE.dtype

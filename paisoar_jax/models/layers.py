@@ -250,6 +250,25 @@ def norm_of(config: LanguageModelConfig) -> Callable[..., RMSNorm]:
     return functools.partial(RMSNorm, offset=config.norm_offset)
 
 
+def gated_activation(kind: str, alpha: float = 1.702, limit: float = 7.0) -> Callable:
+    """A gated MLP's hidden units, `(gate, up) -> hidden`: model.mlp_activation's kinds.
+
+    Also model.expert_activation's. silu: SwiGLU (Llama's). gelu_tanh: GeGLU with tanh
+    GELU (Gemma's, HF's gelu_pytorch_tanh). clamped_swiglu: GPT-OSS's, the gate capped at
+    `limit` and the up clipped to +-`limit`, then (up + 1) x gate x sigmoid(`alpha` x gate).
+    """
+    if kind == "gelu_tanh":
+        return lambda gate, up: jax.nn.gelu(gate, approximate=True) * up
+    if kind == "clamped_swiglu":
+
+        def clamped(gate, up):
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+            return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+        return clamped
+    return lambda gate, up: jax.nn.silu(gate) * up
+
+
 def batch_norm(features: int, rngs: nnx.Rngs, zero_scale: bool = False) -> nnx.BatchNorm:
     """An fp32 `nnx.BatchNorm` over the last axis, every variable on the `norm` axis.
 

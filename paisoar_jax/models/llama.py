@@ -31,7 +31,7 @@ from paisoar_jax.models.gpt import (
     experts_of,
     mlp_width,
 )
-from paisoar_jax.models.layers import norm_of, param
+from paisoar_jax.models.layers import gated_activation, norm_of, param
 from paisoar_jax.models.rotary import halves_tables, rotate_halves
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy
@@ -139,12 +139,8 @@ class Block(DecoderBlock):
     def _mlp(self, h_BxTxD: jax.Array) -> jax.Array:
         gate_BxTxF = self._project("btd,df->btf", h_BxTxD, "gate_kernel", "gate")
         up_BxTxF = self._project("btd,df->btf", h_BxTxD, "up_kernel", "up")
-        if self.activation == "gelu_tanh":  # GeGLU, Gemma's (HF's gelu_pytorch_tanh)
-            activation = functools.partial(jax.nn.gelu, approximate=True)
-        else:
-            activation = jax.nn.silu
         hidden_BxTxF = recomputed_activation(
-            lambda gate, up: activation(gate) * up, gate_BxTxF, up_BxTxF
+            gated_activation(self.activation), gate_BxTxF, up_BxTxF
         )
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "act_mlp"))
         hidden_BxTxF = checkpoint_name(hidden_BxTxF, "mlp_hidden")

@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax.models.layers import param
+from paisoar_jax.models.layers import gated_activation, param
 from paisoar_jax.numerics.precision import Policy, float32_island
 from paisoar_jax.numerics.remat import recomputed_activation
 from paisoar_jax.parallel.sharding import constrain
@@ -213,36 +214,28 @@ def z_loss(logits_BxTxX: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(float32_island(logits_BxTxX), axis=-1) ** 2)
 
 
+SWIGLU = gated_activation("silu")  # the experts' and shared experts' unless they say otherwise
+
+
 def swiglu(
     x_NxD: jax.Array,
     gate_DxF,
     up_DxF,
     down_FxD,
     subscripts: tuple[str, str],
-    shape: MoeShape | None = None,
+    activation: Callable = SWIGLU,
     biases: tuple | None = None,
 ):
     """down(silu(x gate) * (x up)); `subscripts`: the in and out einsums (batched experts).
 
-    `shape`'s activation (clamped_swiglu: GPT-OSS's) and `biases` (gate, up, down, each
-    broadcast against its product) where the experts have them.
+    `activation` another gated one (layers.gated_activation: clamped_swiglu is GPT-OSS's)
+    and `biases` (gate, up, down, each broadcast against its product) where the experts
+    have them.
     """
     into, out = subscripts
     gate, up = jnp.einsum(into, x_NxD, gate_DxF), jnp.einsum(into, x_NxD, up_DxF)
     if biases is not None:
         gate, up = gate + biases[0], up + biases[1]
-    if shape is not None and shape.activation == "clamped_swiglu":
-        alpha, limit = shape.alpha, shape.limit
-
-        def activation(gate, up):
-            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-            return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
-
-    else:
-
-        def activation(gate, up):
-            return jax.nn.silu(gate) * up
-
     y = jnp.einsum(out, recomputed_activation(activation, gate, up), down_FxD)
     return y if biases is None else y + biases[2]
 
@@ -297,7 +290,7 @@ class MoeFeedForward(nnx.Module):
             cast(self.up_kernel[...]),
             cast(self.down_kernel[...]),
             ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
-            shape,
+            gated_activation(shape.activation, shape.alpha, shape.limit),
             self._expert_biases(),
         )
         outputs_XxBxCxD = constrain(outputs_XxBxCxD, BUFFERS)

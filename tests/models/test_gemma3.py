@@ -13,7 +13,14 @@ import torch
 import transformers
 from conftest import build_run
 from test_generate import transformers_greedy
-from test_hf import ATTENTION, TOKENS, our_logits, torch_logits
+from test_hf import (
+    ATTENTION,
+    TOKENS,
+    exported_with_its_weights,
+    imported_copy,
+    our_logits,
+    torch_logits,
+)
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
@@ -53,11 +60,8 @@ def gemma3(**changes):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(HF model, its directory, our import)."""
-    root = tmp_path_factory.mktemp("gemma3")
     model = gemma3()
-    model.save_pretrained(root / "hf")
-    hf.hf_import(root / "hf", root / "ours")
-    return model, root / "hf", root / "ours"
+    return model, *imported_copy(model, tmp_path_factory.mktemp("gemma3"))
 
 
 @pytest.mark.checks("import", "logits", families=["gemma3_text"])
@@ -74,11 +78,8 @@ def test_imported_gemma3_gives_transformers_logits(imported, devices, mesh):
 @pytest.mark.checks("export", families=["gemma3_text"])
 def test_the_export_loads_in_transformers_with_the_same_weights(imported, tmp_path):
     model, _, ours = imported
-    hf.hf_export(ours, tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back = exported_with_its_weights(model, ours, tmp_path / "back")
     assert type(back).__name__ == "Gemma3ForCausalLM"
-    for name, weight in model.state_dict().items():
-        assert torch.equal(back.state_dict()[name], weight), name
     assert back.config.layer_types == model.config.layer_types
     assert back.config.rope_parameters == model.config.rope_parameters
     assert np.abs(torch_logits(back, TOKENS) - torch_logits(model, TOKENS)).max() == 0.0
@@ -172,13 +173,11 @@ def test_a_mistral_with_a_sliding_window_gives_transformers_logits_and_tokens(tm
     )
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
-    model.save_pretrained(tmp_path / "hf")
-    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
-    logits, _ = our_logits(tmp_path / "ours", devices[:1])
+    _, ours = imported_copy(model, tmp_path)
+    logits, _ = our_logits(ours, devices[:1])
     assert np.abs(logits - torch_logits(model, TOKENS)).max() < 1e-4
     prompt = list(range(3, 23))
-    generated = Generator(tmp_path / "ours", devices[:1]).generate([prompt], 10)[0]
+    generated = Generator(ours, devices[:1]).generate([prompt], 10)[0]
     assert generated == transformers_greedy(model, prompt, 10)
-    hf.hf_export(tmp_path / "ours", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    back = exported_with_its_weights(model, ours, tmp_path / "back")
     assert (type(back).__name__, back.config.sliding_window) == ("MistralForCausalLM", 8)

@@ -13,7 +13,14 @@ import pytest
 import torch
 import transformers
 from test_generate import transformers_greedy
-from test_hf import ATTENTION, TOKENS, our_logits, torch_logits
+from test_hf import (
+    ATTENTION,
+    TOKENS,
+    exported_with_its_weights,
+    imported_copy,
+    our_logits,
+    torch_logits,
+)
 
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
@@ -56,11 +63,8 @@ MESHES = [["mesh.data=1"], ["mesh.data=1", "mesh.expert=2", "mesh.tensor=2"]]
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(HF model, its directory, our import)."""
-    root = tmp_path_factory.mktemp("gpt_oss")
     model = gpt_oss()
-    model.save_pretrained(root / "hf")
-    hf.hf_import(root / "hf", root / "ours")
-    return model, root / "hf", root / "ours"
+    return model, *imported_copy(model, tmp_path_factory.mktemp("gpt_oss"))
 
 
 @pytest.mark.checks("import", "logits", families=["gpt_oss"])
@@ -80,11 +84,8 @@ def test_imported_gpt_oss_gives_transformers_logits(imported, devices, mesh):
 def test_the_export_loads_in_transformers_with_the_same_weights(imported, tmp_path):
     """The gate and up, two arrays of ours, interleave back into one gate_up_proj."""
     model, _, ours = imported
-    hf.hf_export(ours, tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back = exported_with_its_weights(model, ours, tmp_path / "back")
     assert type(back).__name__ == "GptOssForCausalLM"
-    for name, weight in model.state_dict().items():
-        assert torch.equal(back.state_dict()[name], weight), name
     assert back.config.rope_parameters == model.config.rope_parameters
 
 

@@ -171,6 +171,22 @@ def our_logits(export_dir, devices, mesh=("mesh.data=1",)):
         return np.asarray(forward(params, TOKENS)), params
 
 
+def imported_copy(model, root):
+    """(`model` saved by transformers in root/hf, our hf-import of it in root/ours)."""
+    model.save_pretrained(root / "hf")
+    hf.hf_import(root / "hf", root / "ours")
+    return root / "hf", root / "ours"
+
+
+def exported_with_its_weights(model, ours, output):
+    """transformers' model of our hf-export of `ours`, every weight equal to `model`'s."""
+    hf.hf_export(ours, output)
+    back = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    for name, weight in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], weight), name
+    return back
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """{name: (HF model, HF dir, our export dir)}: a GQA Llama, a GPT-2, a Mixtral, a Qwen3-MoE."""

@@ -11,14 +11,16 @@ import subprocess
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
 from conftest import PYTHON, random_chats, subprocess_env
 from flax import nnx
+from test_generate import transformers_greedy
 from test_hf import (
     TOKENS,
+    exported_with_its_weights,
     fine_tune,
     imported,  # noqa: F401 (fixtures)
+    imported_copy,
     llama,
     our_logits,
     qwen3_moe,
@@ -29,6 +31,7 @@ from test_hf import (
 
 from paisoar_jax.checkpointing.weights import load_weights
 from paisoar_jax.config import load_config
+from paisoar_jax.inference.generator import Generator
 from paisoar_jax.run.setup import setup
 from paisoar_jax.tasks.zoo import zoo_workload
 from paisoar_jax.tools import hf
@@ -195,22 +198,13 @@ def test_the_readme_supervised_fine_tuning_commands_run_as_written(chat_tokenize
 def test_a_qwen3_moe_with_dense_layers_between_round_trips(devices, tmp_path):
     """decoder_sparse_step=2 (before: refused): the blocks unrolled, experts on every second."""
     model = qwen3_moe(sparse_step=2)
-    model.save_pretrained(tmp_path / "hf")
-    hf.hf_import(tmp_path / "hf", tmp_path / "ours")
-    config = load_config(str(tmp_path / "ours" / "config.yaml")).model
+    _, ours = imported_copy(model, tmp_path)
+    config = load_config(str(ours / "config.yaml")).model
     assert (config.moe_every, config.scan_layers, config.layers) == (2, False, 4)
-    logits, _ = our_logits(tmp_path / "ours", devices[:1])
+    logits, _ = our_logits(ours, devices[:1])
     assert np.abs(logits - torch_logits(model)).max() < 1e-4
-    hf.hf_export(tmp_path / "ours", tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    back = exported_with_its_weights(model, ours, tmp_path / "back")
     assert back.config.decoder_sparse_step == 2
-    for name, weight in model.state_dict().items():
-        assert torch.equal(back.state_dict()[name], weight), name
-    from paisoar_jax.inference.generator import Generator
-
     prompt = [5, 17, 3, 88, 41, 9]
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
-    generated = Generator(tmp_path / "ours", devices[:1]).generate([prompt], 6)[0]
-    assert generated == expected[0, len(prompt) :].tolist()
+    generated = Generator(ours, devices[:1]).generate([prompt], 6)[0]
+    assert generated == transformers_greedy(model, prompt, 6)
