@@ -107,9 +107,9 @@ def weights_source(source: pathlib.Path):
 
 
 def read_weights(source: pathlib.Path):
-    """(config, params, what was read) of an export, a checkpoint step or a run's newest."""
+    """(config, params, model state or None, what was read) of an export, a step or a run."""
     config, path, where = weights_source(source)
-    return config, read_params(path)[0], where
+    return config, *read_params(path), where
 
 
 def read_params(path: pathlib.Path, ema: bool = False):

@@ -20,12 +20,13 @@ LLAMA_KEYS += ("rope_high_freq_factor", "rope_original_length", "head_width", "q
 LLAMA_KEYS += ("qkv_bias", "sliding_window", "global_every", "local_rope_theta", "norm_offset")
 LLAMA_KEYS += ("post_norms", "mlp_activation", "embed_scale", "query_scale_width")
 LLAMA_KEYS += ("out_bias", "attention_sinks", "rope_beta_fast", "rope_beta_slow")
-LLAMA_KEYS += ("rope_truncate", "rope_attention_factor")
+LLAMA_KEYS += ("rope_truncate", "rope_attention_factor", "kv_latent_width", "q_latent_width")
+LLAMA_KEYS += ("rope_head_width", "value_head_width", "rope_interleave")
 # The keys of the model section that only a mixture of experts (model.experts > 0) reads.
 MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "moe_every")
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
 MOE_KEYS += ("router_bias_rate", "expert_bias", "expert_activation", "swiglu_alpha")
-MOE_KEYS += ("swiglu_limit",)
+MOE_KEYS += ("swiglu_limit", "router_groups", "router_top_groups", "router_scale", "dense_layers")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,20 @@ class LanguageModelConfig:
     # llama only: a learned logit per head in each softmax's denominator, attending to
     # nothing (GPT-OSS's attention sinks)
     attention_sinks: bool = False
+    # llama only: multi-head latent attention (DeepSeek's MLA, models/latent.py) when > 0:
+    # the keys and values are made from a latent of this width (kv_lora_rank), normed
+    kv_latent_width: int = 0
+    # llama only, with kv_latent_width: the queries made through a normed latent of this
+    # width too (q_lora_rank; 0: projected from the stream directly)
+    q_latent_width: int = 0
+    # llama only, with kv_latent_width: the rotated part of each query head and of the key
+    # that every head shares (qk_rope_head_dim); head_width is the unrotated part
+    rope_head_width: int = 0
+    # llama only, with kv_latent_width: each value head's width (v_head_dim; 0: head_width)
+    value_head_width: int = 0
+    # llama only: rotary positions pair neighbouring features (DeepSeek's rope_interleave)
+    # instead of the two halves of a head (Llama's)
+    rope_interleave: bool = False
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
     # going to its experts_per_token best; every moe_every-th layer is one (layer i when
@@ -136,6 +151,17 @@ class LanguageModelConfig:
     expert_activation: Literal["silu", "clamped_swiglu"] = "silu"
     swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
     swiglu_limit: float = 7.0  # clamped_swiglu: the gate's cap and the up's bound
+    # the experts in this many equal groups, a token choosing its experts within its
+    # router_top_groups best groups (DeepSeek-V3's n_group; 1: one group)
+    router_groups: int = 1
+    # with router_groups: the groups a token's experts come from, ranked by the sum of
+    # each group's two best scores (sigmoid, DeepSeek-V3's topk_group) or by its best
+    # (softmax, DeepSeek-V2's); 0: every group
+    router_top_groups: int = 0
+    router_scale: float = 1.0  # the chosen experts' weights times this (routed_scaling_factor)
+    # the first this many blocks have a dense MLP of mlp_width, the rest experts
+    # (DeepSeek's first_k_dense_replace; needs model.scan_layers=false)
+    dense_layers: int = 0
 
     def __post_init__(self):
         if self.name == "llama":  # its positions are always rotary: config.yaml says so
@@ -152,8 +178,9 @@ class LanguageModelConfig:
             raise UserError(
                 f"model.width={self.width} is not divisible by model.heads={self.heads}"
             )
-        if self.position == "rotary" and self.head_size % 2:
+        if self.position == "rotary" and self.rotary_width % 2:
             raise UserError("model.position=rotary needs an even head width (width / heads)")
+        self._check_latent()
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
         check_at_least("model", self, {"head_width": 0, "loss_chunks": -1})
         check_at_least("model", self, {"max_positions": 0})
@@ -194,6 +221,21 @@ class LanguageModelConfig:
         return self.expert_mlp_width or self.mlp_width or 4 * self.width
 
     @property
+    def query_head_size(self) -> int:
+        """A query's (and a key's) head width: head_size, plus the rotated part with MLA."""
+        return self.head_size + (self.rope_head_width if self.kv_latent_width else 0)
+
+    @property
+    def value_head_size(self) -> int:
+        """A value's head width: value_head_width with MLA where set, else head_size."""
+        return (self.value_head_width if self.kv_latent_width else 0) or self.head_size
+
+    @property
+    def rotary_width(self) -> int:
+        """The features of a head that rotary positions turn: all, or MLA's rotated part."""
+        return self.rope_head_width if self.kv_latent_width else self.head_size
+
+    @property
     def key_value_heads(self) -> int:
         """The key/value heads: kv_heads, or heads when it is 0 (no grouping)."""
         return self.kv_heads or self.heads
@@ -206,12 +248,15 @@ class LanguageModelConfig:
                     raise UserError(f"model.{key} is for a mixture of experts: set model.experts")
             return
         check_at_least("model", self, {"experts": 2, "experts_per_token": 1, "moe_every": 1})
+        check_at_least("model", self, {"router_groups": 1, "router_top_groups": 0})
+        check_at_least("model", self, {"dense_layers": 0})
         check_at_least("model", self, {"expert_mlp_width": 0, "shared_experts": 0})
         if self.experts_per_token > self.experts:
             raise UserError(
                 f"model.experts_per_token={self.experts_per_token} is more than the "
                 f"model.experts={self.experts} there are"
             )
+        self._check_groups()
         keys = ("expert_capacity_factor", "router_aux_loss", "router_z_loss", "router_bias_rate")
         check_finite_non_negative("model", self, keys)
         if self.moe_every > self.layers:
@@ -229,11 +274,78 @@ class LanguageModelConfig:
                 f"model.expert_activation={self.expert_activation} with model.shared_experts: "
                 "the shared experts are SwiGLU (no architecture has both yet)"
             )
+        if self.dense_layers and self.scan_layers:
+            raise UserError(
+                f"model.dense_layers={self.dense_layers} puts dense blocks before the experts, "
+                "which one scanned stack cannot hold: set model.scan_layers=false"
+            )
         if self.moe_every > 1 and self.scan_layers:
             raise UserError(
                 f"model.moe_every={self.moe_every} mixes dense and MoE blocks, which one "
                 "scanned stack cannot hold: set model.scan_layers=false (or model.moe_every=1)"
             )
+
+    def _check_groups(self) -> None:
+        """Group-limited routing: the experts split evenly, enough to choose from."""
+        groups, top = self.router_groups, self.router_top_groups or self.router_groups
+        if not (math.isfinite(self.router_scale) and self.router_scale > 0):
+            raise UserError(
+                f"model.router_scale must be a finite number > 0, got {self.router_scale}"
+            )
+        if self.experts % groups:
+            raise UserError(
+                f"model.experts={self.experts} do not split into model.router_groups={groups} "
+                "equal groups"
+            )
+        if top > groups:
+            raise UserError(
+                f"model.router_top_groups={top} is more than the model.router_groups={groups}"
+            )
+        if groups > 1 and self.router == "sigmoid" and self.experts // groups < 2:
+            raise UserError(
+                f"model.router_groups={groups} leaves one expert a group: a sigmoid router "
+                "ranks a group by its two best scores"
+            )
+        if top * (self.experts // groups) < self.experts_per_token:
+            raise UserError(
+                f"model.router_top_groups={top} groups of {self.experts // groups} experts "
+                f"hold fewer than model.experts_per_token={self.experts_per_token}"
+            )
+        if self.dense_layers >= self.layers:
+            raise UserError(
+                f"model.dense_layers={self.dense_layers} is not fewer than model.layers="
+                f"{self.layers}: no layer would have experts"
+            )
+
+    def _check_latent(self) -> None:
+        """Multi-head latent attention's keys: set together, with what MLA computes."""
+        check_at_least("model", self, {"kv_latent_width": 0, "q_latent_width": 0})
+        check_at_least("model", self, {"rope_head_width": 0, "value_head_width": 0})
+        if not self.kv_latent_width:
+            for key in ("q_latent_width", "rope_head_width", "value_head_width"):
+                if getattr(self, key):
+                    raise UserError(
+                        f"model.{key} is for multi-head latent attention: set model.kv_latent_width"
+                    )
+            return
+        if not self.rope_head_width:
+            raise UserError(
+                "model.kv_latent_width needs model.rope_head_width: the rotated part of each "
+                "query and key head (DeepSeek's qk_rope_head_dim)"
+            )
+        refused = {
+            "kv_heads": self.kv_heads not in (0, self.heads),
+            "qk_norm": self.qk_norm,
+            "qkv_bias": self.qkv_bias,
+            "attention_sinks": self.attention_sinks,
+        }
+        for key, bad in refused.items():
+            if bad:
+                raise UserError(
+                    f"model.{key}={getattr(self, key)} with multi-head latent attention "
+                    "(model.kv_latent_width): every head has its own keys and values from the "
+                    "latent, with no biases, head norms or sinks"
+                )
 
     def _check_window(self) -> None:
         """The sliding window's keys: blocks that differ need model.scan_layers=false."""
@@ -277,8 +389,10 @@ class LanguageModelConfig:
         return 0 if every and (layer + 1) % every == 0 else self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer` (from 0) has experts: every moe_every-th, the last of each."""
-        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+        """Whether block `layer` (from 0) has experts: every moe_every-th after dense_layers."""
+        if self.experts == 0 or layer < self.dense_layers:
+            return False
+        return (layer + 1) % self.moe_every == 0
 
     def _refuse_llama_keys(self) -> None:
         """Keys only llama reads, set on another model: they would silently do nothing."""

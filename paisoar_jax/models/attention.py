@@ -53,13 +53,24 @@ def attention(
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE,
         k_BxTxHxE,
-        v_BxTxHxE,
+        padded_values(v_BxTxHxE, q_BxTxHxE.shape[-1]),
         mask=mask_Bx1xTxT,
         is_causal=True,
         local_window_size=(window - 1, 0) if window else None,
         implementation=implementation,
     )
-    return out_BxTxHxE.astype(dtype)
+    return out_BxTxHxE[..., : v_BxTxHxE.shape[-1]].astype(dtype)
+
+
+def padded_values(v_BxSxKxW: jax.Array, width: int) -> jax.Array:
+    """The values as wide as the queries and keys, with zero features after their own.
+
+    jax.nn.dot_product_attention takes one head width for all three; multi-head latent
+    attention's values are narrower (models/latent.py). The padding's outputs are zeros,
+    which the caller slices off: the same result, for that share of the second matmul.
+    """
+    extra = width - v_BxSxKxW.shape[-1]
+    return v_BxSxKxW if extra == 0 else jnp.pad(v_BxSxKxW, ((0, 0),) * 3 + ((0, extra),))
 
 
 def visible(first, queries: int, keys: int, window: int = 0) -> jax.Array:

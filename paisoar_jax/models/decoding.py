@@ -23,20 +23,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paisoar_jax.models.attention import sink_attention, visible
+from paisoar_jax.models.attention import padded_values, sink_attention, visible
 from paisoar_jax.parallel.sharding import constrain
 
 
 def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """Zero keys and values (L x B x S x K x E) for `length` positions."""
-    shape = (
-        model_config.layers,
-        batch,
-        length,
-        model_config.key_value_heads,
-        model_config.head_size,
-    )
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    """Zero keys and values (L x B x S x K x E) for `length` positions.
+
+    With multi-head latent attention the keys are wider than the values (their rotated
+    part): each array has its own head width.
+    """
+    shape = (model_config.layers, batch, length, model_config.key_value_heads)
+    keys = jnp.zeros((*shape, model_config.query_head_size), dtype)
+    return keys, jnp.zeros((*shape, model_config.value_head_size), dtype)
 
 
 def cached_attention(
@@ -79,10 +78,11 @@ def cached_attention(
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE.astype(jnp.float32),
         keys_BxSxKxE.astype(jnp.float32),
-        values_BxSxKxE.astype(jnp.float32),
+        padded_values(values_BxSxKxE, q_BxTxHxE.shape[-1]).astype(jnp.float32),
         mask=mask,
         implementation="xla",
     )
+    out_BxTxHxE = out_BxTxHxE[..., : values_BxSxKxE.shape[-1]]
     return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
 
 

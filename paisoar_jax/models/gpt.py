@@ -354,10 +354,12 @@ class Decoder(nnx.Module):
         A sliding-window block attends over its window, not T.
         """
         active = param_count - inactive_parameters(config)
-        attention_width = config.heads * config.head_size  # the width, unless heads are wider
+        # queries x keys, then weights x values: the width, unless heads are wider (or MLA's
+        # keys wider than its values)
+        attention_width = config.heads * (config.query_head_size + config.value_head_size)
         T = config.seq_len
         spans = [min(config.window_of(layer) or T, T) for layer in range(config.layers)]
-        return 6 * active + 12 * attention_width * sum(spans)
+        return 6 * active + 6 * attention_width * sum(spans)
 
 
 class GPT(Decoder):

@@ -31,6 +31,7 @@ from paisoar_jax.models.gpt import (
     experts_of,
     mlp_width,
 )
+from paisoar_jax.models.latent import LatentAttention
 from paisoar_jax.models.layers import gated_activation, norm_of, param
 from paisoar_jax.models.rotary import halves_tables, rotate_halves
 from paisoar_jax.numerics import fp8
@@ -61,21 +62,41 @@ class Block(DecoderBlock):
         "o_proj": ("out_kernel",),
     }
 
+    MATMULS = MATMULS  # each its own fp8 scales: the dense block's, then with experts
+    ATTENTION_MATMULS = ATTENTION_MATMULS
+
     def __init__(self, config: LanguageModelConfig, policy: Policy, rngs: nnx.Rngs, layer: int):
-        D, H, K, F = config.width, config.heads, config.key_value_heads, mlp_width(config)
-        E = config.head_size
+        D, F = config.width, mlp_width(config)
         normal = nnx.initializers.normal(config.init_std)
         residual = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.layers))
         norm = norm_of(config)
         self.policy = policy
-        self.attention_impl = resolve_attention(config.attention, policy, E)
+        self.attention_impl = resolve_attention(config.attention, policy, config.query_head_size)
         self.context = config.context_attention  # gather or ring, with mesh.context > 1
         self.window = config.window_of(layer)  # 0: every earlier token
         self.activation = config.mlp_activation
         # Queries scaled so that attention's own 1 / sqrt(E) makes 1 / sqrt(query_scale_width):
         # every attention path (cuDNN, context-parallel, cached) then stays as it is.
+        E = config.query_head_size
         self.query_scale = math.sqrt(E / (config.query_scale_width or E))
         self.attention_norm = norm(D, config.norm_eps, rngs)
+        self._build_attention(config, rngs, normal, residual)
+        if config.post_norms:  # Gemma 2 and 3: the outputs normed before they join the stream
+            self.post_attention_norm = norm(D, config.norm_eps, rngs)
+            self.post_mlp_norm = norm(D, config.norm_eps, rngs)
+        self.mlp_norm = norm(D, config.norm_eps, rngs)
+        self.moe = experts_of(config, policy, rngs, layer)
+        if self.moe is None:
+            self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+            self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
+            self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
+        dots = self.ATTENTION_MATMULS if self.moe is not None else self.MATMULS
+        self.fp8 = fp8.block_dots(policy, dots)
+
+    def _build_attention(self, config: LanguageModelConfig, rngs: nnx.Rngs, normal, residual):
+        """The attention's projections (and their biases, head norms and sinks)."""
+        D, H, K, E = config.width, config.heads, config.key_value_heads, config.head_size
+        norm = norm_of(config)
         self.q_kernel = param(rngs, normal, (D, H, E), ("embed", "heads", "head_dim"))
         self.k_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param(rngs, normal, (D, K, E), ("embed", "kv_heads", "head_dim"))
@@ -91,16 +112,6 @@ class Block(DecoderBlock):
         if config.qk_norm:  # Qwen3: each head's queries and keys normed, before the rotation
             self.q_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
             self.k_norm = norm(E, config.norm_eps, rngs, axis="head_dim")
-        if config.post_norms:  # Gemma 2 and 3: the outputs normed before they join the stream
-            self.post_attention_norm = norm(D, config.norm_eps, rngs)
-            self.post_mlp_norm = norm(D, config.norm_eps, rngs)
-        self.mlp_norm = norm(D, config.norm_eps, rngs)
-        self.moe = experts_of(config, policy, rngs, layer)
-        if self.moe is None:
-            self.gate_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
-            self.up_kernel = param(rngs, normal, (D, F), ("embed", "mlp"))
-            self.down_kernel = param(rngs, residual, (F, D), ("mlp", "embed"))
-        self.fp8 = fp8.block_dots(policy, ATTENTION_MATMULS if self.moe is not None else MATMULS)
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
         h_BxTxD = self.policy.cast_to_compute(self.attention_norm(x_BxTxD))
@@ -147,6 +158,10 @@ class Block(DecoderBlock):
         return self._project("btf,fd->btd", hidden_BxTxF, "down_kernel", "down")
 
 
+class LatentBlock(LatentAttention, Block):
+    """A llama block whose attention is multi-head latent attention (model.kv_latent_width)."""
+
+
 class Llama(Decoder):
     """Decoder-only Llama language model returning logits (B x T x V), fp32 by default."""
 
@@ -154,7 +169,8 @@ class Llama(Decoder):
         self, config: LanguageModelConfig, policy: Policy, remat_policy: str, rngs: nnx.Rngs
     ):
         _check_tensor_split(config)
-        self._build(config, policy, remat_policy, rngs, Block, norm_of(config))
+        block_class = LatentBlock if config.kv_latent_width else Block
+        self._build(config, policy, remat_policy, rngs, block_class, norm_of(config))
 
     def _embed(
         self, tokens_BxT: jax.Array, start, positions_BxT: jax.Array | None = None
@@ -186,6 +202,11 @@ def _check_tensor_split(config: LanguageModelConfig) -> None:
             f"model.sliding_window={config.sliding_window} with mesh.context > 1 is not "
             "supported yet: context-parallel attention reaches every earlier token (use "
             "mesh.context=1)"
+        )
+    if config.kv_latent_width and context > 1:
+        raise UserError(
+            "model.kv_latent_width (multi-head latent attention) with mesh.context > 1 is not "
+            "supported yet: its keys are wider than its values (use mesh.context=1)"
         )
     if config.attention_sinks and context > 1:
         raise UserError(

@@ -3,7 +3,11 @@
 Routing (`route`). The router's fp32 logits score every expert for every token: a softmax
 over the experts (Mixtral, Qwen3-MoE) or a sigmoid per expert (DeepSeek). Each token takes
 its `experts_per_token` best experts; their weights are the scores, renormalised to sum to 1
-over the chosen when `renormalize` (Mixtral always; Qwen3-MoE's norm_topk_prob).
+over the chosen when `renormalize` (Mixtral always; Qwen3-MoE's norm_topk_prob), times
+`scale` (DeepSeek-V3's routed_scaling_factor). Group-limited routing (DeepSeek-V3): the
+experts in `groups` equal groups, each ranked by the sum of its two best scores (its best
+with a softmax router, DeepSeek-V2's), a token choosing only within its `top_groups` best
+(on a real cluster, a group is a node's experts).
 
 Capacity (`seats`). An expert takes at most C tokens of each group (a group is one row of the
 batch, so the groups follow the batch's sharding): C = ceil(capacity_factor x T x K / X), or
@@ -32,6 +36,8 @@ bias is added to the scores that choose the experts, not to the weights that com
 after each batch every expert's bias moves by the rate toward the even load (up for an expert
 below the mean load, down above it). The bias is model state, not a parameter: the layer
 returns its next value among its statistics ("router_bias") and the decoder writes it back.
+A sigmoid router always holds the bias (DeepSeek-V3's e_score_correction_bias, which an
+import reads): with router_bias_rate 0 it stays where it is, as a fine-tune usually wants.
 
 Losses (`balance_loss`, `z_loss`), over every token of the batch: the balance loss is
 Switch's, as Hugging Face's Mixtral computes it for one layer: X x sum over experts of (the
@@ -78,6 +84,9 @@ class MoeShape:
     activation: Literal["silu", "clamped_swiglu"] = "silu"  # the experts' gated activation
     alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
     limit: float = 7.0  # clamped_swiglu: the gate's cap, the up's bound
+    groups: int = 1  # DeepSeek-V3: the experts in this many groups ...
+    top_groups: int = 0  # ... a token's chosen within its this many best (0: every group)
+    scale: float = 1.0  # the chosen experts' weights times this
 
     def capacity(self, tokens: int) -> int:
         """Seats per expert for a group of `tokens` tokens."""
@@ -102,6 +111,9 @@ def shape_of(model_config) -> MoeShape:
         activation=model_config.expert_activation,
         alpha=model_config.swiglu_alpha,
         limit=model_config.swiglu_limit,
+        groups=model_config.router_groups,
+        top_groups=model_config.router_top_groups,
+        scale=model_config.router_scale,
     )
 
 
@@ -179,13 +191,32 @@ def route(
     else:
         scores_BxTxX = jax.nn.sigmoid(logits)
         probabilities_BxTxX = scores_BxTxX / jnp.sum(scores_BxTxX, axis=-1, keepdims=True)
-    weights_BxTxK, chosen_BxTxK = jax.lax.top_k(scores_BxTxX, shape.experts_per_token)
-    if bias_X is not None:
-        _, chosen_BxTxK = jax.lax.top_k(scores_BxTxX + bias_X, shape.experts_per_token)
-        weights_BxTxK = jnp.take_along_axis(scores_BxTxX, chosen_BxTxK, axis=-1)
+    choosing_BxTxX = scores_BxTxX if bias_X is None else scores_BxTxX + bias_X
+    if shape.groups > 1 and (shape.top_groups or shape.groups) < shape.groups:
+        pair = shape.router == "sigmoid"
+        choosing_BxTxX = _within_best_groups(choosing_BxTxX, shape.groups, shape.top_groups, pair)
+    _, chosen_BxTxK = jax.lax.top_k(choosing_BxTxX, shape.experts_per_token)
+    weights_BxTxK = jnp.take_along_axis(scores_BxTxX, chosen_BxTxK, axis=-1)
     if shape.renormalize:
         weights_BxTxK = weights_BxTxK / jnp.sum(weights_BxTxK, axis=-1, keepdims=True)
-    return weights_BxTxK, chosen_BxTxK, probabilities_BxTxX
+    return weights_BxTxK * shape.scale, chosen_BxTxK, probabilities_BxTxX
+
+
+def _within_best_groups(
+    choosing_BxTxX: jax.Array, groups: int, top_groups: int, pair: bool
+) -> jax.Array:
+    """The scores that choose, -inf outside each token's `top_groups` best expert groups.
+
+    A group's rank is the sum of its two best scores (`pair`: DeepSeek-V3's sigmoid
+    routing), or its best score (DeepSeek-V2's softmax routing), as transformers ranks them.
+    """
+    B, T, X = choosing_BxTxX.shape
+    grouped_BxTxGxN = choosing_BxTxX.reshape(B, T, groups, X // groups)
+    rank_BxTxG = jnp.sum(jax.lax.top_k(grouped_BxTxGxN, 2 if pair else 1)[0], axis=-1)
+    _, best_BxTxP = jax.lax.top_k(rank_BxTxG, top_groups)
+    kept_BxTxG = jnp.sum(jax.nn.one_hot(best_BxTxP, groups, dtype=jnp.int32), axis=2) > 0
+    kept_BxTxGxN = jnp.broadcast_to(kept_BxTxG[..., None], grouped_BxTxGxN.shape)
+    return jnp.where(kept_BxTxGxN, grouped_BxTxGxN, -jnp.inf).reshape(B, T, X)
 
 
 def seats(chosen_BxTxK: jax.Array, experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -257,7 +288,7 @@ class MoeFeedForward(nnx.Module):
             self.gate_bias = param(rngs, zeros, (X, F), ("experts", "mlp"))
             self.up_bias = param(rngs, zeros, (X, F), ("experts", "mlp"))
             self.down_bias = param(rngs, zeros, (X, D), ("experts", "embed"))
-        if shape.bias_rate:  # state the forward pass moves: the decoder writes it back
+        if shape.bias_rate or shape.router == "sigmoid":  # state, moved by bias balancing
             self.router_bias = nnx.BatchStat(jnp.zeros((X,)), out_sharding=("router",))
         if shape.shared_experts:
             S = shape.shared_experts * F
@@ -273,7 +304,7 @@ class MoeFeedForward(nnx.Module):
         logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
         if shape.biases:
             logits_BxTxX = logits_BxTxX + self.router_logit_bias[...]
-        bias_X = self.router_bias[...] if shape.bias_rate else None
+        bias_X = self.router_bias[...] if hasattr(self, "router_bias") else None
         weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape, bias_X)
         seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
         # Each kept choice's slot in its row's X x C buffer; a dropped one goes to slot X C,

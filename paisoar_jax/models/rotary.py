@@ -28,7 +28,7 @@ def inverse_frequencies(config: LanguageModelConfig, local: bool = False) -> jax
     `local`: the sliding blocks' own base (model.local_rope_theta), never scaled (Gemma
     3's).
     """
-    head_width = config.head_size
+    head_width = config.rotary_width
     theta = config.local_rope_theta if local else config.rope_theta
     inverse = 1.0 / (theta ** (jnp.arange(0, head_width, 2) / head_width))
     if config.rope_scaling == "none" or local:
@@ -54,7 +54,7 @@ def _yarn(config: LanguageModelConfig, inverse_E2: jax.Array) -> jax.Array:
     interpolated, one that turns more than beta_fast times kept, the dimensions between a
     linear blend (bounds rounded to whole dimensions where model.rope_truncate).
     """
-    head_width, theta = config.head_size, config.rope_theta
+    head_width, theta = config.rotary_width, config.rope_theta
 
     def dimension(rotations: float) -> float:  # the dimension that turns this many times
         wavelengths = config.rope_original_length / (rotations * 2 * math.pi)

@@ -73,6 +73,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "mlp": ("tensor",),
         "experts": ("expert",),  # a mixture's stacked experts: expert parallelism
         "router": (),  # the router's scores of the experts: small, whole everywhere
+        "latent": (),  # multi-head latent attention's latents (models/latent.py): small
         "qkv": (),
         "head_dim": (),
         "length": (),

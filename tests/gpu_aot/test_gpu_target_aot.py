@@ -26,6 +26,8 @@ from paisoar_jax.tools.plan import gpu_target
 # the whole stack took 377 s (gemma3_27b) and 163 s (gpt_oss_20b) on 2 cores; its full
 # plan is in benchmarks/RESULTS.md.
 ONE_PATTERN = {"gemma3_27b": ["model.layers=6"], "gpt_oss_20b": ["model.layers=2"]}
+# DeepSeek-V3: its three dense blocks and one of experts (a cluster's model: 671B whole)
+ONE_PATTERN["deepseek_v3_671b"] = ["model.layers=4"]
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)

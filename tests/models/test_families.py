@@ -126,7 +126,7 @@ def test_sliding_windows_import_where_every_layer_or_every_but_the_nth_slides():
     [
         ("gemma2", "soft-capping"),
         ("gemma3", "vision tower"),
-        ("deepseek_v3", "multi-head latent attention"),
+        ("llama4", "chunked attention"),
         ("phi3", "fused query-key-value"),
         ("olmo2", "norms after attention"),
         ("smollm3", "NoPE"),

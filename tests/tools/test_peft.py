@@ -81,8 +81,9 @@ def our_logits(config_path, weights, overrides=()):
     config = load_config(str(config_path), ["mesh.data=1", "mesh.fsdp=1", *overrides])
     run = setup(config, zoo_workload(config), jax.devices()[:1])
     with jax.set_mesh(run.mesh):
-        params, _ = load_weights(weights, run.layout.abstract_state)
-        return np.asarray(nnx.merge(run.layout.graphdef, params, {})(TOKENS)), params
+        params, model_state = load_weights(weights, run.layout.abstract_state)
+        model = nnx.merge(run.layout.graphdef, params, model_state or {})
+        return np.asarray(model(TOKENS)), params
 
 
 @pytest.fixture(scope="module")

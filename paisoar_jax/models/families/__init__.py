@@ -15,6 +15,8 @@ from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.config.models import LLAMA_KEYS
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import (
+    deepseek_v2,
+    deepseek_v3,
     gemma3,
     gpt2,
     gpt_oss,
@@ -39,6 +41,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.FAMILY,
     gemma3.FAMILY,
     gpt_oss.FAMILY,
+    deepseek_v3.FAMILY,
+    deepseek_v2.FAMILY,
 )
 # transformers' class of each family, by config.json's model_type.
 ARCHITECTURES = {family.hf_type: family.architecture for family in FAMILIES}
@@ -48,10 +52,6 @@ NOT_YET = {
     "gemma": "Gemma's embeddings scaled by sqrt(width), (1 + w) RMSNorms and GeGLU MLP",
     "gemma2": "Gemma 2's sliding-window layers, pre- and post-norms and logit soft-capping",
     "gemma3": "Gemma 3's vision tower (its text model, Gemma3ForCausalLM, imports)",
-    "deepseek_v2": "multi-head latent attention (low-rank queries and keys/values) and "
-    "group-limited routing",
-    "deepseek_v3": "multi-head latent attention (low-rank queries and keys/values), "
-    "group-limited sigmoid routing and multi-token prediction",
     "phi3": "Phi-3's fused query-key-value and gate-up projections",
     "olmo2": "OLMo 2's norms after attention and the MLP, and its queries and keys normed "
     "over the whole width",

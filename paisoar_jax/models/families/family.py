@@ -46,6 +46,9 @@ class Tensor:
     # (index, count): ours is every count-th feature of HF's last axis from index (GPT-OSS's
     # gate and up interleaved in one gate_up_proj); the export adds the parts into one.
     interleaved: tuple[int, int] | None = None
+    # Model state, not a parameter (no gradient moves it): DeepSeek-V3's router bias, which
+    # bias balancing moves (models/moe.py); an import writes it as the export's model state.
+    state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

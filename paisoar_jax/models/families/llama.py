@@ -226,6 +226,7 @@ def is_llama(model: LanguageModelConfig) -> bool:
         or model.sliding_window
         or is_gemma(model)
         or is_gpt_oss_like(model)
+        or model.kv_latent_width
     )
 
 
@@ -314,8 +315,9 @@ def variant(
         return settings
 
     def variant_holds(model: LanguageModelConfig) -> bool:
-        # Every block slides or none: the pattern of some is Gemma's alone.
-        own = is_gemma(model) or is_gpt_oss_like(model)
+        # Every block slides or none: the pattern of some is Gemma's alone; latent attention
+        # is DeepSeek's.
+        own = is_gemma(model) or is_gpt_oss_like(model) or model.kv_latent_width
         return holds(model) and not own and model.global_every <= 1
 
     return Family(

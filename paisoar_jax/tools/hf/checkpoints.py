@@ -135,23 +135,27 @@ def hf_import(
     if adapter is not None:
         kernel_shapes = {path: shape.shape for path, shape in expected.items()}
         adapters, lora_settings = peft.read_adapter(adapter, model, kernel_shapes, source)
-    params = {}
+    whole = jax.sharding.NamedSharding(
+        next(iter(places.values())).mesh, jax.sharding.PartitionSpec()
+    )
+    state_shapes = _flat(nnx_state_shapes(model))  # small (a router's bias): whole on each
+    params, model_state = {}, {}
     for tensor in (laid for listed in tensors_of(model) for laid in _laid_out(listed, model)):
-        if tensor.ours not in expected:  # the head of tied embeddings
+        if tensor.state and tensor.ours in state_shapes:
+            shape = state_shapes[tensor.ours].shape
+            model_state[tensor.ours] = _placed(reader, source, tensor, model, shape, whole)
+        if tensor.state or tensor.ours not in expected:  # (the head of tied embeddings)
             continue
         shape = expected[tensor.ours].shape
         params[tensor.ours] = _placed(reader, source, tensor, model, shape, places[tensor.ours])
     unmapped = sorted(set(expected) - set(params))
     if unmapped:  # a mapping gap of ours, never silently an untrained parameter
         raise UserError(f"{source}: no Hugging Face tensor maps to our {', '.join(unmapped)}")
-    whole = jax.sharding.NamedSharding(
-        next(iter(places.values())).mesh, jax.sharding.PartitionSpec()
-    )
     for path, array in adapters.items():  # small: each device holds all of it
         params[path] = jax.make_array_from_callback(array.shape, whole, array.__getitem__)
     multihost_utils.sync_global_devices("hf-import: every process checked --output")
     output.mkdir(parents=True, exist_ok=True)
-    export_weights(_nested(params), {}, output)
+    export_weights(_nested(params), _nested(model_state), output)
     if jax.process_index() != 0:
         return ""
     token_ids = {key: hf_json.get(key) for key in TOKEN_IDS}
@@ -201,7 +205,7 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
 
     from paisoar_jax.checkpointing.weights import read_weights
 
-    config, params, where = read_weights(source)
+    config, params, model_state, where = read_weights(source)
     model = config.model
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
@@ -223,11 +227,13 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     token_ids = read_json(kept) if kept else {}
     hf_json |= {key: token_ids.get(key) for key in TOKEN_IDS}  # null where none is known
     tensors, written = {}, set()
+    state = _flat(model_state or {})
     for tensor in (laid for listed in tensors_of(model) for laid in _laid_out(listed, model)):
-        if tensor.ours not in flat:  # the head of tied embeddings
+        held = state if tensor.state else flat
+        if tensor.ours not in held:  # the head of tied embeddings; a bias never balanced
             continue
         written.add(tensor.ours)
-        stored = np.asarray(flat[tensor.ours], np.float32)
+        stored = np.asarray(held[tensor.ours], np.float32)
         for combination, name in _their_names(tensor, model).items():
             # a leading axis per {i} and {j} of HF's name: one tensor per layer and expert
             array = np.asarray(tensor.to_theirs(stored[combination], model), np.float32)
@@ -341,7 +347,15 @@ def placed_params(model: LanguageModelConfig, devices=None) -> tuple[dict, dict]
     return shapes, _nested(placed)
 
 
-def _abstract_state(model: LanguageModelConfig):
+def nnx_state_shapes(model: LanguageModelConfig) -> dict:
+    """Our model's state that is not a parameter (a router's bias), as shapes."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(_abstract_state(model, nnx.Not(nnx.Param)))
+
+
+def _abstract_state(model: LanguageModelConfig, kind=None):
+    """Our model's params (or the variables `kind` filters), as shapes."""
     import jax
     from flax import nnx
 
@@ -350,7 +364,7 @@ def _abstract_state(model: LanguageModelConfig):
 
     def create():
         built = build_model(model, get_policy("fp32"), "none", nnx.Rngs(params=0))
-        return nnx.state(built, nnx.Param)
+        return nnx.state(built, nnx.Param if kind is None else kind)
 
     with nnx.use_eager_sharding(False):
         return jax.eval_shape(create)

@@ -8,7 +8,11 @@ from paisoar_jax.models import families
 
 @pytest.mark.parametrize(
     "config_name, architecture, billions",
-    [("gemma3_27b", "Gemma3ForCausalLM", 27.0), ("gpt_oss_20b", "GptOssForCausalLM", 20.9)],
+    [
+        ("gemma3_27b", "Gemma3ForCausalLM", 27.0),
+        ("gpt_oss_20b", "GptOssForCausalLM", 20.9),
+        ("deepseek_v3_671b", "DeepseekV3ForCausalLM", 671.0),
+    ],
 )
 def test_a_shipped_real_size_config_has_the_parameters_transformers_builds(
     config_name, architecture, billions
