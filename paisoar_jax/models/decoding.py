@@ -30,12 +30,23 @@ from paisoar_jax.parallel.sharding import constrain
 def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Zero keys and values (L x B x S x K x E) for `length` positions.
 
-    With multi-head latent attention the keys are wider than the values (their rotated
-    part): each array has its own head width.
+    With multi-head latent attention they are each position's latent and rotated key
+    instead (L x B x S x 1 x R, and x P: models/latent.py widens them at each step).
     """
-    shape = (model_config.layers, batch, length, model_config.key_value_heads)
-    keys = jnp.zeros((*shape, model_config.query_head_size), dtype)
-    return keys, jnp.zeros((*shape, model_config.value_head_size), dtype)
+    if model_config.kv_latent_width:
+        latents = (model_config.layers, batch, length, 1)
+        return (
+            jnp.zeros((*latents, model_config.kv_latent_width), dtype),
+            jnp.zeros((*latents, model_config.rope_head_width), dtype),
+        )
+    shape = (
+        model_config.layers,
+        batch,
+        length,
+        model_config.key_value_heads,
+        model_config.head_size,
+    )
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 def cached_attention(

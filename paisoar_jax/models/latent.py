@@ -13,9 +13,10 @@ the halves.
 
 The HF tensors are kept fused as HF stores them (kv_a_proj_with_mqa holds the latent and the
 shared rotated key; kv_b_proj every head's key and value parts), so an import is a
-transpose and a reshape. The cache holds the widened keys and values (not the latent: less
-to compute, more memory, for now). Shape suffixes as llama.py's, with R the kv latent's
-width, Q the query latent's, N a head's unrotated part, P its rotated part, W a value head.
+transpose and a reshape. At generation the cache holds each position's latent and rotated
+key (R + P numbers, not H x (N + P + W)), widened again at each step. Shape suffixes as
+llama.py's, with R the kv latent's width, Q the query latent's, N a head's unrotated
+part, P its rotated part, W a value head.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.models.decoding import cached_attention
 from paisoar_jax.models.layers import RMSNorm, param
 from paisoar_jax.models.rotary import rotate_halves, rotate_pairs
 from paisoar_jax.parallel.sharding import constrain
@@ -61,7 +63,7 @@ class LatentAttention:
         """The latent projections: the query's (or its direct one), the keys' and values'."""
         D, H, R, Q = config.width, config.heads, config.kv_latent_width, config.q_latent_width
         N, P, W = config.head_size, config.rope_head_width, config.value_head_size
-        self.rope_width, self.interleave = P, config.rope_interleave
+        self.rope_width, self.value_width, self.interleave = P, W, config.rope_interleave
         if Q:  # q_a_proj, its norm, then q_b_proj to every head
             self.q_kernel = param(rngs, normal, (D, Q), ("embed", "latent"))
             self.q_latent_norm = RMSNorm(Q, LATENT_NORM_EPSILON, rngs, axis="latent")
@@ -76,37 +78,72 @@ class LatentAttention:
         self.out_kernel = param(rngs, residual, (H, W, D), ("heads", "head_dim", "embed"))
 
     def _queries_keys_values(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
+        q_BxTxHxE, latent_BxTxR, k_rope_BxTx1xP = self._latent_parts(x_BxTxD, rotary)
+        k_BxTxHxE, v_BxTxHxW = self._widened(latent_BxTxR, k_rope_BxTx1xP)
+        return q_BxTxHxE, k_BxTxHxE, v_BxTxHxW
+
+    def decode(self, x_BxTxD, rotary, cache, index, valid_BxS=None) -> tuple[jax.Array, tuple]:
+        """The block at positions index.., its cache the latents and rotated keys (L x R, P).
+
+        Each step widens every cached position's latent into its keys and values (the
+        latent is what is held: R + P numbers a position, not H x (N + P + W)).
+        """
+        q_BxTxHxE, latent_BxTxR, k_rope_BxTx1xP = self._latent_parts(x_BxTxD, rotary)
+        latents_BxSx1xR, rotated_BxSx1xP = (
+            jax.lax.dynamic_update_slice_in_dim(held, new[:, :, None].astype(held.dtype), index, 1)
+            for held, new in ((cache[0], latent_BxTxR), (cache[1], k_rope_BxTx1xP[:, :, 0]))
+        )
+        keys_BxSxHxE, values_BxSxHxW = self._widened(
+            latents_BxSx1xR[:, :, 0].astype(latent_BxTxR.dtype),
+            rotated_BxSx1xP.astype(latent_BxTxR.dtype),
+        )
+        T = q_BxTxHxE.shape[1]
+        k_BxTxHxE, v_BxTxHxW = (
+            jax.lax.dynamic_slice_in_dim(array, index, T, axis=1)
+            for array in (keys_BxSxHxE, values_BxSxHxW)
+        )
+        widened = (keys_BxSxHxE, values_BxSxHxW)  # (writing its own T again changes nothing)
+        attention_BxTxHxW, _ = cached_attention(
+            q_BxTxHxE, k_BxTxHxE, v_BxTxHxW, widened, index, valid_BxS
+        )
+        return self._after_attention(x_BxTxD, attention_BxTxHxW)[0], (
+            latents_BxSx1xR,
+            rotated_BxSx1xP,
+        )
+
+    def _latent_parts(self, x_BxTxD: jax.Array, rotary: tuple) -> tuple:
+        """The rotated, scaled queries, the normed latent and the rotated key of every head.
+
+        Shapes: B x T x H x (N + P), B x T x R and B x T x 1 x P.
+        """
         cast = self.policy.cast_to_compute
         h_BxTxD = cast(self.attention_norm(x_BxTxD))
-        heads = ("batch", "length", "act_heads", "head_dim")
         if hasattr(self, "q_up_kernel"):
             latent_BxTxQ = self._project("btd,dq->btq", h_BxTxD, "q_kernel", "q")
             latent_BxTxQ = cast(self.q_latent_norm(latent_BxTxQ))
             q_BxTxHxE = self._project("btq,qhe->bthe", latent_BxTxQ, "q_up_kernel", "q_up")
         else:
             q_BxTxHxE = self._project("btd,dhe->bthe", h_BxTxD, "q_kernel", "q")
-        q_BxTxHxE = constrain(q_BxTxHxE, heads)
+        q_BxTxHxE = constrain(q_BxTxHxE, ("batch", "length", "act_heads", "head_dim"))
         down_BxTxS = self._project("btd,ds->bts", h_BxTxD, "kv_down_kernel", "kv_down")
-        latent_BxTxR, k_rope_BxTxP = (
-            down_BxTxS[..., : -self.rope_width],
-            down_BxTxS[..., -self.rope_width :],
-        )
-        latent_BxTxR = cast(self.kv_latent_norm(latent_BxTxR))
-        kv_BxTxHxF = self._project("btr,rhf->bthf", latent_BxTxR, "kv_up_kernel", "kv_up")
-        N = q_BxTxHxE.shape[-1] - self.rope_width
-        k_nope_BxTxHxN, v_BxTxHxW = kv_BxTxHxF[..., :N], kv_BxTxHxF[..., N:]
-        q_nope_BxTxHxN, q_rope_BxTxHxP = q_BxTxHxE[..., :N], q_BxTxHxE[..., N:]
+        P = self.rope_width
+        latent_BxTxR = cast(self.kv_latent_norm(down_BxTxS[..., :-P]))
         tables = rotary[0]  # MLA has no sliding blocks: the global tables
         rotate = rotate_pairs if self.interleave else rotate_halves
-        q_rope_BxTxHxP = rotate(q_rope_BxTxHxP, *tables)
-        k_rope_BxTx1xP = rotate(k_rope_BxTxP[:, :, None, :], *tables)
-        k_rope_BxTxHxP = jnp.broadcast_to(
-            k_rope_BxTx1xP, (*k_nope_BxTxHxN.shape[:3], self.rope_width)
-        )
-        q_BxTxHxE = jnp.concatenate([q_nope_BxTxHxN, q_rope_BxTxHxP], axis=-1)
-        k_BxTxHxE = jnp.concatenate(
-            [k_nope_BxTxHxN, k_rope_BxTxHxP.astype(k_nope_BxTxHxN.dtype)], axis=-1
-        )
+        N = q_BxTxHxE.shape[-1] - P
+        q_rope_BxTxHxP = rotate(q_BxTxHxE[..., N:], *tables)
+        q_BxTxHxE = jnp.concatenate([q_BxTxHxE[..., :N], q_rope_BxTxHxP], axis=-1)
         if self.query_scale != 1.0:  # YaRN's mscale on the softmax (query_scale_width)
             q_BxTxHxE = q_BxTxHxE * jnp.asarray(self.query_scale, q_BxTxHxE.dtype)
-        return constrain(q_BxTxHxE, heads), constrain(k_BxTxHxE, heads), constrain(v_BxTxHxW, heads)
+        k_rope_BxTx1xP = rotate(down_BxTxS[:, :, None, -P:], *tables)
+        return q_BxTxHxE, latent_BxTxR, k_rope_BxTx1xP.astype(latent_BxTxR.dtype)
+
+    def _widened(self, latent_BxSxR: jax.Array, k_rope_BxSx1xP: jax.Array) -> tuple:
+        """(keys B x S x H x (N + P), values B x S x H x W) of the latents and rotated keys."""
+        kv_BxSxHxF = self._project("bsr,rhf->bshf", latent_BxSxR, "kv_up_kernel", "kv_up")
+        P, W = self.rope_width, self.value_width
+        k_nope_BxSxHxN, v_BxSxHxW = kv_BxSxHxF[..., :-W], kv_BxSxHxF[..., -W:]
+        k_rope_BxSxHxP = jnp.broadcast_to(k_rope_BxSx1xP, (*k_nope_BxSxHxN.shape[:3], P))
+        k_BxSxHxE = jnp.concatenate([k_nope_BxSxHxN, k_rope_BxSxHxP], axis=-1)
+        heads = ("batch", "length", "act_heads", "head_dim")
+        return constrain(k_BxSxHxE, heads), constrain(v_BxSxHxW, heads)

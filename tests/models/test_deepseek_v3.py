@@ -21,6 +21,7 @@ from test_hf import TOKENS, exported_with_its_weights, imported_copy, our_logits
 from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.inference.generator import Generator
+from paisoar_jax.models.decoding import empty_cache
 from paisoar_jax.tools import hf
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
@@ -115,9 +116,13 @@ def test_the_export_loads_in_transformers_with_the_same_weights(imported, tmp_pa
 @pytest.mark.checks("greedy", families=["deepseek_v3"])
 def test_greedy_tokens_are_transformers(imported, devices):
     model, _, ours = imported
-    prompt = [int(token) for token in np.random.default_rng(1).integers(3, 96, 12)]
-    generated = Generator(ours, devices[:1]).generate([prompt], 8)[0]
-    assert generated == transformers_greedy(model, prompt, 8)
+    """Two prompts of two lengths in one batch, the cache holding each position's latent."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(token) for token in rng.integers(3, 96, length)] for length in (12, 7)]
+    generated = Generator(ours, devices[:1]).generate(prompts, 8)
+    assert generated == [transformers_greedy(model, prompt, 8) for prompt in prompts]
+    latents, rotated = empty_cache(load_config(str(ours / "config.yaml")).model, 2, 20, "float32")
+    assert latents.shape == (3, 2, 20, 1, 32) and rotated.shape == (3, 2, 20, 1, 8)
 
 
 @pytest.mark.checks("import", "logits", families=["deepseek_v3"])
