@@ -21,6 +21,7 @@ WORKFLOWS = {
     "lora": "LoRA / PEFT",
     "sharded": "sharded step = one device",
     "resume": "exact resume",
+    "mtp": "multi-token prediction",
 }
 
 

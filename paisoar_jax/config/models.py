@@ -68,6 +68,11 @@ class LanguageModelConfig:
     # (auto): slices of at most 8,192 columns where the vocabulary is larger (gpt2_124m on
     # an H200: 3% faster a step and 1.5 GiB less, benchmarks/RESULTS.md), else whole
     loss_chunks: int = -1
+    # Multi-token prediction (DeepSeek-V3's MTP, models/mtp.py): this many extra modules,
+    # the k-th predicting the token k + 1 ahead from the stream and the next k tokens'
+    # embeddings, each one more block; training only (0: off)
+    mtp_depth: int = 0
+    mtp_loss: float = 0.3  # the modules' mean loss's weight in the loss (DeepSeek-V3's lambda)
     init_std: float = 0.02  # std of the normal initialiser of every weight matrix
     norm_eps: float = 1e-6  # the epsilon of every layer norm (GPT-2 and Llama use 1e-5)
     rope_theta: float = 10000.0  # rotary positions: the base of the frequencies
@@ -183,7 +188,10 @@ class LanguageModelConfig:
         self._check_latent()
         check_at_least("model", self, {"kv_heads": 0, "rope_original_length": 1})
         check_at_least("model", self, {"head_width": 0, "loss_chunks": -1})
-        check_at_least("model", self, {"max_positions": 0})
+        check_at_least("model", self, {"max_positions": 0, "mtp_depth": 0})
+        check_finite_non_negative("model", self, ("mtp_loss",))
+        if self.mtp_loss != 0.3 and not self.mtp_depth:
+            raise UserError("model.mtp_loss is for multi-token prediction: set model.mtp_depth")
         self._check_window()
         if self.max_positions and self.seq_len > self.max_positions:
             raise UserError(

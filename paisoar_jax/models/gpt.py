@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +21,18 @@ from jax.ad_checkpoint import checkpoint_name
 
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.engine import lora
+from paisoar_jax.errors import UserError
 from paisoar_jax.models.attention import attention, resolve_attention
 from paisoar_jax.models.decoding import cached_attention, decode_blocks
 from paisoar_jax.models.layers import build_blocks, layer_norm, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
+from paisoar_jax.models.mtp import PredictionModule, ahead
 from paisoar_jax.models.rotary import pairs_tables, rotate_pairs
+from paisoar_jax.models.stack import PackedRows, run_blocks, run_one_block
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
-from paisoar_jax.numerics.remat import recomputed_activation, wrap_block_call
+from paisoar_jax.numerics.remat import recomputed_activation
 from paisoar_jax.parallel.context import split_attention
-from paisoar_jax.parallel.pipeline import scan_layers
 from paisoar_jax.parallel.sharding import constrain, context_shards, sequence_whole
 
 
@@ -246,6 +247,18 @@ class Decoder(nnx.Module):
         self.final_norm = final_norm(D, config.norm_eps, rngs)
         if not config.tie_embeddings:
             self.head = param(rngs, normal, (D, V), ("embed", "vocab"))
+        if config.mtp_depth and context_shards() > 1:
+            raise UserError(
+                "model.mtp_depth with mesh.context > 1 is not supported yet: its targets lie "
+                "k tokens on, across the context split (use mesh.context=1)"
+            )
+        if config.mtp_depth:  # multi-token prediction's modules (models/mtp.py): training's
+            self.mtp = nnx.List(
+                [
+                    PredictionModule(config, policy, rngs, block_class, final_norm)
+                    for _ in range(config.mtp_depth)
+                ]
+            )
 
     def _token_embeddings(self, tokens_BxT: jax.Array) -> jax.Array:
         """The tokens' rows of the table, in the compute dtype."""
@@ -292,6 +305,42 @@ class Decoder(nnx.Module):
         The chunked loss (model.loss_chunks) takes it with `output_head(model)` instead of
         the logits.
         """
+        x, statistics, _ = self._through_blocks(tokens_BxT, segments_BxT, positions_BxT)
+        x_BxTxD = x if isinstance(x, jax.Array) else x.stream
+        return self.policy.cast_to_compute(self.final_norm(x_BxTxD)), statistics
+
+    def depth_streams_and_statistics(
+        self,
+        tokens_BxT: jax.Array,
+        segments_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
+    ) -> tuple[list[jax.Array], dict[str, jax.Array]]:
+        """([the final-normed stream, then each multi-token prediction module's], statistics).
+
+        Module k reads the embeddings of the tokens k ahead (models/mtp.py); the statistics
+        of its experts, if it has them, follow the decoder's MoE layers'.
+        """
+        x, statistics, rotary = self._through_blocks(tokens_BxT, segments_BxT, positions_BxT)
+        x_BxTxD = x if isinstance(x, jax.Array) else x.stream
+        streams = [self.policy.cast_to_compute(self.final_norm(x_BxTxD))]
+        run_block = functools.partial(run_one_block, rotary=rotary, remat=self.remat_policy)
+        for k, module in enumerate(self.mtp, start=1):
+            embeddings_BxTxD = self._token_embeddings(ahead(tokens_BxT, k))
+            x, normed_BxTxD, module_statistics = module(x, embeddings_BxTxD, run_block)
+            streams.append(normed_BxTxD)
+            if module_statistics:
+                statistics = jax.tree.map(
+                    lambda stacked, one: jnp.concatenate([stacked, one[None]]),
+                    statistics,
+                    module_statistics,
+                )
+        return streams, statistics
+
+    def _through_blocks(self, tokens_BxT, segments_BxT, positions_BxT) -> tuple:
+        """The last block's stream (or PackedRows of it), the statistics, the rotary input.
+
+        The rotary input is what the blocks took: the tables, or the function of positions.
+        """
         # Split over mesh.context, attention needs each token's position (the layout may
         # be balanced); packed documents bring theirs.
         if positions_BxT is None and (segments_BxT is not None or context_shards() > 1):
@@ -301,16 +350,14 @@ class Decoder(nnx.Module):
             x_BxTxD, statistics = run_blocks(
                 self.blocks, x_BxTxD, rotary, self.remat_policy, self.config
             )
-        else:
-            x_BxTxD, _ = self._embed(tokens_BxT, 0, positions_BxT)
-            rows = PackedRows(x_BxTxD, segments_BxT, positions_BxT)
-            # Each block makes its rotary tables from the rows' positions (a function, not
-            # tables, crosses into the scan: per-row tables would ride in every layer's carry).
-            rows, statistics = run_blocks(
-                self.blocks, rows, self.rotary_function(), self.remat_policy, self.config
-            )
-            x_BxTxD = rows.stream
-        return self.policy.cast_to_compute(self.final_norm(x_BxTxD)), statistics
+            return x_BxTxD, statistics, rotary
+        x_BxTxD, _ = self._embed(tokens_BxT, 0, positions_BxT)
+        rows = PackedRows(x_BxTxD, segments_BxT, positions_BxT)
+        # Each block makes its rotary tables from the rows' positions (a function, not
+        # tables, crosses into the scan: per-row tables would ride in every layer's carry).
+        rotary_of = self.rotary_function()
+        rows, statistics = run_blocks(self.blocks, rows, rotary_of, self.remat_policy, self.config)
+        return rows, statistics, rotary_of
 
     def decode(self, tokens_BxT: jax.Array, cache: tuple, index: jax.Array, starts_B=None) -> tuple:
         """(logits, cache) for tokens at positions index.. with the cache of those before.
@@ -359,7 +406,12 @@ class Decoder(nnx.Module):
         attention_width = config.heads * (config.query_head_size + config.value_head_size)
         T = config.seq_len
         spans = [min(config.window_of(layer) or T, T) for layer in range(config.layers)]
-        return 6 * active + 6 * attention_width * sum(spans)
+        # Each multi-token prediction module: its block's attention, and the shared head
+        # once more (its parameters are counted once in N).
+        depth = config.mtp_depth * (
+            6 * attention_width * spans[-1] + 6 * config.width * config.vocab_size
+        )
+        return 6 * active + 6 * attention_width * sum(spans) + depth
 
 
 class GPT(Decoder):
@@ -417,62 +469,3 @@ def output_logits(model: nnx.Module, h_BxTxD: jax.Array) -> jax.Array:
     else:
         logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, head_DxV)
     return constrain(logits_BxTxV, ("batch", "length", "act_vocab"))
-
-
-def run_blocks(blocks, x_BxTxD, rotary, remat_policy: str, model_config):
-    """(the stream or PackedRows through every block, the MoE layers' router statistics).
-
-    One scanned block, or each in turn; the statistics are stacked over the MoE layers
-    ({} for a dense model).
-    """
-    scanned = model_config.scan_layers
-    if scanned:
-        graphdef, stacked_state = nnx.split(blocks)
-        step = wrap_block_call(functools.partial(_block_step, graphdef, rotary), remat_policy, True)
-        # A plain scan, or the pipeline of mesh.stage > 1 (pipeline.py); only a mixture of
-        # experts' blocks have outputs to collect.
-        if model_config.experts == 0:
-            return scan_layers(step, x_BxTxD, stacked_state), {}
-        x_BxTxD, statistics = scan_layers(step, x_BxTxD, stacked_state, with_outputs=True)
-        if "router_bias" in statistics:  # bias balancing: the stack's next biases
-            blocks.moe.router_bias[...] = statistics.pop("router_bias")
-        return x_BxTxD, statistics
-    per_layer = []
-    for block in blocks:
-        graphdef, block_state = nnx.split(block)
-        step = functools.partial(_block_step, graphdef, rotary)
-        x_BxTxD, statistics = wrap_block_call(step, remat_policy, scanned)(x_BxTxD, block_state)
-        if "router_bias" in statistics:
-            block.moe.router_bias[...] = statistics.pop("router_bias")
-        per_layer += [statistics] if statistics else []
-    if not per_layer:
-        return x_BxTxD, {}
-    return x_BxTxD, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
-
-
-class PackedRows(NamedTuple):
-    """The stream of packed documents through the blocks, with what attention needs per row.
-
-    One carry, so a pipeline (which splits its input into micro-batches) splits the
-    documents' segments and positions with their rows.
-    """
-
-    stream: jax.Array  # B x T x D
-    segments: jax.Array | None  # B x T int32: each token's document (None: one per row)
-    positions: jax.Array  # B x T int32: each token's position in its document
-
-
-def _block_step(graphdef, rotary, x, block_state):
-    """One block as a pure function of its state, shaped for jax.lax.scan (carry, output).
-
-    `x`: the stream, with `rotary` its tables (or None); or PackedRows, with `rotary` the
-    function of positions that makes the tables.
-    """
-    block = nnx.merge(graphdef, block_state)
-    # Back to the stream's dtype: a block forced to another policy stays a drop-in.
-    if isinstance(x, PackedRows):
-        tables = None if rotary is None else rotary(x.positions)
-        out_BxTxD, statistics = block(x.stream, tables, x.segments, x.positions)
-        return x._replace(stream=out_BxTxD.astype(x.stream.dtype)), statistics
-    out_BxTxD, statistics = block(x, rotary)
-    return out_BxTxD.astype(x.dtype), statistics

@@ -127,6 +127,8 @@ def inactive_parameters(model_config) -> int:
         return 0
     expert_parameters = 3 * model_config.width * model_config.expert_width
     moe_layers = sum(model_config.is_moe_layer(layer) for layer in range(model_config.layers))
+    if model_config.is_moe_layer(model_config.layers - 1):  # multi-token prediction's blocks
+        moe_layers += model_config.mtp_depth
     return moe_layers * (model_config.experts - model_config.experts_per_token) * expert_parameters
 
 

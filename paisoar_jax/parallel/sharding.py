@@ -74,6 +74,7 @@ def parameter_rules(zero: int, optimizer_state: bool = False) -> dict[str, tuple
         "experts": ("expert",),  # a mixture's stacked experts: expert parallelism
         "router": (),  # the router's scores of the experts: small, whole everywhere
         "latent": (),  # multi-head latent attention's latents (models/latent.py): small
+        "mtp": (),  # multi-token prediction's two halves of its projection (models/mtp.py)
         "qkv": (),
         "head_dim": (),
         "length": (),

@@ -32,9 +32,9 @@ from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.engine.evaluation import EvalSet
 from paisoar_jax.errors import UserError
-from paisoar_jax.models import moe, resolve_model_config
+from paisoar_jax.models import moe, mtp, resolve_model_config
 from paisoar_jax.models.chunked_loss import chunk_count, chunked_cross_entropy
-from paisoar_jax.models.gpt import output_head
+from paisoar_jax.models.gpt import output_head, output_logits
 from paisoar_jax.numerics.precision import float32_island, get_policy
 from paisoar_jax.parallel.context import balanced_order
 from paisoar_jax.parallel.sharding import context_shards
@@ -69,6 +69,8 @@ class LanguageModelling:
         self.model_class = model_class  # its static flops_per_token gives MFU
         if getattr(self.model_config, "experts", 0):  # a mixture of experts: router metrics
             self.metric_names = moe.metric_names(self.model_config)
+        if getattr(self.model_config, "mtp_depth", 0):  # multi-token prediction's losses
+            self.metric_names += mtp.metric_names(self.model_config)
 
     def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
         """The train windows and the eval sets (evaluation.EvalSet).
@@ -158,14 +160,21 @@ class LanguageModelling:
 
         A mixture of experts adds its router's weighted balance and z-losses
         (moe.auxiliary_loss) and reports them, with the experts' load and drops, as metrics.
+        Multi-token prediction (model.mtp_depth) adds model.mtp_loss x its modules' mean
+        loss and reports each module's as mtp_loss/k.
         """
         del key  # no randomness (no dropout)
-        losses_BxT, learned_BxT, statistics = _token_losses(model, batch)
-        loss = jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1)
+        losses_BxT, learned_BxT, statistics, depths = _token_losses(model, batch, depths=True)
+        loss = _mean(losses_BxT, learned_BxT)
+        metrics = {}
+        if depths:
+            depth_losses = [_mean(losses, learned) for losses, learned in depths]
+            loss = loss + self.model_config.mtp_loss * sum(depth_losses) / len(depth_losses)
+            metrics = dict(zip(mtp.metric_names(self.model_config), depth_losses, strict=True))
         if not statistics:
-            return loss, {}
+            return loss, metrics
         router_loss = moe.auxiliary_loss(statistics, self.model_config)
-        return loss + router_loss, moe.metrics_of(statistics, self.model_config)
+        return loss + router_loss, moe.metrics_of(statistics, self.model_config) | metrics
 
     def loss_weight(self, batch) -> jax.Array | None:
         """The learned targets of a masked batch (the step weighs micro-batches by it)."""
@@ -177,7 +186,7 @@ class LanguageModelling:
         The eval step weighs each row by its "weight", so eval_loss is the mean per learned
         token (what perplexity is of), however the targets spread over the rows.
         """
-        losses_BxT, learned_BxT, _ = _token_losses(model, batch)
+        losses_BxT, learned_BxT, _, _ = _token_losses(model, batch)
         weight_B = learned_BxT.sum(axis=1)
         loss_B = jnp.sum(losses_BxT * learned_BxT, axis=1) / jnp.maximum(weight_B, 1)
         return {"loss": loss_B, "weight": weight_B}
@@ -327,12 +336,18 @@ class ImageClassification:
         return None
 
 
-def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """(B, T) fp32 next-token cross-entropies, their weights, and the router statistics.
+def _mean(losses_BxT: jax.Array, learned_BxT: jax.Array) -> jax.Array:
+    """The mean loss over the learned targets."""
+    return jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1)
+
+
+def _token_losses(model, batch, depths: bool = False) -> tuple:
+    """(B, T) fp32 next-token cross-entropies, their weights, the router statistics, depths.
 
     The windows hold T + 1 tokens. The weights are 1 for a learned target, 0 for one the
     loss skips (data/documents.py). The statistics are a mixture of experts' ({} for a
-    dense model).
+    dense model). `depths` (training) with model.mtp_depth: each multi-token prediction
+    module's (losses, weights) of the token k + 1 ahead (models/mtp.py); else none.
     """
     tokens_BxT1 = batch["tokens"] if isinstance(batch, dict) else batch
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -355,18 +370,38 @@ def _token_losses(model, batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Arr
         )
         documents = {name: x[:, order_T] for name, x in documents.items()}
     chunks = chunk_count(model.config.loss_chunks, model.config.vocab_size)
+    if depths and getattr(model.config, "mtp_depth", 0):
+        streams, statistics = model.depth_streams_and_statistics(inputs_BxT, **documents)
+        segments_BxT = documents.get("segments_BxT")
+        ahead_of = [
+            mtp.targets_ahead(targets_BxT, learned_BxT, segments_BxT, k)
+            for k in range(1, len(streams))
+        ]
+        losses = [
+            _stream_losses(model, h_BxTxD, targets, chunks)
+            for h_BxTxD, (targets, _) in zip(streams, [(targets_BxT, None), *ahead_of], strict=True)
+        ]
+        depth_pairs = [(losses[k], ahead_of[k - 1][1]) for k in range(1, len(streams))]
+        return losses[0], learned_BxT, statistics, depth_pairs
     if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
         h_BxTxD, statistics = model.stream_and_statistics(inputs_BxT, **documents)
-        losses_BxT = chunked_cross_entropy(
-            h_BxTxD, output_head(model), targets_BxT, chunks, model.config.fp32_logits
-        )
-        return losses_BxT, learned_BxT, statistics
+        return _stream_losses(model, h_BxTxD, targets_BxT, chunks), learned_BxT, statistics, []
     # Upcast here (fused into the loss): bf16 logits (model.fp32_logits=false) are never
     # normalised in bf16.
     logits_BxTxV, statistics = model.logits_and_statistics(inputs_BxT, **documents)
     logits_BxTxV = float32_island(logits_BxTxV)
     losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-    return losses_BxT, learned_BxT, statistics
+    return losses_BxT, learned_BxT, statistics, []
+
+
+def _stream_losses(model, h_BxTxD: jax.Array, targets_BxT: jax.Array, chunks: int) -> jax.Array:
+    """(B, T) fp32 cross-entropies of the head over a final-normed stream."""
+    if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
+        return chunked_cross_entropy(
+            h_BxTxD, output_head(model), targets_BxT, chunks, model.config.fp32_logits
+        )
+    logits_BxTxV = float32_island(output_logits(model, h_BxTxD))
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
 
 
 def _accuracy(logits_BxN: jax.Array, labels_B: jax.Array) -> jax.Array:

@@ -187,22 +187,43 @@ def test_a_quantized_checkpoint_is_one_line(imported, tmp_path):
         hf.hf_import(tmp_path / "hf", tmp_path / "ours")
 
 
-def test_the_shipped_671b_config_is_what_deepseek_v3s_config_json_imports_as():
-    """DeepSeek-V3's config.json (transformers' defaults are its shape, with its YaRN)."""
+V3_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
+V3_YARN |= {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+# DeepSeek-V2-Lite's config.json (transformers' defaults are DeepSeek-V2's own shape)
+V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, n_shared_experts=2)
+V2_LITE |= dict(moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16)
+V2_LITE |= dict(num_key_value_heads=16, n_routed_experts=64, kv_lora_rank=512, q_lora_rank=None)
+V2_LITE |= dict(num_experts_per_tok=6, first_k_dense_replace=1, aux_loss_alpha=0.001)
+V2_LITE |= dict(rope_parameters=V3_YARN | {"mscale": 0.707, "mscale_all_dim": 0.707})
+
+
+@pytest.mark.parametrize(
+    "config_name, version, settings",
+    [
+        ("deepseek_v3_671b", "V3", dict(rope_parameters=V3_YARN)),
+        ("deepseek_v2_lite_16b", "V2", V2_LITE),
+    ],
+)
+def test_a_shipped_real_size_config_is_what_its_config_json_imports_as(
+    config_name, version, settings
+):
+    """The real config.json's settings (transformers' defaults are the V3 and V2 shapes)."""
     import dataclasses
     import pathlib
 
-    from paisoar_jax.models.families import deepseek_v3 as family
+    from paisoar_jax.models import families
 
-    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
-    yarn |= {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    settings = transformers.DeepseekV3Config(max_position_embeddings=163840, rope_parameters=yarn)
-    imported = family.config_from_hf(settings.to_dict(), pathlib.Path("config.json"))
-    shipped = load_config("deepseek_v3_671b").model
+    hf = getattr(transformers, f"Deepseek{version}Config")(
+        max_position_embeddings=163840, **settings
+    )
+    imported = families.model_config_from_hf(hf.to_dict(), pathlib.Path("config.json"))
+    shipped = load_config(config_name).model
     differing = {
         field.name
         for field in dataclasses.fields(shipped)
         if getattr(shipped, field.name) != getattr(imported, field.name)
     }
-    # the training window, kv_heads spelled out, and the shipped planning choices
-    assert differing == {"seq_len", "kv_heads", "expert_capacity_factor", "router_bias_rate"}
+    # the training window, kv_heads spelled out, the experts' capacity for plan (and V3's
+    # balancing on, for pretraining)
+    planned = {"seq_len", "kv_heads", "expert_capacity_factor"}
+    assert differing == planned | ({"router_bias_rate"} if version == "V3" else set())

@@ -125,6 +125,24 @@ def test_renormalised_weights_sum_to_one_and_sigmoid_scores_need_not():
     )
 
 
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+def test_group_limited_routing_chooses_within_the_best_groups_as_the_reference(router):
+    """8 experts in 4 groups, the best 2 groups: DeepSeek-V3's rank (sum of two best scores,
+    sigmoid) and V2's (best score, softmax); the weights scaled."""
+    logits = np.random.default_rng(3).normal(0, 2, (2, 5, 8)).astype(np.float32)
+    shape = MoeShape(8, 2, router=router, groups=4, top_groups=2, scale=2.5, renormalize=False)
+    weights, chosen, _ = (np.asarray(a) for a in route(jnp.asarray(logits), shape))
+    for row, token in np.ndindex(2, 5):
+        x = logits[row, token].astype(np.float64)
+        scores = 1 / (1 + np.exp(-x)) if router == "sigmoid" else np.exp(x) / np.exp(x).sum()
+        groups = np.sort(scores.reshape(4, 2), axis=1)[:, ::-1]
+        rank = groups[:, :2].sum(1) if router == "sigmoid" else groups[:, 0]
+        allowed = np.repeat(np.isin(np.arange(4), np.argsort(rank)[-2:]), 2)
+        best = np.argsort(np.where(allowed, scores, -np.inf))[-2:][::-1]
+        assert list(chosen[row, token]) == list(best)
+        np.testing.assert_allclose(weights[row, token], 2.5 * scores[best], rtol=1e-5)
+
+
 def test_the_router_learns_through_the_weights_of_the_kept_choices():
     module, h = layer(MoeShape(4, 2, mlp_width=16)), inputs()
     graphdef, params = nnx.split(module)

@@ -79,4 +79,5 @@ FAMILY = Family(
     from_hf=config_from_hf,
     to_hf=to_hf,
     holds=is_deepseek_v2,
+    configs=("deepseek_v2_lite_16b",),
 )

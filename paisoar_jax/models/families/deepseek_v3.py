@@ -145,7 +145,8 @@ def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
         expert_mlp_width=hf["moe_intermediate_size"],
         shared_experts=hf.get("n_shared_experts") or 0,
         router_scale=float(hf.get("routed_scaling_factor") or 1.0),
-        router_aux_loss=0.0001,  # DeepSeek's tiny weight of its balance loss
+        # DeepSeek's weight of its balance loss (its own config.json's aux_loss_alpha)
+        router_aux_loss=float(hf.get("aux_loss_alpha") or 0.0001),
         dense_layers=dense,
         scan_layers=not dense,  # dense blocks before the experts: unrolled
     )

@@ -210,7 +210,8 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     if not isinstance(model, LanguageModelConfig):
         raise UserError(f"{source}: model.name={model.name} has no Hugging Face form here")
     hf_json = hf_config(model)  # refuses what HF's classes cannot hold, before any write
-    flat = _flat(params)
+    # Multi-token prediction's modules (models/mtp.py) are training's: no HF class has them.
+    flat = {path: array for path, array in _flat(params).items() if not path.startswith("mtp.")}
     if form == "model" and peft.has_adapters(flat):
         raise UserError(
             f"{source} holds LoRA adapters: export them with --peft (an adapter for PEFT over "

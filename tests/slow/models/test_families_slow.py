@@ -12,6 +12,7 @@ from paisoar_jax.models import families
         ("gemma3_27b", "Gemma3ForCausalLM", 27.0),
         ("gpt_oss_20b", "GptOssForCausalLM", 20.9),
         ("deepseek_v3_671b", "DeepseekV3ForCausalLM", 671.0),
+        ("deepseek_v2_lite_16b", "DeepseekV2ForCausalLM", 15.7),
     ],
 )
 def test_a_shipped_real_size_config_has_the_parameters_transformers_builds(
