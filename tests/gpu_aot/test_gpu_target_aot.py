@@ -26,6 +26,7 @@ from paisoar_jax.tools.plan import gpu_target
 # the whole stack took 377 s (gemma3_27b) and 163 s (gpt_oss_20b) on 2 cores; its full
 # plan is in benchmarks/RESULTS.md.
 ONE_PATTERN = {"gemma3_27b": ["model.layers=6"], "gpt_oss_20b": ["model.layers=2"]}
+ONE_PATTERN["gpt_oss_120b"] = ["model.layers=2"]
 # DeepSeek-V3 and V2-Lite: their dense blocks and one of experts (V3 is a cluster's model)
 ONE_PATTERN["deepseek_v3_671b"] = ["model.layers=4"]
 ONE_PATTERN["deepseek_v2_lite_16b"] = ["model.layers=2"]

@@ -163,5 +163,5 @@ FAMILY = Family(
     from_hf=config_from_hf,
     to_hf=to_hf,
     holds=is_gpt_oss,
-    configs=("gpt_oss_20b",),
+    configs=("gpt_oss_20b", "gpt_oss_120b"),
 )

@@ -11,6 +11,7 @@ from paisoar_jax.models import families
     [
         ("gemma3_27b", "Gemma3ForCausalLM", 27.0),
         ("gpt_oss_20b", "GptOssForCausalLM", 20.9),
+        ("gpt_oss_120b", "GptOssForCausalLM", 116.8),
         ("deepseek_v3_671b", "DeepseekV3ForCausalLM", 671.0),
         ("deepseek_v2_lite_16b", "DeepseekV2ForCausalLM", 15.7),
     ],
