@@ -31,12 +31,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0}
 YARN |= {"truncate": False, "original_max_position_embeddings": 16, "rope_theta": 10_000.0}
 
 
-def gpt_oss():
+def gpt_oss(intermediate_size=48):
     """2 layers (sliding, full), 4 experts of width 48, 2 per token, heads of 16."""
     config = transformers.GptOssConfig(
         **ATTENTION,
         vocab_size=96,
-        intermediate_size=48,
+        intermediate_size=intermediate_size,
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=2,
@@ -97,13 +97,50 @@ def test_greedy_tokens_past_the_window_are_transformers(imported, devices):
     assert generated == transformers_greedy(model, prompt, 10)
 
 
-def test_a_quantized_checkpoint_is_one_line_with_the_way_out(imported, tmp_path):
-    _, source, _ = imported
+@pytest.mark.checks("import", "logits", families=["gpt_oss"])
+def test_an_mxfp4_checkpoint_imports_as_transformers_dequantises_it(tmp_path, devices):
+    """The published form: the experts as MXFP4 blocks and scales (random bytes here).
+
+    Experts 64 wide: MXFP4's blocks of 32 divide every input width.
+    """
+    import safetensors.numpy
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = gpt_oss(intermediate_size=64)
+    source, _ = imported_copy(model, tmp_path)
+    stored = safetensors.numpy.load_file(str(source / "model.safetensors"))
+    rng = np.random.default_rng(5)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
+            experts, inputs, outputs = weight.shape  # HF's (in, out): MXFP4 rows are out
+            blocks = rng.integers(0, 256, (experts, outputs, inputs // 32, 16), dtype=np.uint8)
+            scales = rng.integers(118, 124, (experts, outputs, inputs // 32), dtype=np.uint8)
+            del stored[name]
+            stored[f"{name}_blocks"], stored[f"{name}_scales"] = blocks, scales
+            theirs = convert_moe_packed_tensors(
+                torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32
+            )
+            weight.copy_(theirs)  # transformers' own decoding is the reference
+    quantized = tmp_path / "mxfp4"
+    quantized.mkdir()
     settings = json.loads((source / "config.json").read_text())
     settings["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(settings))
+    safetensors.numpy.save_file(stored, str(quantized / "model.safetensors"))
+    hf.hf_import(quantized, tmp_path / "decoded")
+    logits, _ = our_logits(tmp_path / "decoded", devices[:1])
+    assert np.abs(logits - torch_logits(model, TOKENS)).max() < 1e-4
+
+
+def test_another_quantization_is_one_line(imported, tmp_path):
+    _, source, _ = imported
+    settings = json.loads((source / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "bitsandbytes_4bit"}
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
-    with pytest.raises(UserError, match="stored in mxfp4.*Mxfp4Config\\(dequantize=True\\)"):
+    with pytest.raises(UserError, match="stored in bitsandbytes_4bit.*dequantise them"):
         hf.hf_import(tmp_path / "hf", tmp_path / "ours")
 
 

@@ -6,8 +6,9 @@ logit per head in each softmax (attention_sinks); sliding-window layers alternat
 global ones (sliding_window, global_every=2, from layer_types); YaRN rotary scaling
 (rope_scaling=yarn); a router with a bias, softmax over the chosen experts; experts with
 biases (expert_bias) and the clamped SwiGLU (expert_activation=clamped_swiglu, swiglu_alpha,
-swiglu_limit), their gate and up interleaved in one HF tensor. Checkpoints in MXFP4
-(quantization_config) are refused in one line: dequantise them with transformers first.
+swiglu_limit), their gate and up interleaved in one HF tensor. The published checkpoints'
+experts in MXFP4 are decoded as they are read (tools/hf/mxfp4.py); training is in bf16 and
+the export writes bf16.
 """
 
 from __future__ import annotations
@@ -73,11 +74,10 @@ def _layer_types(hf: dict) -> list[str]:
 def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     """Our model section for a GPT-OSS config.json; what differs is one line."""
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
-    if quantization:
+    if quantization not in (None, "mxfp4"):  # MXFP4's experts decode as they are read
         raise UserError(
             f"{where}: the experts are stored in {quantization}, which this import does not "
-            "read: load the model with transformers' Mxfp4Config(dequantize=True) and "
-            "save_pretrained it, then import that"
+            "read (it reads bf16, fp32 and MXFP4): dequantise them with transformers first"
         )
     if not hf.get("attention_bias", True):
         raise UserError(f"{where}: attention_bias=False is not a GPT-OSS this model reads")

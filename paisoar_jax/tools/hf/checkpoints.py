@@ -41,7 +41,7 @@ from paisoar_jax.models.families import (
 )
 from paisoar_jax.output import describe_params
 from paisoar_jax.runtime.user_files import read_json, safetensors_errors
-from paisoar_jax.tools.hf import peft
+from paisoar_jax.tools.hf import mxfp4, peft
 
 __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
@@ -82,9 +82,12 @@ class SafetensorsReader:
             raise UserError(f"{directory} holds no *.safetensors weights")
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor as float32 (bf16 and fp16 are widened), in host memory."""
+        """One tensor as float32 (bf16 and fp16 widened, MXFP4 decoded), in host memory."""
         import jax
 
+        if self._quantized(name):
+            blocks, scales = (self._raw(name + suffix) for suffix in (mxfp4.BLOCKS, mxfp4.SCALES))
+            return mxfp4.decoded(blocks, scales)
         # flax, for bf16 (numpy has none); on the host CPU, not an accelerator.
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             path = self.files[name]
@@ -93,16 +96,33 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, from the file's header (nothing is read)."""
+        if self._quantized(name):
+            return mxfp4.decoded_shape(self.shape(name + mxfp4.BLOCKS))
         path = self.files[name]
         with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
             return tuple(handle.get_slice(name).get_shape())
 
     def name_of(self, name: str) -> str | None:
-        """The stored name of `name`: GPT-2's without `transformer.` where saved that way."""
-        if name in self.files:
+        """The stored name of `name`: GPT-2's without `transformer.` where saved that way.
+
+        A tensor stored in MXFP4 (name_blocks and name_scales) is found by its own name.
+        """
+        if name in self.files or self._quantized(name):
             return name
         bare = name.removeprefix("transformer.")
         return bare if bare in self.files else None
+
+    def _quantized(self, name: str) -> bool:
+        """Whether `name` is stored in MXFP4, as its blocks and scales (GPT-OSS's experts)."""
+        return name not in self.files and all(
+            name + suffix in self.files for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)
+        )
+
+    def _raw(self, name: str) -> np.ndarray:
+        """One tensor as stored (MXFP4's bytes)."""
+        path = self.files[name]
+        with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
+            return handle.get_tensor(name)
 
 
 def hf_import(
