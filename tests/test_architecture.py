@@ -29,7 +29,7 @@ TOOL_PACKAGES = {
         "scaling_findings",
     },
     "launch": {"arguments", "command", "rank_output", "restarts"},
-    "hf": {"checkpoints", "peft"},
+    "hf": {"checkpoints", "peft", "reader"},
 }
 COMMANDS = {
     "plan",

@@ -21,8 +21,8 @@ from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.errors import UserError
 from paisoar_jax.inference.generator import Text, end_of_sequence_ids
 from paisoar_jax.runtime.user_files import open_tokenizer
-from paisoar_jax.tools.hf.checkpoints import SafetensorsReader
 from paisoar_jax.tools.hf.peft import read_adapter_settings, read_adapter_tensors
+from paisoar_jax.tools.hf.reader import SafetensorsReader
 
 
 def hf_directory(tmp_path, sharded=False):

@@ -7,7 +7,7 @@ global ones (sliding_window, global_every=2, from layer_types); YaRN rotary scal
 (rope_scaling=yarn); a router with a bias, softmax over the chosen experts; experts with
 biases (expert_bias) and the clamped SwiGLU (expert_activation=clamped_swiglu, swiglu_alpha,
 swiglu_limit), their gate and up interleaved in one HF tensor. The published checkpoints'
-experts in MXFP4 are decoded as they are read (tools/hf/mxfp4.py); training is in bf16 and
+experts in MXFP4 are decoded as they are read (tools/hf/reader.py); training is in bf16 and
 the export writes bf16.
 """
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama and Mixtral, through safetensors.
+"""Hugging Face checkpoints in and out, every family of models/families/, via safetensors.
 
 `hf_import` reads an HF model directory (config.json and model.safetensors, or the shards
 of a model.safetensors.index.json) into our parameter layout, written as a params export
@@ -7,13 +7,13 @@ writes a run's (or an export's) params back as a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads. The library never imports
 transformers or torch: the formats are plain JSON and safetensors.
 
-Each tensor is read memory-mapped and on its own, checked against the shape our model
-has for it (from the file's header), and each device's shard of our parameter is built on
-its own (`placed_params`: FSDP over every device), so no host holds the whole model. It is
-converted (HF's Linear stores out x in, GPT-2's Conv1D in x out; our
-kernels are in x out with heads as their own axis); a missing tensor or a shape that does
-not match gets one line that names it. Blocks are stacked on the `layers` axis (the
-scan layout, model.scan_layers=true). Both spellings of Llama-3's rope scaling are read:
+Each tensor is read memory-mapped and on its own (reader.py: MXFP4 decoded), checked
+against the shape our model has for it (from the file's header), and each device's shard
+of our parameter is built on its own (`placed_params`: FSDP over every device), so no host
+holds the whole model. It is converted (HF's Linear stores out x in, GPT-2's Conv1D in x
+out; our kernels are in x out with heads as their own axis); a missing tensor or a shape
+that does not match gets one line that names it. Blocks are stacked on the `layers` axis
+(the scan layout, model.scan_layers=true). Both spellings of Llama-3's rope scaling are read:
 `rope_scaling` (transformers 4.x) and `rope_parameters` (5.x).
 """
 
@@ -26,7 +26,6 @@ import pathlib
 import shutil
 
 import numpy as np
-from safetensors import safe_open
 
 from paisoar_jax.checkpointing.weights import TOKEN_IDS_FILE, kept_file
 from paisoar_jax.config import Config, LanguageModelConfig, dump_yaml
@@ -40,8 +39,9 @@ from paisoar_jax.models.families import (
     tensors_of,
 )
 from paisoar_jax.output import describe_params
-from paisoar_jax.runtime.user_files import read_json, safetensors_errors
-from paisoar_jax.tools.hf import mxfp4, peft
+from paisoar_jax.runtime.user_files import read_json
+from paisoar_jax.tools.hf import peft
+from paisoar_jax.tools.hf.reader import SafetensorsReader
 
 __all__ = ["hf_config", "hf_export", "hf_import", "model_config_from_hf"]
 
@@ -58,71 +58,6 @@ KEPT_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-
-
-class SafetensorsReader:
-    """The tensors of an HF directory, each read memory-mapped when asked for."""
-
-    def __init__(self, directory: pathlib.Path):
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{index} has no weight_map object: not a safetensors index")
-            self.files = {name: directory / file for name, file in weight_map.items()}
-            for path in sorted(set(self.files.values())):  # each shard's header, read now
-                with safetensors_errors(path), safe_open(path, framework="numpy"):
-                    pass
-        else:
-            self.files = {}
-            for path in sorted(directory.glob("*.safetensors")):
-                with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
-                    self.files |= {name: path for name in handle.keys()}  # noqa: SIM118
-        if not self.files:
-            raise UserError(f"{directory} holds no *.safetensors weights")
-
-    def read(self, name: str) -> np.ndarray:
-        """One tensor as float32 (bf16 and fp16 widened, MXFP4 decoded), in host memory."""
-        import jax
-
-        if self._quantized(name):
-            blocks, scales = (self._raw(name + suffix) for suffix in (mxfp4.BLOCKS, mxfp4.SCALES))
-            return mxfp4.decoded(blocks, scales)
-        # flax, for bf16 (numpy has none); on the host CPU, not an accelerator.
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            path = self.files[name]
-            with safetensors_errors(path), safe_open(path, framework="flax") as handle:
-                return np.asarray(handle.get_tensor(name), dtype=np.float32)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape, from the file's header (nothing is read)."""
-        if self._quantized(name):
-            return mxfp4.decoded_shape(self.shape(name + mxfp4.BLOCKS))
-        path = self.files[name]
-        with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
-            return tuple(handle.get_slice(name).get_shape())
-
-    def name_of(self, name: str) -> str | None:
-        """The stored name of `name`: GPT-2's without `transformer.` where saved that way.
-
-        A tensor stored in MXFP4 (name_blocks and name_scales) is found by its own name.
-        """
-        if name in self.files or self._quantized(name):
-            return name
-        bare = name.removeprefix("transformer.")
-        return bare if bare in self.files else None
-
-    def _quantized(self, name: str) -> bool:
-        """Whether `name` is stored in MXFP4, as its blocks and scales (GPT-OSS's experts)."""
-        return name not in self.files and all(
-            name + suffix in self.files for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)
-        )
-
-    def _raw(self, name: str) -> np.ndarray:
-        """One tensor as stored (MXFP4's bytes)."""
-        path = self.files[name]
-        with safetensors_errors(path), safe_open(path, framework="numpy") as handle:
-            return handle.get_tensor(name)
 
 
 def hf_import(
