@@ -372,17 +372,13 @@ def _token_losses(model, batch, depths: bool = False) -> tuple:
     chunks = chunk_count(model.config.loss_chunks, model.config.vocab_size)
     if depths and getattr(model.config, "mtp_depth", 0):
         streams, statistics = model.depth_streams_and_statistics(inputs_BxT, **documents)
-        segments_BxT = documents.get("segments_BxT")
-        ahead_of = [
-            mtp.targets_ahead(targets_BxT, learned_BxT, segments_BxT, k)
-            for k in range(1, len(streams))
-        ]
-        losses = [
-            _stream_losses(model, h_BxTxD, targets, chunks)
-            for h_BxTxD, (targets, _) in zip(streams, [(targets_BxT, None), *ahead_of], strict=True)
-        ]
-        depth_pairs = [(losses[k], ahead_of[k - 1][1]) for k in range(1, len(streams))]
-        return losses[0], learned_BxT, statistics, depth_pairs
+        losses_BxT = _stream_losses(model, streams[0], targets_BxT, chunks)
+        depth_pairs = []
+        for k, h_BxTxD in enumerate(streams[1:], start=1):  # module k: the token k + 1 ahead
+            segments_BxT = documents.get("segments_BxT")
+            ahead_BxT, weights_BxT = mtp.targets_ahead(targets_BxT, learned_BxT, segments_BxT, k)
+            depth_pairs.append((_stream_losses(model, h_BxTxD, ahead_BxT, chunks), weights_BxT))
+        return losses_BxT, learned_BxT, statistics, depth_pairs
     if chunks:  # a vocabulary slice at a time: no B x T x V logits (models/chunked_loss.py)
         h_BxTxD, statistics = model.stream_and_statistics(inputs_BxT, **documents)
         return _stream_losses(model, h_BxTxD, targets_BxT, chunks), learned_BxT, statistics, []
