@@ -126,8 +126,8 @@ class LanguageModelConfig:
     rope_head_width: int = 0
     # llama only, with kv_latent_width: each value head's width (v_head_dim; 0: head_width)
     value_head_width: int = 0
-    # llama only: rotary positions pair neighbouring features (DeepSeek's rope_interleave)
-    # instead of the two halves of a head (Llama's)
+    # llama only, with kv_latent_width: rotary positions pair neighbouring features
+    # (DeepSeek's rope_interleave) instead of the two halves of a head (Llama's)
     rope_interleave: bool = False
     # Mixture of experts (models/moe.py): 0 experts is a dense model. Each MoE layer's
     # feed-forward is `experts` SwiGLU experts of expert_mlp_width (0: mlp_width), a token
@@ -330,7 +330,7 @@ class LanguageModelConfig:
         check_at_least("model", self, {"kv_latent_width": 0, "q_latent_width": 0})
         check_at_least("model", self, {"rope_head_width": 0, "value_head_width": 0})
         if not self.kv_latent_width:
-            for key in ("q_latent_width", "rope_head_width", "value_head_width"):
+            for key in ("q_latent_width", "rope_head_width", "value_head_width", "rope_interleave"):
                 if getattr(self, key):
                     raise UserError(
                         f"model.{key} is for multi-head latent attention: set model.kv_latent_width"

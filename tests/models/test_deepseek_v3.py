@@ -164,6 +164,11 @@ def test_latent_attention_over_context_parallelism_is_one_line(devices):
     "overrides, message",
     [
         (["model.kv_latent_width=0"], "model.q_latent_width is for multi-head latent"),
+        (
+            ["model.kv_latent_width=0", "model.q_latent_width=0", "model.rope_head_width=0"]
+            + ["model.value_head_width=0"],
+            "model.rope_interleave is for multi-head latent",
+        ),
         (["model.rope_head_width=0"], "needs model.rope_head_width"),
         (["model.kv_heads=2"], "model.kv_heads=2 with multi-head latent attention"),
         (["model.router_groups=3"], "do not split into model.router_groups=3"),
