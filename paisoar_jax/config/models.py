@@ -345,14 +345,18 @@ class LanguageModelConfig:
             "kv_heads": self.kv_heads not in (0, self.heads),
             "qk_norm": self.qk_norm,
             "qkv_bias": self.qkv_bias,
+            "out_bias": self.out_bias,
             "attention_sinks": self.attention_sinks,
+            "sliding_window": self.sliding_window,
+            "norm_offset": self.norm_offset,
         }
         for key, bad in refused.items():
             if bad:
                 raise UserError(
                     f"model.{key}={getattr(self, key)} with multi-head latent attention "
                     "(model.kv_latent_width): every head has its own keys and values from the "
-                    "latent, with no biases, head norms or sinks"
+                    "latent, over every earlier token, with no biases, head norms, sinks or "
+                    "offset norms"
                 )
 
     def _check_window(self) -> None:

@@ -171,6 +171,8 @@ def test_latent_attention_over_context_parallelism_is_one_line(devices):
         ),
         (["model.rope_head_width=0"], "needs model.rope_head_width"),
         (["model.kv_heads=2"], "model.kv_heads=2 with multi-head latent attention"),
+        (["model.sliding_window=8"], "model.sliding_window=8 with multi-head latent"),
+        (["model.out_bias=true"], "model.out_bias=True with multi-head latent"),
         (["model.router_groups=3"], "do not split into model.router_groups=3"),
         (["model.router_top_groups=5"], "model.router_top_groups=5 is more than"),
         (["model.dense_layers=4"], "no layer would have experts"),
