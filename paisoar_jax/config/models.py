@@ -272,7 +272,7 @@ class LanguageModelConfig:
                 f"model.moe_every={self.moe_every} is more than model.layers={self.layers}: "
                 "no layer would have experts"
             )
-        if self.mlp_activation != "silu" and self.moe_every == 1:
+        if self.mlp_activation != "silu" and self.moe_every == 1 and not self.dense_layers:
             raise UserError(
                 f"model.mlp_activation={self.mlp_activation} is the dense MLP's, and every "
                 "block has experts: set model.expert_activation for theirs"

@@ -234,3 +234,41 @@ def test_a_shipped_real_size_config_is_what_its_config_json_imports_as(
     # balancing on, for pretraining)
     planned = {"seq_len", "kv_heads", "expert_capacity_factor"}
     assert differing == planned | ({"router_bias_rate"} if version == "V3" else set())
+
+
+@pytest.mark.parametrize(
+    "config_name, overrides, key",
+    [
+        ("deepseek_v3_tiny", ["model.post_norms=true"], "model.post_norms"),
+        ("deepseek_v3_tiny", ["model.embed_scale=true"], "model.embed_scale"),
+        ("deepseek_v3_tiny", ["model.mlp_activation=gelu_tanh"], "model.mlp_activation"),
+        ("deepseek_v3_671b", ["model.rope_scaling=none"], "model.query_scale_width"),
+        ("deepseek_v2_lite_16b", ["model.router_bias_rate=0.001"], "model.router_bias_rate"),
+    ],
+)
+def test_an_export_refuses_what_no_hf_deepseek_computes(config_name, overrides, key):
+    """Each changes our forward pass, and transformers' DeepSeek has no setting for it."""
+    from paisoar_jax.models import families
+
+    model = load_config(config_name, overrides).model
+    with pytest.raises(UserError, match=f"an HF DeepSeek-V[23] .*this model has {key}="):
+        families.hf_config(model)
+
+
+def test_keys_a_config_json_leaves_out_take_transformers_defaults():
+    """A hand-written DeepSeek-V3 config.json without its routing keys: transformers' 8 groups."""
+    import pathlib
+
+    from paisoar_jax.models import families
+
+    shape = SHAPE | {"n_routed_experts": 32, "num_hidden_layers": 5}
+    written = transformers.DeepseekV3Config(**shape).to_dict()
+    for key in ("n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor"):
+        del written[key]
+    theirs = transformers.DeepseekV3Config(**written)
+    ours = families.model_config_from_hf(written, pathlib.Path("config.json"))
+    assert (ours.router_groups, ours.router_top_groups) == (theirs.n_group, theirs.topk_group)
+    assert (ours.dense_layers, ours.router_scale) == (
+        min(theirs.first_k_dense_replace, theirs.num_hidden_layers),
+        theirs.routed_scaling_factor,
+    )

@@ -28,7 +28,7 @@ def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     method = hf.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
         raise UserError(f"{where}: topk_method={method} is not greedy or group_limited_greedy")
-    grouped = method == "group_limited_greedy"
+    grouped = method == "group_limited_greedy"  # (no group defaults: transformers' are None)
     return LanguageModelConfig(
         **deepseek_v3.latent_keys(hf, where, "DeepSeek-V2"),
         rope_interleave=True,
@@ -45,13 +45,15 @@ def to_hf(model: LanguageModelConfig) -> dict:
     differences = {
         "model.router_renormalize": model.router_renormalize,
         "model.rope_interleave": not model.rope_interleave,
+        "model.router_bias_rate": model.router_bias_rate,  # a bias V2's router has not
     }
     for key, differs in differences.items():
         if differs:
             value = getattr(model, key.removeprefix("model."))
             raise UserError(
                 f"an HF DeepSeek-V2 scales its chosen experts' weights without renormalising "
-                f"them and rotates neighbouring features: this model has {key}={value}"
+                f"them or a balancing bias, and rotates neighbouring features: this model has "
+                f"{key}={value}"
             )
     grouped = model.router_groups > 1
     return {

@@ -113,11 +113,29 @@ def _rope(hf: dict, where: pathlib.Path, query_width: int) -> dict:
     )
 
 
+# transformers' defaults where a config.json leaves a key out (save_pretrained writes all)
+DEFAULTS = {
+    "DeepSeek-V3": dict(
+        q_lora_rank=1536,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+    ),
+    "DeepSeek-V2": dict(
+        q_lora_rank=1536, n_shared_experts=2, first_k_dense_replace=0, routed_scaling_factor=1.0
+    ),
+}
+
+
 def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
     """The model keys DeepSeek-V2 and V3 read alike: the shape, latent attention, experts.
 
-    `name`: the architecture's, for the line that refuses what it does not read.
+    `name`: the architecture's, for the line that refuses what it does not read, and for
+    transformers' defaults of the keys config.json leaves out.
     """
+    hf = DEFAULTS[name] | hf
     refused = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         "attention_bias": hf.get("attention_bias", False),
@@ -131,7 +149,7 @@ def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
                 + (" (dequantise it to bf16 first)" if key == "quantization_config" else "")
             )
     nope, rotated = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
-    dense = min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"])
+    dense = min(hf["first_k_dense_replace"] or 0, hf["num_hidden_layers"])
     return dict(
         **(llama.shape_keys(hf, positions=4096) | {"head_width": nope}),
         tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -143,8 +161,8 @@ def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
         experts=hf.get("n_routed_experts") or hf["num_local_experts"],
         experts_per_token=hf["num_experts_per_tok"],
         expert_mlp_width=hf["moe_intermediate_size"],
-        shared_experts=hf.get("n_shared_experts") or 0,
-        router_scale=float(hf.get("routed_scaling_factor") or 1.0),
+        shared_experts=hf["n_shared_experts"] or 0,
+        router_scale=float(hf["routed_scaling_factor"] or 1.0),
         # DeepSeek's weight of its balance loss (its own config.json's aux_loss_alpha)
         router_aux_loss=float(hf.get("aux_loss_alpha") or 0.0001),
         dense_layers=dense,
@@ -154,13 +172,14 @@ def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
 
 def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
     """Our model section for a DeepSeek-V3 config.json; what differs is one line."""
+    groups = DEFAULTS["DeepSeek-V3"] | hf
     return LanguageModelConfig(
         **latent_keys(hf, where, "DeepSeek-V3"),
         rope_interleave=bool(hf.get("rope_interleave", True)),
         router="sigmoid",
         router_renormalize=bool(hf.get("norm_topk_prob", True)),
-        router_groups=hf.get("n_group") or 1,
-        router_top_groups=hf.get("topk_group") or 0,
+        router_groups=groups["n_group"] or 1,
+        router_top_groups=groups["topk_group"] or 0,
         # the balancing bias held where its training left it: a fine-tune's routing stays
         # the checkpoint's (DeepSeek-V3 pretrained with 0.001)
         router_bias_rate=0.0,
@@ -174,15 +193,21 @@ def check_latent(model: LanguageModelConfig, name: str, router: str) -> None:
         "model.router": model.router != router,
         "model.moe_every": model.moe_every != 1,
         "model.expert_bias": model.expert_bias,
+        "model.expert_activation": model.expert_activation != "silu",
+        "model.mlp_activation": model.mlp_activation != "silu",
+        "model.post_norms": model.post_norms,
+        "model.embed_scale": model.embed_scale,
         "model.rope_scaling": model.rope_scaling not in ("none", "yarn"),
-        "model.sliding_window": model.sliding_window,
+        # the softmax's own scale is written only as YaRN's mscale_all_dim
+        "model.query_scale_width": model.query_scale_width and model.rope_scaling != "yarn",
     }
     for key, differs in differences.items():
         if differs:
             value = getattr(model, key.removeprefix("model."))
             raise UserError(
-                f"an HF {name} has {router}-routed experts on every block after its dense "
-                f"ones, and YaRN or no rotary scaling: this model has {key}={value}"
+                f"an HF {name} has {router}-routed SwiGLU experts on every block after its "
+                f"dense ones, pre-norms only, and YaRN (the softmax scaled by its mscale) or no "
+                f"rotary scaling: this model has {key}={value}"
             )
 
 
