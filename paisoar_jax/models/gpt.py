@@ -28,7 +28,7 @@ from paisoar_jax.models.layers import build_blocks, layer_norm, param
 from paisoar_jax.models.moe import MoeFeedForward, inactive_parameters, shape_of
 from paisoar_jax.models.mtp import PredictionModule, ahead
 from paisoar_jax.models.rotary import pairs_tables, rotate_pairs
-from paisoar_jax.models.stack import PackedRows, run_blocks, run_one_block
+from paisoar_jax.models.stack import PackedRows, run_blocks, run_one_block, stream_of
 from paisoar_jax.numerics import fp8
 from paisoar_jax.numerics.precision import Policy, matmul_fp32_out
 from paisoar_jax.numerics.remat import recomputed_activation
@@ -306,7 +306,7 @@ class Decoder(nnx.Module):
         the logits.
         """
         x, statistics, _ = self._through_blocks(tokens_BxT, segments_BxT, positions_BxT)
-        x_BxTxD = x if isinstance(x, jax.Array) else x.stream
+        x_BxTxD = stream_of(x)
         return self.policy.cast_to_compute(self.final_norm(x_BxTxD)), statistics
 
     def depth_streams_and_statistics(
@@ -321,7 +321,7 @@ class Decoder(nnx.Module):
         of its experts, if it has them, follow the decoder's MoE layers'.
         """
         x, statistics, rotary = self._through_blocks(tokens_BxT, segments_BxT, positions_BxT)
-        x_BxTxD = x if isinstance(x, jax.Array) else x.stream
+        x_BxTxD = stream_of(x)
         streams = [self.policy.cast_to_compute(self.final_norm(x_BxTxD))]
         run_block = functools.partial(run_one_block, rotary=rotary, remat=self.remat_policy)
         for k, module in enumerate(self.mtp, start=1):

@@ -20,6 +20,7 @@ from flax import nnx
 
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.models.layers import param
+from paisoar_jax.models.stack import stream_of, with_stream
 from paisoar_jax.numerics.precision import Policy
 
 
@@ -46,17 +47,14 @@ class PredictionModule(nnx.Module):
         block as the decoder runs its own (rotary tables, remat).
         """
         cast = self.policy.cast_to_compute
-        stream_BxTxD = x if isinstance(x, jax.Array) else x.stream
         joined_BxTx2xD = jnp.stack(
-            [cast(self.stream_norm(stream_BxTxD)), cast(self.embedding_norm(embeddings_BxTxD))],
+            [cast(self.stream_norm(stream_of(x))), cast(self.embedding_norm(embeddings_BxTxD))],
             axis=2,
         )
         kernel_2xDxD = cast(self.projection_kernel[...])
         projected_BxTxD = jnp.einsum("btkd,kde->bte", joined_BxTx2xD, kernel_2xDxD)
-        x = projected_BxTxD if isinstance(x, jax.Array) else x._replace(stream=projected_BxTxD)
-        x, statistics = run_block(self.block, x)
-        stream_BxTxD = x if isinstance(x, jax.Array) else x.stream
-        return x, cast(self.out_norm(stream_BxTxD)), statistics
+        x, statistics = run_block(self.block, with_stream(x, projected_BxTxD))
+        return x, cast(self.out_norm(stream_of(x))), statistics
 
 
 def ahead(x_BxT: jax.Array, k: int, fill=0) -> jax.Array:

@@ -59,6 +59,16 @@ def run_one_block(block, x, *, rotary, remat: str):
     return x, statistics
 
 
+def stream_of(x) -> jax.Array:
+    """The stream B x T x D that `x` carries: `x` itself, or PackedRows' stream."""
+    return x.stream if isinstance(x, PackedRows) else x
+
+
+def with_stream(x, stream_BxTxD: jax.Array):
+    """`x` with another stream: that stream, or PackedRows carrying it with x's documents."""
+    return x._replace(stream=stream_BxTxD) if isinstance(x, PackedRows) else stream_BxTxD
+
+
 class PackedRows(NamedTuple):
     """The stream of packed documents through the blocks, with what attention needs per row.
 

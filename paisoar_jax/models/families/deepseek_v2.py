@@ -15,7 +15,7 @@ import pathlib
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import deepseek_v3
-from paisoar_jax.models.families.family import Family
+from paisoar_jax.models.families.family import Family, refuse_differences
 
 
 def tensors(model: LanguageModelConfig):
@@ -47,14 +47,12 @@ def to_hf(model: LanguageModelConfig) -> dict:
         "model.rope_interleave": not model.rope_interleave,
         "model.router_bias_rate": model.router_bias_rate,  # a bias V2's router has not
     }
-    for key, differs in differences.items():
-        if differs:
-            value = getattr(model, key.removeprefix("model."))
-            raise UserError(
-                f"an HF DeepSeek-V2 scales its chosen experts' weights without renormalising "
-                f"them or a balancing bias, and rotates neighbouring features: this model has "
-                f"{key}={value}"
-            )
+    refuse_differences(
+        model,
+        differences,
+        "an HF DeepSeek-V2 scales its chosen experts' weights without renormalising them or "
+        "a balancing bias, and rotates neighbouring features",
+    )
     grouped = model.router_groups > 1
     return {
         "architectures": ["DeepseekV2ForCausalLM"],

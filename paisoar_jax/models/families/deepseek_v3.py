@@ -21,21 +21,27 @@ import pathlib
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import llama, qwen3_moe
-from paisoar_jax.models.families.family import Family, Tensor, transposed
+from paisoar_jax.models.families.family import (
+    Family,
+    Tensor,
+    refuse_differences,
+    refuse_settings,
+    transposed,
+)
 
 LAYER = "model.layers.{i}"
 ATTENTION = f"{LAYER}.self_attn"
 # The bias balancing moves: model state, at the layers with experts.
 ROUTER_BIAS = dataclasses.replace(
     Tensor("blocks.moe.router_bias", f"{LAYER}.mlp.gate.e_score_correction_bias", state=True),
-    on_layer=qwen3_moe.EXPERTS[0].on_layer,
+    on_layer=qwen3_moe.on_experts,
 )
 SHARED = tuple(
     dataclasses.replace(
         transposed(
             f"blocks.moe.shared_{name}_kernel", f"{LAYER}.mlp.shared_experts.{name}_proj.weight"
         ),
-        on_layer=qwen3_moe.EXPERTS[0].on_layer,
+        on_layer=qwen3_moe.on_experts,
     )
     for name in ("gate", "up", "down")
 )
@@ -142,12 +148,8 @@ def latent_keys(hf: dict, where: pathlib.Path, name: str) -> dict:
         "mlp_bias": hf.get("mlp_bias", False),
         "quantization_config": bool(hf.get("quantization_config")),
     }
-    for key, bad in refused.items():
-        if bad:
-            raise UserError(
-                f"{where}: {key}={hf[key]} is not a {name} this model reads"
-                + (" (dequantise it to bf16 first)" if key == "quantization_config" else "")
-            )
+    hints = {"quantization_config": " (dequantise it to bf16 first)"}
+    refuse_settings(refused, hf, where, name, hints)
     nope, rotated = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     dense = min(hf["first_k_dense_replace"] or 0, hf["num_hidden_layers"])
     return dict(
@@ -201,14 +203,12 @@ def check_latent(model: LanguageModelConfig, name: str, router: str) -> None:
         # the softmax's own scale is written only as YaRN's mscale_all_dim
         "model.query_scale_width": model.query_scale_width and model.rope_scaling != "yarn",
     }
-    for key, differs in differences.items():
-        if differs:
-            value = getattr(model, key.removeprefix("model."))
-            raise UserError(
-                f"an HF {name} has {router}-routed SwiGLU experts on every block after its "
-                f"dense ones, pre-norms only, and YaRN (the softmax scaled by its mscale) or no "
-                f"rotary scaling: this model has {key}={value}"
-            )
+    refuse_differences(
+        model,
+        differences,
+        f"an HF {name} has {router}-routed SwiGLU experts on every block after its dense ones, "
+        "pre-norms only, and YaRN (the softmax scaled by its mscale) or no rotary scaling",
+    )
 
 
 def latent_json(model: LanguageModelConfig) -> dict:

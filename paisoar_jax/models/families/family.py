@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from paisoar_jax.config import LanguageModelConfig
+from paisoar_jax.errors import UserError
 
 Convert = Callable[[np.ndarray, LanguageModelConfig], np.ndarray]
 # The training window (model.seq_len) an import starts with, at most; the model keeps all
@@ -71,6 +72,34 @@ class Family:
         """The zoo decoder's class (imported when asked: the tables need no jax)."""
         module, _, name = self.model.rpartition(".")
         return getattr(importlib.import_module(module), name)
+
+
+def refuse_settings(
+    refused: dict[str, bool], hf: dict, where: pathlib.Path, name: str, hints: dict | None = None
+) -> None:
+    """One line for the first config.json setting in `refused` that is true.
+
+    Each is a setting of a `name` whose logits the zoo's decoder would not give; `hints`
+    add a way out, by setting.
+    """
+    for key, bad in refused.items():
+        if bad:
+            hint = (hints or {}).get(key, "")
+            raise UserError(f"{where}: {key}={hf[key]} is not a {name} this model reads{hint}")
+
+
+def refuse_differences(
+    model: LanguageModelConfig, differences: dict[str, bool], holds: str
+) -> None:
+    """One line for the first model key in `differences` that is true.
+
+    Each is what the HF class `holds` (a phrase) has no form for: its export would compute
+    otherwise.
+    """
+    for key, differs in differences.items():
+        if differs:
+            value = getattr(model, key.removeprefix("model."))
+            raise UserError(f"{holds}: this model has {key}={value}")
 
 
 def transposed(ours: str, theirs: str) -> Tensor:

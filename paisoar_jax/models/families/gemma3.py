@@ -19,7 +19,7 @@ import pathlib
 from paisoar_jax.config import LanguageModelConfig
 from paisoar_jax.errors import UserError
 from paisoar_jax.models.families import llama, qwen3
-from paisoar_jax.models.families.family import Family, Tensor
+from paisoar_jax.models.families.family import Family, Tensor, refuse_settings
 
 LAYER = "model.layers.{i}"
 NORMS = (
@@ -69,9 +69,7 @@ def config_from_hf(hf: dict, where: pathlib.Path) -> LanguageModelConfig:
         "attention_bias": hf.get("attention_bias", False),
         "use_bidirectional_attention": hf.get("use_bidirectional_attention", False),
     }
-    for key, bad in refused.items():
-        if bad:
-            raise UserError(f"{where}: {key}={hf[key]} is not a Gemma 3 this model reads")
+    refuse_settings(refused, hf, where, "Gemma 3")
     # The layer types kept even where the window never binds: a sliding layer's rotary
     # base is its own either way.
     # transformers 4.x wrote no layer_types: every sliding_window_pattern-th layer global.

@@ -17,6 +17,8 @@ from paisoar_jax.models.families.family import (
     MAX_TRAINING_WINDOW,
     Family,
     Tensor,
+    refuse_differences,
+    refuse_settings,
     transposed,
 )
 
@@ -95,9 +97,7 @@ def config_from_hf(
         "mlp_bias": hf.get("mlp_bias", False),
         "mlp_only_layers": bool(hf.get("mlp_only_layers")),
     }
-    for key, bad in refused.items():
-        if bad:
-            raise UserError(f"{where}: {key}={hf[key]} is not a Llama this model reads")
+    refuse_settings(refused, hf, where, "Llama")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return LanguageModelConfig(
         **shape_keys(hf),
@@ -267,14 +267,12 @@ def check_routing(
         "model.shared_experts": model.shared_experts != 0,
         "model.moe_every": model.moe_every != 1 and not dense_between,
     }
-    for key, differs in differences.items():
-        if differs:
-            value = getattr(model, key.removeprefix("model."))
-            renormalizes = " (and renormalises the chosen)" if name == "Mixtral" else ""
-            raise UserError(
-                f"an HF {name} routes softmax top-k{renormalizes} on every layer with no "
-                f"shared experts: this model has {key}={value}"
-            )
+    renormalizes = " (and renormalises the chosen)" if name == "Mixtral" else ""
+    refuse_differences(
+        model,
+        differences,
+        f"an HF {name} routes softmax top-k{renormalizes} on every layer with no shared experts",
+    )
 
 
 def variant(

@@ -16,16 +16,18 @@ from paisoar_jax.models.families import llama, qwen3
 from paisoar_jax.models.families.family import transposed
 
 
-def _on_experts(model: LanguageModelConfig, layer: int) -> bool:
+def on_experts(model: LanguageModelConfig, layer: int) -> bool:
+    """Whether block `layer` has experts (a table's tensor of the experts is there)."""
     return model.is_moe_layer(layer)
 
 
-def _on_dense(model: LanguageModelConfig, layer: int) -> bool:
+def on_dense(model: LanguageModelConfig, layer: int) -> bool:
+    """Whether block `layer` has a dense MLP (between or before the experts)."""
     return not model.is_moe_layer(layer)
 
 
 EXPERTS = tuple(
-    dataclasses.replace(tensor, on_layer=_on_experts)
+    dataclasses.replace(tensor, on_layer=on_experts)
     for tensor in (
         transposed("blocks.moe.router_kernel", "model.layers.{i}.mlp.gate.weight"),
         transposed("blocks.moe.gate_kernel", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
@@ -34,7 +36,7 @@ EXPERTS = tuple(
     )
 )
 # The dense layers between (decoder_sparse_step > 1): a Llama MLP at those layers only.
-DENSE = tuple(dataclasses.replace(tensor, on_layer=_on_dense) for tensor in llama.MLP)
+DENSE = tuple(dataclasses.replace(tensor, on_layer=on_dense) for tensor in llama.MLP)
 
 
 def _keys(hf: dict) -> dict:
