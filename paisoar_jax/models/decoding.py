@@ -27,9 +27,13 @@ from paisoar_jax.models.attention import padded_values, sink_attention, visible
 from paisoar_jax.parallel.sharding import constrain
 
 
-def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array, jax.Array]:
+def empty_cache(model_config, batch: int, length: int, dtype) -> tuple:
     """Zero keys and values (L x B x S x K x E) for `length` positions.
 
+    A sliding-window block's cache is a ring of its window's slots (position p in slot
+    p mod window) when the window is shorter than `length`: Gemma 3's local blocks hold 1024
+    positions of a 128k generation. Where the blocks' slots differ (global and local blocks)
+    the keys and values are each a tuple of the blocks' arrays (B x S x K x E), not stacked.
     With multi-head latent attention they are each position's latent and rotated key
     instead (L x B x S x 1 x R, and x P: models/latent.py widens them at each step).
     """
@@ -39,14 +43,15 @@ def empty_cache(model_config, batch: int, length: int, dtype) -> tuple[jax.Array
             jnp.zeros((*latents, model_config.kv_latent_width), dtype),
             jnp.zeros((*latents, model_config.rope_head_width), dtype),
         )
-    shape = (
-        model_config.layers,
-        batch,
-        length,
-        model_config.key_value_heads,
-        model_config.head_size,
-    )
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    heads = (model_config.key_value_heads, model_config.head_size)
+    slots = [
+        min(model_config.window_of(layer) or length, length) for layer in range(model_config.layers)
+    ]
+    if len(set(slots)) == 1:
+        shape = (model_config.layers, batch, slots[0], *heads)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    keys = tuple(jnp.zeros((batch, held, *heads), dtype) for held in slots)
+    return keys, tuple(jnp.zeros_like(array) for array in keys)
 
 
 def cached_attention(
@@ -55,57 +60,94 @@ def cached_attention(
     v_BxTxKxE,
     cache,
     index: jax.Array,
-    valid_BxS=None,
+    starts_B=None,
     window: int = 0,
     sinks_H=None,
 ):
-    """Causal attention of T new positions over the cache, after writing theirs into it.
+    """Causal attention of T new positions over the cache, with theirs written into it.
 
-    `valid_BxS` (batched prompts, left-padded) marks each row's cache slots that hold its
-    own tokens; the padding before a shorter prompt is never attended to. `window` > 0: a
-    sliding-window block's, each position seeing the `window` slots ending at its own (the
-    cache still holds every position: a ring of `window` slots is not built yet). `sinks_H`:
-    each head's sink logit.
-    Returns (out_BxTxHxE, (keys, values) with the new ones at index .. index + T - 1).
+    `starts_B` (batched prompts, left-padded): each row's first position of its own; the
+    padding before a shorter prompt is never attended to. `window` > 0: a sliding-window
+    block's, each position seeing the `window` ending at its own, its cache a ring
+    (`empty_cache`). `sinks_H`: each head's sink logit.
+    Returns (out_BxTxHxE, (keys, values) with the new ones written: at index .. index + T - 1,
+    or in the ring).
     """
-    keys_BxSxKxE, values_BxSxKxE = cache
-    keys_BxSxKxE = jax.lax.dynamic_update_slice_in_dim(
-        keys_BxSxKxE, k_BxTxKxE.astype(keys_BxSxKxE.dtype), index, axis=1
-    )
-    values_BxSxKxE = jax.lax.dynamic_update_slice_in_dim(
-        values_BxSxKxE, v_BxTxKxE.astype(values_BxSxKxE.dtype), index, axis=1
-    )
+    if window:
+        keys_BxAxKxE, values_BxAxKxE, mask_TxA, positions_A, cache = _through_ring(
+            cache, k_BxTxKxE, v_BxTxKxE, index, window
+        )
+    else:
+        keys_BxAxKxE, values_BxAxKxE = (
+            jax.lax.dynamic_update_slice_in_dim(held, new.astype(held.dtype), index, axis=1)
+            for held, new in zip(cache, (k_BxTxKxE, v_BxTxKxE), strict=True)
+        )
+        cache = (keys_BxAxKxE, values_BxAxKxE)
+        positions_A = jnp.arange(keys_BxAxKxE.shape[1])
+        mask_TxA = visible(index, q_BxTxHxE.shape[1], keys_BxAxKxE.shape[1])
     heads = ("batch", "length", "act_heads", "head_dim")
-    keys_BxSxKxE, values_BxSxKxE = constrain(keys_BxSxKxE, heads), constrain(values_BxSxKxE, heads)
-    T, S = q_BxTxHxE.shape[1], keys_BxSxKxE.shape[1]
-    mask = visible(index, T, S, window)[None, None]
-    if valid_BxS is not None:
-        mask = mask & valid_BxS[:, None, None, :]
+    keys_BxAxKxE, values_BxAxKxE = constrain(keys_BxAxKxE, heads), constrain(values_BxAxKxE, heads)
+    mask = mask_TxA[None, None]
+    if starts_B is not None:
+        mask = mask & (positions_A[None, :] >= starts_B[:, None])[:, None, None, :]
     dtype = q_BxTxHxE.dtype
     if sinks_H is not None:  # GPT-OSS's sinks (models/attention.py)
-        fp32 = [array.astype(jnp.float32) for array in (q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE)]
+        fp32 = [array.astype(jnp.float32) for array in (q_BxTxHxE, keys_BxAxKxE, values_BxAxKxE)]
         out_BxTxHxE = sink_attention(*fp32, mask, sinks_H)
-        return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
+        return out_BxTxHxE.astype(dtype), cache
     out_BxTxHxE = jax.nn.dot_product_attention(
         q_BxTxHxE.astype(jnp.float32),
-        keys_BxSxKxE.astype(jnp.float32),
-        padded_values(values_BxSxKxE, q_BxTxHxE.shape[-1]).astype(jnp.float32),
+        keys_BxAxKxE.astype(jnp.float32),
+        padded_values(values_BxAxKxE, q_BxTxHxE.shape[-1]).astype(jnp.float32),
         mask=mask,
         implementation="xla",
     )
-    out_BxTxHxE = out_BxTxHxE[..., : values_BxSxKxE.shape[-1]]
-    return out_BxTxHxE.astype(dtype), (keys_BxSxKxE, values_BxSxKxE)
+    out_BxTxHxE = out_BxTxHxE[..., : values_BxAxKxE.shape[-1]]
+    return out_BxTxHxE.astype(dtype), cache
 
 
-def decode_blocks(blocks, x_BxTxD, rotary, cache, index: jax.Array, scanned: bool, valid_BxS=None):
-    """The stream through every block's `decode`; (stream, the cache of every block)."""
+def _through_ring(cache, k_BxTxKxE, v_BxTxKxE, index, window: int) -> tuple:
+    """A sliding-window block's keys and values to attend over, and its ring written.
+
+    The new positions attend over the ring as it was (the S positions before `index`) and
+    over themselves: A = S + T keys, each with its position (negative: a slot not yet
+    written). Then the last S of the new keys and values replace what their slots held.
+    Returns (keys B x A x K x E, values, mask T x A, positions A, the written cache).
+    """
+    ring_keys, ring_values = cache
+    S, T = ring_keys.shape[1], k_BxTxKxE.shape[1]
+    slots_S = jnp.arange(S)
+    # Slot s holds the latest position before `index` that is s modulo S.
+    held_S = index - 1 - jnp.mod(index - 1 - slots_S, S)
+    positions_A = jnp.concatenate([held_S, index + jnp.arange(T)])
+    queries_T = index + jnp.arange(T)
+    distance_TxA = queries_T[:, None] - positions_A[None, :]
+    mask_TxA = (positions_A[None, :] >= 0) & (distance_TxA >= 0) & (distance_TxA < window)
+    keys, values = (
+        jnp.concatenate([held, new.astype(held.dtype)], axis=1)
+        for held, new in ((ring_keys, k_BxTxKxE), (ring_values, v_BxTxKxE))
+    )
+    kept = min(S, T)  # (of more than S new positions, only the last S stay)
+    written_slots = jnp.mod(index + jnp.arange(T - kept, T), S)
+    written = tuple(
+        held.at[:, written_slots].set(new[:, T - kept :].astype(held.dtype))
+        for held, new in ((ring_keys, k_BxTxKxE), (ring_values, v_BxTxKxE))
+    )
+    return keys, values, mask_TxA, positions_A, written
+
+
+def decode_blocks(blocks, x_BxTxD, rotary, cache, index: jax.Array, scanned: bool, starts_B=None):
+    """The stream through every block's `decode`; (stream, the cache of every block).
+
+    The cache comes back in the form it came: stacked, or a tuple of the blocks' arrays.
+    """
     if scanned:
         graphdef, stacked_state = nnx.split(blocks)
 
         def step(x_BxTxD, layer):
             block_state, keys, values = layer
             block = nnx.merge(graphdef, block_state)
-            out_BxTxD, written = block.decode(x_BxTxD, rotary, (keys, values), index, valid_BxS)
+            out_BxTxD, written = block.decode(x_BxTxD, rotary, (keys, values), index, starts_B)
             # Back to the stream's dtype: a block forced to another policy stays a drop-in.
             return out_BxTxD.astype(x_BxTxD.dtype), written
 
@@ -114,9 +156,12 @@ def decode_blocks(blocks, x_BxTxD, rotary, cache, index: jax.Array, scanned: boo
     written = []
     for layer, block in enumerate(blocks):
         layer_cache = (cache[0][layer], cache[1][layer])
-        x_BxTxD, pair = block.decode(x_BxTxD, rotary, layer_cache, index, valid_BxS)
+        x_BxTxD, pair = block.decode(x_BxTxD, rotary, layer_cache, index, starts_B)
         written.append(pair)
-    return x_BxTxD, tuple(jnp.stack(arrays) for arrays in zip(*written, strict=True))
+    keys, values = zip(*written, strict=True)
+    if isinstance(cache[0], tuple):  # blocks of different slots (empty_cache)
+        return x_BxTxD, (keys, values)
+    return x_BxTxD, (jnp.stack(keys), jnp.stack(values))
 
 
 def generate_rows(

@@ -93,11 +93,11 @@ class DecoderBlock(nnx.Module):
             )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)
 
-    def decode(self, x_BxTxD, rotary, cache, index, valid_BxS=None) -> tuple[jax.Array, tuple]:
+    def decode(self, x_BxTxD, rotary, cache, index, starts_B=None) -> tuple[jax.Array, tuple]:
         """The block at positions index.., attending over the cache (models/decoding.py)."""
         q_BxTxHxE, k_BxTxKxE, v_BxTxKxE = self._queries_keys_values(x_BxTxD, rotary)
         attention_BxTxHxE, cache = cached_attention(
-            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, valid_BxS, self.window, self._sinks()
+            q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, cache, index, starts_B, self.window, self._sinks()
         )
         return self._after_attention(x_BxTxD, attention_BxTxHxE)[0], cache
 
@@ -366,10 +366,9 @@ class Decoder(nnx.Module):
         tokens then sit at positions index - start.., and the padding is never attended.
         """
         with sequence_whole():  # decoding runs unsplit, whatever mesh.context is
-            valid_BxS, positions_BxT = None, None
+            positions_BxT = None
             if starts_B is not None:
-                T, S = tokens_BxT.shape[1], cache[0].shape[2]
-                valid_BxS = jnp.arange(S)[None, :] >= starts_B[:, None]
+                T = tokens_BxT.shape[1]
                 positions_BxT = index + jnp.arange(T)[None, :] - starts_B[:, None]
                 positions_BxT = jnp.maximum(positions_BxT, 0)  # the padding's own: unused
             x_BxTxD, rotary = self._embed(tokens_BxT, index, positions_BxT)
@@ -378,7 +377,7 @@ class Decoder(nnx.Module):
                 rotary = rotary_of(positions_BxT)  # each row's own positions
             scanned = self.config.scan_layers
             x_BxTxD, cache = decode_blocks(
-                self.blocks, x_BxTxD, rotary, cache, index, scanned, valid_BxS
+                self.blocks, x_BxTxD, rotary, cache, index, scanned, starts_B
             )
             logits = output_logits(self, self.policy.cast_to_compute(self.final_norm(x_BxTxD)))
         return logits, cache

@@ -82,7 +82,7 @@ class LatentAttention:
         k_BxTxHxE, v_BxTxHxW = self._widened(latent_BxTxR, k_rope_BxTx1xP)
         return q_BxTxHxE, k_BxTxHxE, v_BxTxHxW
 
-    def decode(self, x_BxTxD, rotary, cache, index, valid_BxS=None) -> tuple[jax.Array, tuple]:
+    def decode(self, x_BxTxD, rotary, cache, index, starts_B=None) -> tuple[jax.Array, tuple]:
         """The block at positions index.., its cache the latents and rotated keys (L x R, P).
 
         Each step widens every cached position's latent into its keys and values (the
@@ -104,7 +104,7 @@ class LatentAttention:
         )
         widened = (keys_BxSxHxE, values_BxSxHxW)  # (writing its own T again changes nothing)
         attention_BxTxHxW, _ = cached_attention(
-            q_BxTxHxE, k_BxTxHxE, v_BxTxHxW, widened, index, valid_BxS
+            q_BxTxHxE, k_BxTxHxE, v_BxTxHxW, widened, index, starts_B
         )
         return self._after_attention(x_BxTxD, attention_BxTxHxW)[0], (
             latents_BxSx1xR,

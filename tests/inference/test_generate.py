@@ -1,5 +1,6 @@
 """Generation with a key/value cache: the full forward's logits, transformers' greedy tokens."""
 
+import dataclasses
 import json
 
 import jax
@@ -29,6 +30,15 @@ PROMPT = [5, 17, 3, 88, 41, 9]
         pytest.param(["model.position=rotary", "model.scan_layers=false"], marks=pytest.mark.slow),
         ["model.name=llama", "model.kv_heads=2", "model.rope_scaling=llama3"],
         ["model.name=llama", "model.experts=4", "model.experts_per_token=2"],
+        # Rings of 4 slots, a prompt of 5 (more than a ring holds) then a token at a time:
+        # on every block (stacked), and on every other block beside global ones (a tuple).
+        ["model.name=llama", "model.sliding_window=4"],
+        [
+            "model.name=llama",
+            "model.sliding_window=4",
+            "model.global_every=2",
+            "model.scan_layers=false",
+        ],
     ],
 )
 def test_the_cache_gives_the_full_forward_logits(overrides):
@@ -46,9 +56,26 @@ def test_the_cache_gives_the_full_forward_logits(overrides):
     np.testing.assert_allclose(np.concatenate(stepped, axis=1), full, atol=2e-5)
 
 
-def test_left_padded_rows_decode_as_each_prompt_alone():
+def test_a_sliding_block_holds_only_its_window():
+    """Gemma's local blocks keep a ring of their window's slots; the global ones all."""
+    config = load_config(
+        None,
+        ["model.name=llama", "model.layers=4", "model.sliding_window=4", "model.global_every=2"]
+        + ["model.scan_layers=false", "model.kv_heads=2", "model.width=32"],
+    )
+    keys, values = empty_cache(config.model, 3, 20, jnp.float32)
+    head = config.model.head_size
+    assert [array.shape for array in keys] == [(3, slots, 2, head) for slots in (4, 20, 4, 20)]
+    assert [array.shape for array in values] == [array.shape for array in keys]
+    every_block = dataclasses.replace(config.model, global_every=0, scan_layers=True)
+    assert empty_cache(every_block, 3, 20, jnp.float32)[0].shape == (4, 3, 4, 2, head)
+    assert empty_cache(every_block, 3, 3, jnp.float32)[0].shape == (4, 3, 3, 2, head)
+
+
+@pytest.mark.parametrize("window", [[], ["model.sliding_window=4"]])
+def test_left_padded_rows_decode_as_each_prompt_alone(window):
     """Prompts of several lengths in one batch: each row's logits are its own prompt's."""
-    config = load_config(None, ["model.name=llama", "model.layers=2", "model.width=32"])
+    config = load_config(None, ["model.name=llama", "model.layers=2", "model.width=32", *window])
     with nnx.use_eager_sharding(False):
         model = build_model(config.model, get_policy("fp32"), "none", nnx.Rngs(params=0))
     prompts = [np.arange(1, 8), np.arange(20, 23)]  # 7 and 3 tokens
