@@ -27,6 +27,7 @@ MOE_KEYS = ("experts_per_token", "expert_mlp_width", "expert_capacity_factor", "
 MOE_KEYS += ("shared_experts", "router", "router_renormalize", "router_aux_loss", "router_z_loss")
 MOE_KEYS += ("router_bias_rate", "expert_bias", "expert_activation", "swiglu_alpha")
 MOE_KEYS += ("swiglu_limit", "router_groups", "router_top_groups", "router_scale", "dense_layers")
+MOE_KEYS += ("moe_impl",)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class LanguageModelConfig:
     # Seats per expert: capacity_factor x tokens x experts_per_token / experts per batch
     # row, the choices beyond dropped; 0 is dropless (every choice kept).
     expert_capacity_factor: float = 0.0
+    # how the experts compute: capacity (each expert over its tokens' seats in X x C buffers,
+    # expert_capacity_factor's) or dropless (grouped matmuls over the choices sorted by
+    # expert: every choice computed, nothing padded; models/dropless.py)
+    moe_impl: Literal["capacity", "dropless"] = "capacity"
     moe_every: int = 1  # every n-th block has experts, the others dense (1: all)
     shared_experts: int = 0  # DeepSeek: SwiGLU experts every token takes, unweighted
     router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores
@@ -265,6 +270,11 @@ class LanguageModelConfig:
                 f"model.experts={self.experts} there are"
             )
         self._check_groups()
+        if self.moe_impl == "dropless" and self.expert_capacity_factor:
+            raise UserError(
+                f"model.moe_impl=dropless drops no choice: model.expert_capacity_factor="
+                f"{self.expert_capacity_factor} has no seats to count (set it to 0)"
+            )
         keys = ("expert_capacity_factor", "router_aux_loss", "router_z_loss", "router_bias_rate")
         check_finite_non_negative("model", self, keys)
         if self.moe_every > self.layers:

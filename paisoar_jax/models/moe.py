@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paisoar_jax.models import dropless
 from paisoar_jax.models.layers import gated_activation, param
 from paisoar_jax.numerics.precision import Policy, float32_island
 from paisoar_jax.numerics.remat import recomputed_activation
@@ -76,6 +77,9 @@ class MoeShape:
     experts_per_token: int = 2
     mlp_width: int = 0  # each expert's SwiGLU hidden width (0: 4 x the model's width)
     capacity_factor: float = 0.0  # 0: dropless (C = T)
+    # capacity: X x C buffers (above); dropless: grouped matmuls over the sorted choices
+    # (models/dropless.py), every choice computed and nothing padded
+    impl: Literal["capacity", "dropless"] = "capacity"
     router: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # the chosen experts' weights sum to 1
     shared_experts: int = 0  # DeepSeek: this many experts' width of SwiGLU every token takes
@@ -103,6 +107,7 @@ def shape_of(model_config) -> MoeShape:
         experts_per_token=model_config.experts_per_token,
         mlp_width=model_config.expert_width,
         capacity_factor=model_config.expert_capacity_factor,
+        impl=model_config.moe_impl,
         router=model_config.router,
         renormalize=model_config.router_renormalize,
         shared_experts=model_config.shared_experts,
@@ -278,6 +283,8 @@ class MoeFeedForward(nnx.Module):
 
     def __init__(self, width: int, shape: MoeShape, policy: Policy, init_std: float, rngs):
         X, D, F = shape.experts, width, shape.mlp_width or 4 * width
+        if shape.impl == "dropless":
+            dropless.check_mesh()
         normal = nnx.initializers.normal(init_std)
         self.shape, self.policy = shape, policy
         self.router_kernel = param(rngs, normal, (D, X), ("embed", "router"))
@@ -301,40 +308,29 @@ class MoeFeedForward(nnx.Module):
     def __call__(self, h_BxTxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(the experts' output, B x T x D in the compute dtype; the layer's statistics)."""
         cast, shape = self.policy.cast_to_compute, self.shape
-        B, T, D = h_BxTxD.shape
-        X, C = shape.experts, shape.capacity(T)
+        X = shape.experts
         logits_BxTxX = jnp.einsum("btd,dx->btx", float32_island(h_BxTxD), self.router_kernel[...])
         if shape.biases:
             logits_BxTxX = logits_BxTxX + self.router_logit_bias[...]
         bias_X = self.router_bias[...] if hasattr(self, "router_bias") else None
         weights_BxTxK, chosen_BxTxK, probabilities_BxTxX = route(logits_BxTxX, shape, bias_X)
-        seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
-        # Each kept choice's slot in its row's X x C buffer; a dropped one goes to slot X C,
-        # a spill row past the buffers that no expert reads and that gives back zeros.
-        slot_BxTxK = jnp.where(kept_BxTxK, chosen_BxTxK * C + seat_BxTxK, X * C)
-        inputs_BxSxD = jax.vmap(_dispatch, in_axes=(0, 0, None))(cast(h_BxTxD), slot_BxTxK, X * C)
-        inputs_XxBxCxD = inputs_BxSxD[:, : X * C].reshape(B, X, C, D).swapaxes(0, 1)
-        # Expert parallelism (mesh.expert): each expert's buffers go to its devices, which
-        # held other rows of the batch until now: XLA makes this reshard an all-to-all.
-        inputs_XxBxCxD = constrain(inputs_XxBxCxD, BUFFERS)
-        outputs_XxBxCxD = swiglu(
-            inputs_XxBxCxD,
-            cast(self.gate_kernel[...]),
-            cast(self.up_kernel[...]),
-            cast(self.down_kernel[...]),
-            ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"),
-            gated_activation(shape.activation, shape.alpha, shape.limit),
-            self._expert_biases(),
-        )
-        outputs_XxBxCxD = constrain(outputs_XxBxCxD, BUFFERS)
-        outputs_BxSxD = outputs_XxBxCxD.swapaxes(0, 1).reshape(B, X * C, D)
-        outputs_BxSxD = constrain(outputs_BxSxD, ("batch", None, "act_embed"))  # back: all-to-all
-        spill_Bx1xD = jnp.zeros((B, 1, D), outputs_BxSxD.dtype)
-        outputs_BxSxD = jnp.concatenate([outputs_BxSxD, spill_Bx1xD], axis=1)
-        chosen_outputs_BxTxKxD = jax.vmap(lambda rows, slots: rows[slots])(
-            outputs_BxSxD, slot_BxTxK
-        )
-        y_BxTxD = jnp.einsum("btkd,btk->btd", chosen_outputs_BxTxKxD, cast(weights_BxTxK))
+        activation = gated_activation(shape.activation, shape.alpha, shape.limit)
+        kernels = tuple(cast(kernel[...]) for kernel in (self.gate_kernel, self.up_kernel))
+        kernels += (cast(self.down_kernel[...]),)
+        if shape.impl == "dropless":
+            y_BxTxD = dropless.dropless_experts(
+                cast(h_BxTxD),
+                chosen_BxTxK,
+                cast(weights_BxTxK),
+                kernels,
+                self._expert_biases(),
+                activation,
+            )
+            kept_BxTxK = jnp.ones(chosen_BxTxK.shape, bool)
+        else:
+            y_BxTxD, kept_BxTxK = self._through_buffers(
+                cast(h_BxTxD), chosen_BxTxK, cast(weights_BxTxK), kernels, activation
+            )
         if shape.shared_experts:
             y_BxTxD = y_BxTxD + swiglu(
                 cast(h_BxTxD),
@@ -357,14 +353,42 @@ class MoeFeedForward(nnx.Module):
             statistics["router_bias"] = jax.lax.stop_gradient(bias_X + step_X)
         return y_BxTxD, statistics
 
+    def _through_buffers(self, h_BxTxD, chosen_BxTxK, weights_BxTxK, kernels, activation):
+        """(the experts' weighted outputs B x T x D, kept B x T x K) through X x C buffers."""
+        B, T, D = h_BxTxD.shape
+        X, C = self.shape.experts, self.shape.capacity(T)
+        seat_BxTxK, kept_BxTxK = seats(chosen_BxTxK, X, C)
+        # Each kept choice's slot in its row's X x C buffer; a dropped one goes to slot X C,
+        # a spill row past the buffers that no expert reads and that gives back zeros.
+        slot_BxTxK = jnp.where(kept_BxTxK, chosen_BxTxK * C + seat_BxTxK, X * C)
+        inputs_BxSxD = jax.vmap(_dispatch, in_axes=(0, 0, None))(h_BxTxD, slot_BxTxK, X * C)
+        inputs_XxBxCxD = inputs_BxSxD[:, : X * C].reshape(B, X, C, D).swapaxes(0, 1)
+        # Expert parallelism (mesh.expert): each expert's buffers go to its devices, which
+        # held other rows of the batch until now: XLA makes this reshard an all-to-all.
+        inputs_XxBxCxD = constrain(inputs_XxBxCxD, BUFFERS)
+        biases = self._expert_biases()
+        if biases is not None:  # each broadcast against the X x B x C buffers
+            biases = tuple(bias[:, None, None, :] for bias in biases)
+        outputs_XxBxCxD = swiglu(
+            inputs_XxBxCxD, *kernels, ("xbcd,xdf->xbcf", "xbcf,xfd->xbcd"), activation, biases
+        )
+        outputs_XxBxCxD = constrain(outputs_XxBxCxD, BUFFERS)
+        outputs_BxSxD = outputs_XxBxCxD.swapaxes(0, 1).reshape(B, X * C, D)
+        outputs_BxSxD = constrain(outputs_BxSxD, ("batch", None, "act_embed"))  # back: all-to-all
+        spill_Bx1xD = jnp.zeros((B, 1, D), outputs_BxSxD.dtype)
+        outputs_BxSxD = jnp.concatenate([outputs_BxSxD, spill_Bx1xD], axis=1)
+        chosen_outputs_BxTxKxD = jax.vmap(lambda rows, slots: rows[slots])(
+            outputs_BxSxD, slot_BxTxK
+        )
+        return jnp.einsum("btkd,btk->btd", chosen_outputs_BxTxKxD, weights_BxTxK), kept_BxTxK
+
     def _expert_biases(self) -> tuple | None:
-        """(gate, up, down) biases shaped against the X x B x C buffers, or None."""
+        """The experts' (gate X x F, up X x F, down X x D) biases, or None."""
         if not self.shape.biases:
             return None
         cast = self.policy.cast_to_compute
         return tuple(
-            cast(getattr(self, name)[...])[:, None, None, :]
-            for name in ("gate_bias", "up_bias", "down_bias")
+            cast(getattr(self, name)[...]) for name in ("gate_bias", "up_bias", "down_bias")
         )
 
 
