@@ -7,7 +7,7 @@ as grouped matmuls over the sorted rows (`grouped_matmul`: row block g by expert
 weights), so the experts' FLOPs are the routed tokens' own: T x K rows in all, not X x T.
 
 The matmuls: tokamax's grouped-matmul kernels (Triton, Mosaic GPU) on an NVIDIA GPU when
-tokamax is installed (`pip install "paisoar-jax[gpu]"`), else `jax.lax.ragged_dot`, which
+tokamax is installed (`pip install "paisoar-jax[kernels]"`), else `jax.lax.ragged_dot`, which
 XLA computes as one dense matmul over every expert at jax 0.10-0.11 (the CPU's results, the
 same numbers; no saving). Rows past the groups give zeros, and an expert that got no row
 gets a zero gradient.
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 from paisoar_jax.errors import UserError
 from paisoar_jax.numerics.precision import float32_island
 from paisoar_jax.parallel.sharding import activation_axes
-from paisoar_jax.runtime.platform import compile_platform
+from paisoar_jax.runtime.platform import compile_platform, target_device
 
 
 def grouped_matmul(x_MxD: jax.Array, w_GxDxF: jax.Array, sizes_G: jax.Array) -> jax.Array:
@@ -46,12 +46,48 @@ def grouped_matmul(x_MxD: jax.Array, w_GxDxF: jax.Array, sizes_G: jax.Array) -> 
     """
     if compile_platform() == "gpu":
         try:
-            import tokamax
-        except ImportError:  # (the `gpu` extra installs it)
+            import tokamax  # noqa: F401  (the `kernels` extra installs it)
+        except ImportError:
             pass
         else:
-            return tokamax.ragged_dot(x_MxD, w_GxDxF, sizes_G, implementation=("mosaic", "triton"))
+            if target_device() is None:  # this process's GPU
+                return _kernel(x_MxD, w_GxDxF, sizes_G)
+            return _kernel_on_target(x_MxD, w_GxDxF, sizes_G)
     return jax.lax.ragged_dot(x_MxD, w_GxDxF, sizes_G)
+
+
+def _kernel(x_MxD, w_GxDxF, sizes_G):
+    """The grouped matmul of tokamax: Mosaic GPU's kernel, else Triton's."""
+    import tokamax
+
+    return tokamax.ragged_dot(x_MxD, w_GxDxF, sizes_G, implementation=("mosaic", "triton"))
+
+
+@jax.custom_vjp
+def _kernel_on_target(x_MxD, w_GxDxF, sizes_G):
+    """`_kernel` compiled for a target's GPU (plan --target), with its gradients.
+
+    tokamax asks the default device what it is, when it traces the product and again when
+    it traces the gradients: both happen with the target's device as the default.
+    """
+    with jax.default_device(target_device()):
+        return _kernel(x_MxD, w_GxDxF, sizes_G)
+
+
+def _kernel_on_target_forward(x_MxD, w_GxDxF, sizes_G):
+    with jax.default_device(target_device()):
+        product = functools.partial(_kernel, sizes_G=sizes_G)
+        out_MxF, pullback = jax.vjp(product, x_MxD, w_GxDxF)
+    return out_MxF, pullback
+
+
+def _kernel_on_target_backward(pullback, d_out_MxF):
+    with jax.default_device(target_device()):  # (the gradients are traced in the same plan)
+        d_x_MxD, d_w_GxDxF = pullback(d_out_MxF)
+    return d_x_MxD, d_w_GxDxF, None
+
+
+_kernel_on_target.defvjp(_kernel_on_target_forward, _kernel_on_target_backward)
 
 
 def dropless_experts(
@@ -89,6 +125,8 @@ def dropless_experts(
         local,
         in_specs=(rows, rows, rows, kernel_specs, None if biases is None else bias_specs),
         out_specs=rows,
+        # (Pallas kernels, tokamax's, declare no varying axes for their outputs.)
+        check_vma=False,
     )
     return split(h_BxTxD, chosen_BxTxK, weights_BxTxK, kernels, biases).astype(dtype)
 

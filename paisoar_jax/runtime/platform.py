@@ -47,6 +47,8 @@ def choose_platform() -> None:
 
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("target", default=None)
+# One of the target's devices, for code that asks a device what it is (a kernel library).
+_TARGET_DEVICE: contextvars.ContextVar = contextvars.ContextVar("target_device", default=None)
 
 
 def compile_platform() -> str:
@@ -63,11 +65,19 @@ def is_target_compile() -> bool:
 def compiling_for(devices) -> Iterator[None]:
     """Inside: model code builds for the platform of `devices` (a target's, or this one's)."""
     platform = devices[0].platform
-    token = _TARGET.set(platform if platform != jax.default_backend() else None)
+    target = platform != jax.default_backend()
+    token = _TARGET.set(platform if target else None)
+    device_token = _TARGET_DEVICE.set(devices[0] if target else None)
     try:
         yield
     finally:
         _TARGET.reset(token)
+        _TARGET_DEVICE.reset(device_token)
+
+
+def target_device():
+    """A device of the compile target (plan --target), or None when compiling for this one."""
+    return _TARGET_DEVICE.get()
 
 
 def is_target_compile_of(devices) -> bool:

@@ -59,6 +59,8 @@ def _gemm_backend(instruction) -> str | None:
             return "cublas"
         if name.startswith("__cudnn$conv"):
             return "cudnn-conv"
+        if "ragged_dot" in instruction.line:  # a grouped-matmul kernel (tokamax's Pallas)
+            return "grouped"
         return None
     if instruction.opcode == "fusion":
         kind = _KIND.search(instruction.line)
@@ -171,6 +173,8 @@ def _dims(shape: str) -> list[int]:
 
 def _gemm_flops(instruction, computations, shapes) -> float:
     """2 x output elements x contracted size of a gemm kernel (cuBLAS call or gemm fusion)."""
+    if _gemm_backend(instruction) == "grouped":
+        return _grouped_flops(instruction, shapes)
     lhs_shape, contracting = "", []
     if instruction.opcode == "custom-call":
         names = operand_names(instruction)
@@ -193,6 +197,26 @@ def _gemm_flops(instruction, computations, shapes) -> float:
     for dim in _dims(instruction.shape):
         output *= dim
     return 2.0 * output * size
+
+
+def _grouped_flops(instruction, shapes) -> float:
+    """2 x rows x in x out of a grouped matmul over all its rows (M x K by G x K x N).
+
+    Its product and its input's gradient are M x N (x M x K first); its weights' gradient
+    is G x K x N (each row adds to its group's). Rows past the groups count too: an upper
+    bound where a device holds rows of other devices' experts (models/dropless.py).
+    """
+    names = operand_names(instruction)
+    lhs = _dims(shapes.get(names[0], "")) if names else []
+    out = _dims(instruction.shape)
+    if not lhs or not out:
+        return 0.0
+    elements = 1
+    for dim in out:
+        elements *= dim
+    if len(out) == 3:  # the weights' gradient: every row once, K x N each
+        return 2.0 * elements / out[0] * lhs[0]
+    return 2.0 * elements * lhs[-1]
 
 
 def _touched_bytes(shape_text: str, runs: int) -> float:
