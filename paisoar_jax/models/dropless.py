@@ -26,6 +26,7 @@ X experts (L this device's), F hidden width (this device's share), N = B x T x K
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -56,11 +57,21 @@ def grouped_matmul(x_MxD: jax.Array, w_GxDxF: jax.Array, sizes_G: jax.Array) -> 
     return jax.lax.ragged_dot(x_MxD, w_GxDxF, sizes_G)
 
 
-def _kernel(x_MxD, w_GxDxF, sizes_G):
-    """The grouped matmul of tokamax: Mosaic GPU's kernel, else Triton's."""
+def _kernel(x_MxD, w_GxDxF, sizes_G, implementation=("mosaic", "triton")):
+    """The grouped matmul of tokamax: Mosaic GPU's kernel, else Triton's.
+
+    Its tiles are tokamax's defaults for the shapes: it warns once per shape that it has
+    not autotuned them (kept quiet: autotuning is a run of its own, `tokamax.autotune`).
+    """
     import tokamax
 
-    return tokamax.ragged_dot(x_MxD, w_GxDxF, sizes_G, implementation=("mosaic", "triton"))
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        return tokamax.ragged_dot(x_MxD, w_GxDxF, sizes_G, implementation=implementation)
+    finally:
+        absl.setLevel(level)
 
 
 @jax.custom_vjp
@@ -68,15 +79,16 @@ def _kernel_on_target(x_MxD, w_GxDxF, sizes_G):
     """`_kernel` compiled for a target's GPU (plan --target), with its gradients.
 
     tokamax asks the default device what it is, when it traces the product and again when
-    it traces the gradients: both happen with the target's device as the default.
+    it traces the gradients: both happen with the target's device as the default. Triton's
+    kernel: Mosaic GPU's picks its tiles by asking the process's own device.
     """
     with jax.default_device(target_device()):
-        return _kernel(x_MxD, w_GxDxF, sizes_G)
+        return _kernel(x_MxD, w_GxDxF, sizes_G, "triton")
 
 
 def _kernel_on_target_forward(x_MxD, w_GxDxF, sizes_G):
     with jax.default_device(target_device()):
-        product = functools.partial(_kernel, sizes_G=sizes_G)
+        product = functools.partial(_kernel, sizes_G=sizes_G, implementation="triton")
         out_MxF, pullback = jax.vjp(product, x_MxD, w_GxDxF)
     return out_MxF, pullback
 

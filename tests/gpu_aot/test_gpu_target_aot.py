@@ -268,3 +268,34 @@ def test_a_plan_that_does_not_fit_names_the_fixes_and_fit_finds_one(tmp_path):
     assert fitting == {"remat.policy=full", "train.grad_accum=16"}, found["tried"]
     assert found["change"] == ["remat.policy=full"], found["tried"]
     assert "smallest change that fits (add to the command line): remat.policy=full" in table
+
+
+def test_dropless_experts_compile_to_grouped_matmuls_of_the_routed_rows_only():
+    """Two of Qwen3-30B-A3B's layers over fsdp=8: tokamax's kernels, no capacity buffers.
+
+    The grouped kernels' FLOPs are those of each device's routed rows (tokens x k), forward,
+    recomputed forward (full remat) and two gradients, where the capacity path's buffers
+    compute capacity x experts rows.
+    """
+    shape = ["mesh.data=1", "mesh.fsdp=8", "model.layers=2"]
+    dropless = target_plan(
+        "qwen3_30b_a3b", *shape, "model.moe_impl=dropless", "model.expert_capacity_factor=0"
+    )
+    capacity = target_plan("qwen3_30b_a3b", *shape)
+    grouped = [row for row in dropless["target"]["matmuls"] if row["backend"] == "grouped"]
+    assert grouped and all(row["operands"] == "bf16 x bf16" for row in grouped), grouped
+    assert not any(row["backend"] == "grouped" for row in capacity["target"]["matmuls"])
+    from paisoar_jax.config import load_config
+
+    model = load_config(REPO / "configs" / "qwen3_30b_a3b.yaml").model
+    rows = dropless["seq_len"] * model.experts_per_token  # a device's routed rows (B 1)
+    expert_flops = 3 * 2 * rows * model.width * model.expert_width
+    routed = 2 * 4 * expert_flops  # two layers: forward twice, two gradients
+    dropless_flops = dropless["target"]["estimate"]["gemm_flops"]
+    capacity_flops = capacity["target"]["estimate"]["gemm_flops"]
+    # What the rest of the step computes (attention, router, head) is the same in both.
+    assert capacity_flops - dropless_flops == pytest.approx(routed * (1.25 - 1), rel=0.05), (
+        capacity_flops,
+        dropless_flops,
+        routed,
+    )
