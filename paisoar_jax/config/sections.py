@@ -65,7 +65,9 @@ class ShardingConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule, clipping and weight decay."""
 
-    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"  # the optax optimizer
+    # the optax optimizer; muon: the hidden matrices by Muon (optax.contrib.muon, their axes
+    # from the parameters' logical names), embeddings, head, norms and biases by AdamW
+    name: Literal["adamw", "sgd", "lamb", "lars", "muon"] = "adamw"
     lr: float = 3e-3  # the peak learning rate, reached after warmup_steps
     # the learning rate after warm-up: cosine or linear decay to lr x final_lr_fraction at
     # train.steps, or constant
@@ -84,6 +86,11 @@ class OptimConfig:
     momentum: float = 0.9  # sgd and lars
     nesterov: bool = False  # sgd and lars
     trust_coefficient: float = 0.001  # lars: the layer-wise trust ratio's coefficient
+    muon_momentum: float = 0.95  # muon: the momentum its matrices' steps orthogonalise
+    # muon: its matrices' updates scaled to this RMS x sqrt(max(rows, columns)) (Moonlight's
+    # 0.2 matches AdamW's update size, so one optim.lr serves both halves); 0: optax's
+    # shape scaling, which wants Muon's own larger lr
+    muon_consistent_rms: float = 0.2
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # rescale lr for the global batch
     base_batch: int = 0  # the global batch `lr` was tuned for (needed when lr_scaling != none)
 
@@ -99,8 +106,10 @@ class OptimConfig:
         if not self.lr > 0:
             raise UserError(f"optim.lr must be > 0, got {self.lr}")
         check_at_least("optim", self, {"warmup_steps": 0})
-        numbers = ("clip_norm", "weight_decay", "final_lr_fraction", "lr")
+        numbers = ("clip_norm", "weight_decay", "final_lr_fraction", "lr", "muon_consistent_rms")
         check_finite_non_negative("optim", self, numbers)
+        if not 0 <= self.muon_momentum < 1:
+            raise UserError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
 
 @dataclass(frozen=True)

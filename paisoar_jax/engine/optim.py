@@ -1,11 +1,12 @@
-"""The optax chain: clipping, then AdamW, SGD, LAMB or LARS on a warmup-then-schedule lr.
+"""The optax chain: clipping, then AdamW, SGD, LAMB, LARS or Muon on a warmup-then-schedule lr.
 
 The schedule is a linear warmup, then cosine, linear or constant (optim.schedule).
 
 Weight decay is masked off norms and biases. The learning rate can be rescaled for the global
 batch (linear or sqrt against `optim.base_batch`), so a recipe tuned at one batch size moves
 to another. Gradient accumulation is not an optax wrapper here: step.py accumulates the
-micro-batches inside the one jitted step.
+micro-batches inside the one jitted step. Muon needs the parameters' logical axes
+(engine/muon.py): its chain is built once the model is traced (muon.NeedsAxes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import optax
 
 from paisoar_jax.config import OptimConfig, PrecisionConfig
+from paisoar_jax.engine.muon import NeedsAxes, build_muon, muon_axes_tree
 from paisoar_jax.numerics import loss_scale
 
 NO_DECAY_NAMES = ("bias", "scale")  # layer-norm scales and every bias
@@ -66,19 +68,23 @@ def build_optimizer(
     total_steps: int,
     global_batch: int,
     precision: PrecisionConfig | None = None,
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer chain (loss-scaled where the precision asks) and its lr schedule."""
+) -> tuple[optax.GradientTransformation | NeedsAxes, optax.Schedule]:
+    """The optimizer chain (loss-scaled where the precision asks) and its lr schedule.
+
+    Muon's is a NeedsAxes: the chain once the parameters' logical axes are known.
+    """
     lr_schedule = build_lr_schedule(optim_config, total_steps, global_batch)
+    clip_norm = optim_config.clipping(own_optimizer=False)
+    if optim_config.name == "muon":
+
+        def with_axes(logical_specs, shapes) -> optax.GradientTransformation:
+            axes = muon_axes_tree(logical_specs, shapes)
+            muon = build_muon(optim_config, lr_schedule, axes, _adam(optim_config, lr_schedule))
+            return wrap_optimizer(muon, clip_norm, precision)
+
+        return NeedsAxes(with_axes), lr_schedule
     if optim_config.name in ("adamw", "lamb"):  # lamb: Adam with a per-layer trust ratio
-        adam_like = optax.adamw if optim_config.name == "adamw" else optax.lamb
-        optimizer = adam_like(
-            lr_schedule,
-            b1=optim_config.b1,
-            b2=optim_config.b2,
-            eps=optim_config.eps,
-            weight_decay=optim_config.weight_decay,
-            mask=decay_mask,
-        )
+        optimizer = _adam(optim_config, lr_schedule, optim_config.name)
     elif optim_config.name == "lars":  # momentum SGD with a per-layer trust ratio
         optimizer = optax.lars(
             lr_schedule,
@@ -95,9 +101,22 @@ def build_optimizer(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
             optax.sgd(lr_schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
-    return wrap_optimizer(
-        optimizer, optim_config.clipping(own_optimizer=False), precision
-    ), lr_schedule
+    return wrap_optimizer(optimizer, clip_norm, precision), lr_schedule
+
+
+def _adam(
+    optim_config: OptimConfig, lr_schedule: optax.Schedule, name: str = "adamw"
+) -> optax.GradientTransformation:
+    """AdamW (or LAMB) with the config's moments and decoupled decay, never on norms, biases."""
+    adam_like = optax.adamw if name == "adamw" else optax.lamb
+    return adam_like(
+        lr_schedule,
+        b1=optim_config.b1,
+        b2=optim_config.b2,
+        eps=optim_config.eps,
+        weight_decay=optim_config.weight_decay,
+        mask=decay_mask,
+    )
 
 
 def wrap_optimizer(

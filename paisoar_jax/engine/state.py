@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from paisoar_jax import output
 from paisoar_jax.config import MeshConfig, ShardingConfig, TrainConfig
 from paisoar_jax.engine import lora
+from paisoar_jax.engine.muon import NeedsAxes
 from paisoar_jax.engine.optim import decay_mask
 from paisoar_jax.numerics.precision import Policy, get_policy, policy_lookup
 from paisoar_jax.parallel import grad_comm, pipeline, rules, sharding
@@ -105,7 +106,7 @@ class StateLayout:
 
 def state_layout(
     mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | NeedsAxes,
     create_model: Callable[[], nnx.Module],
     follows_policy: bool,
     *,
@@ -129,6 +130,8 @@ def state_layout(
     )
     # What the optimizer and the gradients see: the trainable params (all, without LoRA).
     trained_params = trainable_part(abstract_params, trainable)
+    if isinstance(optimizer, NeedsAxes):  # Muon: its matrices by their logical axes
+        optimizer = optimizer.build(trainable_part(logical_specs, trainable), trained_params)
     state_param_shardings = trainable_part(state_param_shardings, trainable)
     abstract_model_state, model_state_shardings = _model_state_layout(
         abstract_model_variables, mesh, settings.mesh.zero
@@ -190,16 +193,49 @@ def _optimizer_layout(
     Each moment is laid out as its parameter; anything else (counts, scalars) replicated.
     """
     abstract_opt_state = jax.eval_shape(optimizer.init, trained_params)
-    opt_shardings = optax.tree_map_params(
-        # Its init on a placeholder, traced: eager zeros inside the mesh would be placed on
-        # its devices, which a compile-only target (plan --target) cannot hold.
-        lambda placeholder: jax.eval_shape(lambda: optimizer.init(placeholder)),
-        lambda _, param_sharding: param_sharding,
-        abstract_opt_state,
-        param_shardings,
-        transform_non_params=lambda _: sharding.replicated(mesh),
-    )
+    try:
+        opt_shardings = optax.tree_map_params(
+            # Its init on a placeholder, traced: eager zeros inside the mesh would be placed
+            # on its devices, which a compile-only target (plan --target) cannot hold.
+            lambda placeholder: jax.eval_shape(lambda: optimizer.init(placeholder)),
+            lambda _, param_sharding: param_sharding,
+            abstract_opt_state,
+            param_shardings,
+            transform_non_params=lambda _: sharding.replicated(mesh),
+        )
+    except (ValueError, TypeError):  # an init that reads the params' tree (Muon's labels)
+        opt_shardings = _by_parameter_path(abstract_opt_state, trained_params, param_shardings)
+        opt_shardings = jax.tree.map(
+            lambda found: found or sharding.replicated(mesh),
+            opt_shardings,
+            is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding),
+        )
     return abstract_opt_state, opt_shardings
+
+
+def _by_parameter_path(abstract_opt_state, trained_params, param_shardings) -> Any:
+    """Each optimizer-state leaf's sharding: its parameter's, found by the end of its path.
+
+    A moment of parameter blocks/q_kernel sits at ...["blocks"]["q_kernel"] of the state,
+    with its shape; a leaf that ends no parameter's path (a count) gets None.
+    """
+    params = {
+        tuple(path): (leaf.shape, param_sharding)
+        for (path, leaf), param_sharding in zip(
+            jax.tree_util.tree_flatten_with_path(trained_params)[0],
+            jax.tree.leaves(param_shardings),
+            strict=True,
+        )
+    }
+
+    def one(path, leaf):
+        for length in range(len(path), 0, -1):
+            found = params.get(tuple(path[-length:]))
+            if found is not None and found[0] == leaf.shape:
+                return found[1]
+        return None
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
 
 
 def _model_state_layout(abstract_model_variables, mesh: Mesh, zero: int) -> tuple[Any, Any]:

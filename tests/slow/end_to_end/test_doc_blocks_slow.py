@@ -6,6 +6,7 @@ optional `[...]` parts. Each must exit 0 and leave what the page says it leaves.
 """
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -179,6 +180,12 @@ def test_gradient_accumulation_at_the_pages_batch(tmp_path):
     model = [setting for setting in TINY if not setting.startswith("train.global_batch")]
     run_block("grad-accum", tmp_path, [*model, *SHORT])
     assert run_records(tmp_path / "runs" / "default")[-1]["step"] == 4
+
+
+def test_muon_on_the_tiny_llama(tmp_path):
+    run_block("muon", tmp_path, [*SHORT, "run.dir=runs/muon"])
+    records = run_records(tmp_path / "runs" / "muon")
+    assert records[-1]["step"] == 4 and all(math.isfinite(r["loss"]) for r in records)
 
 
 def run_python_block(name, cwd):
