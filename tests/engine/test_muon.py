@@ -169,3 +169,14 @@ def test_a_model_of_ones_own_fits_with_muon(tmp_path, how):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     losses = [record["loss"] for record in records if "loss" in record]
     assert result["steps"] == 20 and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_resumed_muon_run_continues_exactly(tmp_path):
+    """Its state (Muon's momentum, AdamW's moments, optax's masks) saved and restored."""
+    from conftest import resumable_run
+
+    settings = ["model.name=llama", "model.kv_heads=2", "optim.name=muon", "mesh.fsdp=2"]
+    whole = resumable_run(tmp_path / "whole", settings, 6)
+    resumable_run(tmp_path / "cut", settings, 3)
+    resumed = resumable_run(tmp_path / "cut", settings, 6)
+    assert [resumed[step] for step in range(4, 7)] == [whole[step] for step in range(4, 7)]
