@@ -243,8 +243,12 @@ class TrainConfig:
     # - d) (0.999: about the last 1000 steps). Checkpointed with the run; fit's result has it
     # as .ema_model, `load(..., ema=True)` and `export --ema` read it. 0: none.
     ema_decay: float = 0.0
+    # Skip the update of a step whose loss exceeds the mean of the last 128 steps' losses by
+    # this many standard deviations (engine/spikes.py; counted as skipped_spikes); 0: off
+    skip_spikes: float = 0.0
 
     def __post_init__(self):
+        check_finite_non_negative("train", self, ("skip_spikes",))
         if not 0 <= self.ema_decay < 1:
             raise UserError(
                 f"train.ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}"

@@ -18,6 +18,7 @@ import optax
 
 from paisoar_jax.config import OptimConfig, PrecisionConfig
 from paisoar_jax.engine.muon import NeedsAxes, build_muon, muon_axes_tree
+from paisoar_jax.engine.spikes import spike_skipped
 from paisoar_jax.numerics import loss_scale
 
 NO_DECAY_NAMES = ("bias", "scale")  # layer-norm scales and every bias
@@ -68,10 +69,12 @@ def build_optimizer(
     total_steps: int,
     global_batch: int,
     precision: PrecisionConfig | None = None,
+    skip_spikes: float = 0.0,
 ) -> tuple[optax.GradientTransformation | NeedsAxes, optax.Schedule]:
     """The optimizer chain (loss-scaled where the precision asks) and its lr schedule.
 
     Muon's is a NeedsAxes: the chain once the parameters' logical axes are known.
+    `skip_spikes`: train.skip_spikes (wrap_optimizer).
     """
     lr_schedule = build_lr_schedule(optim_config, total_steps, global_batch)
     clip_norm = optim_config.clipping(own_optimizer=False)
@@ -80,7 +83,7 @@ def build_optimizer(
         def with_axes(logical_specs, shapes) -> optax.GradientTransformation:
             axes = muon_axes_tree(logical_specs, shapes)
             muon = build_muon(optim_config, lr_schedule, axes, _adam(optim_config, lr_schedule))
-            return wrap_optimizer(muon, clip_norm, precision)
+            return wrap_optimizer(muon, clip_norm, precision, skip_spikes)
 
         return NeedsAxes(with_axes), lr_schedule
     if optim_config.name in ("adamw", "lamb"):  # lamb: Adam with a per-layer trust ratio
@@ -101,7 +104,7 @@ def build_optimizer(
             optax.add_decayed_weights(optim_config.weight_decay, mask=decay_mask),
             optax.sgd(lr_schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
-    return wrap_optimizer(optimizer, clip_norm, precision), lr_schedule
+    return wrap_optimizer(optimizer, clip_norm, precision, skip_spikes), lr_schedule
 
 
 def _adam(
@@ -123,13 +126,19 @@ def wrap_optimizer(
     optimizer: optax.GradientTransformation,
     clip_norm: float,
     precision: PrecisionConfig | None = None,
-) -> optax.GradientTransformation:
-    """`optimizer` (the config's or a user's) inside clipping (0: none) and the loss scaler.
+    skip_spikes: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """`optimizer` (the config's or a user's) in clipping, spike skipping and loss scaling.
 
-    The scaler only unscales the gradients and skips the steps whose gradients overflow.
+    Clipping at `clip_norm` (0: none), the spike skipper at `skip_spikes` (0: none). The
+    scaler only unscales the gradients and skips the steps whose gradients overflow.
+    Its `update` takes the step's `loss` (optax's extra argument), which the spike skipper
+    reads and any other part may ignore.
     """
     if clip_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
+    if skip_spikes > 0:
+        optimizer = spike_skipped(optimizer, skip_spikes)
     if precision is not None:
         mode, static_scale = precision.loss_scale_mode()
         if mode != "none":
@@ -143,7 +152,7 @@ def wrap_optimizer(
                 min_scale=min(precision.min_scale, static_scale),
                 max_scale=max(precision.max_scale, static_scale),
             )
-    return optimizer
+    return optax.with_extra_args_support(optimizer)
 
 
 def describe_given(

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paisoar_jax.engine import lora
+from paisoar_jax.engine import lora, spikes
 from paisoar_jax.engine.state import StateLayout, TrainState
 from paisoar_jax.numerics import fp8, loss_scale
 from paisoar_jax.parallel import grad_comm, pipeline, sharding
@@ -254,7 +254,7 @@ def train_step(
         loss, task_metrics = stats[0], dict(zip(names, stats[1:], strict=True))
     # ZeRO >= 1: gradients go straight to the optimizer-state layout (a reduce-scatter).
     grads = jax.lax.with_sharding_constraint(grads, layout.gradient_shardings)
-    updates, opt_state = layout.optimizer.update(grads, state.opt_state, trained)
+    updates, opt_state = layout.optimizer.update(grads, state.opt_state, trained, loss=loss)
     params = optax.apply_updates(trained, updates)
     params = params if frozen is None else lora.join(params, frozen)
     metrics = {
@@ -263,13 +263,16 @@ def train_step(
         "grad_norm": optax.tree.norm(grads) / scale,
         **_learning_rate(lr_schedule, state.step, opt_state),
         **loss_scale.scale_metrics(opt_state),
+        **spikes.spike_metrics(opt_state),
     }
     if jax.tree.leaves((model_state, comm)):
-        # A skipped step (non-finite gradients) keeps the old statistics and error-feedback
-        # residual too: they saw the same overflowing forward pass.
-        finite = loss_scale.all_finite(grads)
+        # A skipped step (non-finite gradients, or a spike) keeps the old statistics and
+        # error-feedback residual too: they saw the same forward pass.
+        kept = loss_scale.all_finite(grads)
+        spiked = spikes.spiked(state.opt_state, opt_state)
+        kept = kept if spiked is None else kept & ~spiked
         model_state, comm = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
+            lambda new, old: jnp.where(kept, new, old),
             (model_state, comm),
             (state.model_state, state.comm),
         )

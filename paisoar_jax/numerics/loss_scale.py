@@ -54,7 +54,10 @@ def loss_scaled(
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
 ) -> optax.GradientTransformation:
-    """Wraps `inner`: unscale, skip non-finite steps, adapt the scale (or keep it static)."""
+    """Wraps `inner`: unscale, skip non-finite steps, adapt the scale (or keep it static).
+
+    Extra arguments of `update` (the step's loss) go on to `inner`.
+    """
     if not (min_scale <= initial_scale <= max_scale) or min_scale <= 0:
         raise UserError(
             f"loss scale {initial_scale} is outside [min_scale={min_scale}, max_scale={max_scale}]"
@@ -70,13 +73,15 @@ def loss_scaled(
             inner_state=inner.init(params),
         )
 
-    def update(scaled_grads, state: LossScaleState, params=None):
+    inner = optax.with_extra_args_support(inner)
+
+    def update(scaled_grads, state: LossScaleState, params=None, **extra_args):
         grads = jax.tree.map(lambda g: g / state.scale.astype(g.dtype), scaled_grads)
         finite = all_finite(grads)
         # Feed zeros to the inner optimizer on a bad step so no nan enters its math; its
         # result is discarded below anyway.
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        updates, inner_state = inner.update(safe_grads, state.inner_state, params)
+        updates, inner_state = inner.update(safe_grads, state.inner_state, params, **extra_args)
         keep = lambda new, old: jnp.where(finite, new, old)
         inner_state = jax.tree.map(keep, inner_state, state.inner_state)
         updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
@@ -100,7 +105,7 @@ def loss_scaled(
             inner_state=inner_state,
         )
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def current_scale(opt_state) -> jax.Array | float:

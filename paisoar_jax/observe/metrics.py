@@ -39,6 +39,7 @@ RECORD_FIELDS = {
     "grad_norm": "the global norm of the gradients, unscaled",
     "loss_scale": "the dynamic loss scale (1 without loss scaling)",
     "skipped_steps": "steps skipped for non-finite gradients so far (cumulative)",
+    "skipped_spikes": "train.skip_spikes: steps skipped for a loss spike so far (cumulative)",
     "step_time_s": "mean seconds per step since the last record",
     "tokens_per_s": "tokens trained per second (language models)",
     "examples_per_s": "examples (images) trained per second (other tasks)",

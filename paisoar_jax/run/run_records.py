@@ -146,6 +146,7 @@ def log_record(
         "grad_norm": float(values["grad_norm"]),
         "loss_scale": float(values["loss_scale"]),
         "skipped_steps": int(values["skipped_steps"]),
+        **({"skipped_spikes": int(values["skipped_spikes"])} if "skipped_spikes" in values else {}),
         **timer.timings(step),
         "checkpoint_s": timer.save_s,  # the loop blocked on saves since the last log
         **device_memory(),

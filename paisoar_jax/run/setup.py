@@ -151,7 +151,7 @@ def optimizer_for(
     """
     if given is None:
         chain, lr_schedule = build_optimizer(
-            optim, train.steps, train.global_batch, precision_settings
+            optim, train.steps, train.global_batch, precision_settings, train.skip_spikes
         )
         return chain, lr_schedule, None
     lr_schedule = build_lr_schedule(optim, train.steps, train.global_batch)
@@ -167,7 +167,7 @@ def optimizer_for(
             f"got {type(given).__name__}"
         )
     clip_norm = optim.clipping(own_optimizer=True)
-    chain = wrap_optimizer(inner, clip_norm, precision_settings)
+    chain = wrap_optimizer(inner, clip_norm, precision_settings, train.skip_spikes)
     return chain, lr_schedule, describe_given(inner, factory, clip_norm)
 
 

@@ -29,7 +29,8 @@ from paisoar_jax.parallel import pipeline
 
 # Names the loop's records (and the eval step's row count) use: a user's metric may not.
 RESERVED_METRICS = (
-    *("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "step", "rows", "weight"),
+    *("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "skipped_spikes", "step"),
+    *("rows", "weight"),
 )
 Loss = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 

@@ -293,13 +293,14 @@ def test_recompilations(healthy_copy):
 
 def every_check_firing(config_overrides):
     """A Run of the given config whose records and plan make every check fire."""
-    config = load_config(None, [*TINY, *config_overrides])
+    config = load_config(None, [*TINY, "train.skip_spikes=4", *config_overrides])
     records = [
         {
             "step": step,
             "loss": loss,
             "loss_scale": 2.0 ** (15 - step),
             "skipped_steps": step - 1,  # none in the first interval: the scale had settled
+            "skipped_spikes": step // 3,  # (train.skip_spikes: one in steps 3 and 4)
             "step_time_s": 0.1,
             "data_wait_frac": 0.5,
             "mfu": 0.01,

@@ -81,6 +81,7 @@ CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     loss_findings.not_learning,
     gradient_findings.no_gradient,
     scale_findings.skipped_steps,
+    scale_findings.skipped_spikes,
     findings.input_bound,
     scaling_findings.poor_scaling,  # measured, before the plan's projection
     findings.communication_bound,

@@ -1,7 +1,8 @@
-"""The doctor's checks of a loss-scaled run: a scale that keeps falling, many skipped steps.
+"""The doctor's checks of skipped steps: a falling loss scale, many skipped, loss spikes.
 
-Both read loss_scale and skipped_steps from metrics.jsonl. A falling scale is judged as the
-loop judges it (monitor.scale_keeps_falling): only once the scale has settled.
+They read loss_scale, skipped_steps and skipped_spikes (train.skip_spikes) from
+metrics.jsonl. A falling scale is judged as the loop judges it (monitor.scale_keeps_falling):
+only once the scale has settled.
 """
 
 from __future__ import annotations
@@ -112,3 +113,33 @@ def skipped_steps(run: Run) -> Finding | None:
         f"{SKIPPED_LIMIT:.0%})"
     )
     return Finding("skipped-steps", "many steps were skipped", evidence, tuple(fixes))
+
+
+def skipped_spikes(run: Run) -> Finding | None:
+    """Steps were skipped as loss spikes: how many, between which log steps, what to try."""
+    counts = series(run.records, "skipped_spikes")
+    if not counts or counts[-1][1] == 0:
+        return None
+    # The log intervals in which the count rose: where to look at the data.
+    rose = [
+        (earlier_step, step)
+        for (earlier_step, earlier), (step, count) in zip([(0, 0), *counts], counts, strict=False)
+        if count > earlier
+    ]
+    where = ", ".join(f"{start + 1}-{end}" if end > start + 1 else f"{end}" for start, end in rose)
+    last_step, count = counts[-1]
+    evidence = (
+        f"{count} of {last_step} steps skipped as loss spikes (train.skip_spikes="
+        f"{run.config.train.skip_spikes:g}: a loss that many standard deviations over the "
+        f"last 128 steps' mean), in steps {where}"
+    )
+    optim = run.config.optim
+    fixes = [
+        "the batches of those steps: a spike that comes back at the same step of a rerun is "
+        "in the data (a document of another language, repeated or corrupt text)",
+        lower_lr(run, ": spikes that come from the updates themselves shrink with it"),
+    ]
+    if not own_optimizer(run):
+        warmup = max(100, 2 * optim.warmup_steps)
+        fixes.append(f"`optim.warmup_steps={warmup}` (now {optim.warmup_steps})")
+    return Finding("skipped-spikes", "steps were skipped as loss spikes", evidence, tuple(fixes))

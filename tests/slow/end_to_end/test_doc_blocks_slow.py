@@ -188,6 +188,12 @@ def test_muon_on_the_tiny_llama(tmp_path):
     assert records[-1]["step"] == 4 and all(math.isfinite(r["loss"]) for r in records)
 
 
+def test_skipping_loss_spikes(tmp_path):
+    run_block("skip-spikes", tmp_path, [*TINY, *SHORT])
+    records = run_records(tmp_path / "runs" / "default")
+    assert [record["skipped_spikes"] for record in records][-1] == 0  # (not judged before 16)
+
+
 def run_python_block(name, cwd):
     """The block NAME as a script in cwd, run as a user runs it; what it printed."""
     script = cwd / f"{name}.py"
