@@ -149,6 +149,7 @@ def auxiliary_loss(statistics: dict[str, jax.Array], model_config) -> jax.Array:
 
 # The metrics.jsonl fields of a mixture of experts that summarise its MoE layers.
 SUMMARY_NAMES = ("moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction")
+SUMMARY_NAMES += ("moe_router_entropy",)
 
 
 def moe_layers(model_config) -> list[int]:
@@ -160,7 +161,8 @@ def metric_names(model_config) -> tuple[str, ...]:
     """Every metrics.jsonl field of a mixture of experts: the summary, then per layer."""
     layers = moe_layers(model_config)
     loads = tuple(f"moe_layer_load/{layer}" for layer in layers)
-    return SUMMARY_NAMES + loads + tuple(f"moe_layer_dropped/{layer}" for layer in layers)
+    dropped = tuple(f"moe_layer_dropped/{layer}" for layer in layers)
+    return SUMMARY_NAMES + loads + dropped + tuple(f"moe_layer_entropy/{layer}" for layer in layers)
 
 
 def metrics_of(statistics: dict[str, jax.Array], model_config) -> dict[str, jax.Array]:
@@ -168,17 +170,21 @@ def metrics_of(statistics: dict[str, jax.Array], model_config) -> dict[str, jax.
 
     moe_expert_load is the busiest expert's tokens over the mean expert's in the worst
     layer (1 is even), moe_dropped_fraction the share of choices capacity dropped over
-    every MoE layer; moe_layer_load/L and moe_layer_dropped/L are layer L's own.
+    every MoE layer, moe_router_entropy the lowest layer's `router_entropy` (1: the router
+    spreads each row's tokens evenly, 0: all to one expert); moe_layer_load/L,
+    moe_layer_dropped/L and moe_layer_entropy/L are layer L's own.
     """
     metrics = {
         "moe_balance_loss": jnp.mean(statistics["balance_loss"]),
         "moe_z_loss": jnp.mean(statistics["z_loss"]),
         "moe_expert_load": jnp.max(statistics["expert_load"]),
         "moe_dropped_fraction": jnp.mean(statistics["dropped_fraction"]),
+        "moe_router_entropy": jnp.min(statistics["router_entropy"]),
     }
     for index, layer in enumerate(moe_layers(model_config)):
         metrics[f"moe_layer_load/{layer}"] = statistics["expert_load"][index]
         metrics[f"moe_layer_dropped/{layer}"] = statistics["dropped_fraction"][index]
+        metrics[f"moe_layer_entropy/{layer}"] = statistics["router_entropy"][index]
     return metrics
 
 
@@ -245,6 +251,18 @@ def balance_loss(chosen_BxTxK: jax.Array, probabilities_BxTxX: jax.Array) -> jax
     share_X = jnp.mean(picks_BxTxX, axis=(0, 1))  # choices per token that went to each expert
     probability_X = jnp.mean(probabilities_BxTxX, axis=(0, 1))
     return experts * jnp.sum(share_X * probability_X)
+
+
+def router_entropy(probabilities_BxTxX: jax.Array) -> jax.Array:
+    """The entropy of each row's mean routing probabilities over ln(experts), averaged.
+
+    1: the router spreads a row's tokens evenly over the experts; 0: it sends them all to
+    one (a collapsed router). A row is a token group, as for the capacity.
+    """
+    experts = probabilities_BxTxX.shape[-1]
+    mean_BxX = jnp.mean(probabilities_BxTxX, axis=1)
+    entropy_B = -jnp.sum(mean_BxX * jnp.log(jnp.maximum(mean_BxX, 1e-12)), axis=-1)
+    return jnp.mean(entropy_B) / math.log(experts)
 
 
 def z_loss(logits_BxTxX: jax.Array) -> jax.Array:
@@ -346,6 +364,7 @@ class MoeFeedForward(nnx.Module):
             "z_loss": z_loss(logits_BxTxX),
             "expert_load": jnp.max(load_X) / jnp.maximum(jnp.mean(load_X), 1e-9),
             "dropped_fraction": jnp.mean(jnp.logical_not(kept_BxTxK).astype(jnp.float32)),
+            "router_entropy": router_entropy(probabilities_BxTxX),
         }
         if shape.bias_rate:  # each expert's bias a step toward the mean load of the choices
             chosen_X = jnp.sum(picks_BxTxKxX, axis=(0, 1, 2))  # before capacity drops

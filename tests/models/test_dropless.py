@@ -27,15 +27,16 @@ SHAPES = {
 
 
 def outputs_and_gradients(module, h):
-    """(the layer's output, d sum(y^2) / d (its parameters, its input))."""
+    """(the layer's output, d sum(y^2) / d (its parameters, its input), its statistics)."""
 
     def loss(params, h):
-        y, _ = nnx.merge(graphdef, params, rest)(h)
-        return jnp.sum(y**2), y
+        y, statistics = nnx.merge(graphdef, params, rest)(h)
+        return jnp.sum(y**2), (y, statistics)
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    (_, y), gradients = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, h)
-    return y, gradients
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, (y, statistics)), gradients = jax.jit(grad)(params, h)
+    return y, gradients, statistics
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -48,8 +49,11 @@ def test_dropless_gives_the_capacity_paths_outputs_and_gradients(name):
     dropless = nnx.clone(capacity)
     dropless.shape = dataclasses.replace(capacity.shape, impl="dropless")
     h = inputs()
-    y, gradients = outputs_and_gradients(dropless, h)
-    expected_y, expected_gradients = outputs_and_gradients(capacity, h)
+    y, gradients, statistics = outputs_and_gradients(dropless, h)
+    expected_y, expected_gradients, expected_statistics = outputs_and_gradients(capacity, h)
+    # The router's statistics carry over (load, drops, entropy, losses): the same routing.
+    for name, value in expected_statistics.items():
+        np.testing.assert_allclose(statistics[name], value, rtol=1e-6, err_msg=name)
     np.testing.assert_allclose(y, expected_y, rtol=1e-5, atol=1e-6)
     flat, expected_flat = (jax.tree.leaves(tree) for tree in (gradients, expected_gradients))
     assert len(flat) == len(expected_flat) > 4

@@ -189,10 +189,15 @@ def test_the_loss_adds_the_routers_weighted_losses_and_reports_them(family):
     balance, z = np.mean(statistics["balance_loss"]), np.mean(statistics["z_loss"])
     np.testing.assert_allclose(loss, cross_entropy + 0.5 * balance + 0.1 * z, rtol=1e-5)
     summary = {"moe_balance_loss", "moe_z_loss", "moe_expert_load", "moe_dropped_fraction"}
-    per_layer = {f"moe_layer_{kind}/{layer}" for kind in ("load", "dropped") for layer in (0, 1)}
+    summary |= {"moe_router_entropy"}
+    kinds = ("load", "dropped", "entropy")
+    per_layer = {f"moe_layer_{kind}/{layer}" for kind in kinds for layer in (0, 1)}
     assert set(metrics) == set(task.metric_names) == summary | per_layer
     np.testing.assert_allclose(metrics["moe_layer_load/1"], statistics["expert_load"][1])
     np.testing.assert_allclose(metrics["moe_balance_loss"], balance, rtol=1e-6)
+    entropy = np.asarray(statistics["router_entropy"])
+    np.testing.assert_allclose(metrics["moe_router_entropy"], entropy.min(), rtol=1e-6)
+    assert 0 < entropy.min() <= entropy.max() <= 1
     # Dropless: nothing dropped; the busiest expert is at least the mean one.
     assert metrics["moe_dropped_fraction"] == 0 and metrics["moe_expert_load"] >= 1
 
@@ -206,7 +211,8 @@ def test_every_kth_layer_has_experts_and_only_they_report():
     _, statistics = model.logits_and_statistics(tokens)
     assert statistics["z_loss"].shape == (2,)
     names = [name for name in moe.metric_names(config.model) if "/" in name]
-    expected = [f"moe_layer_{kind}/{layer}" for kind in ("load", "dropped") for layer in (1, 3)]
+    kinds = ("load", "dropped", "entropy")
+    expected = [f"moe_layer_{kind}/{layer}" for kind in kinds for layer in (1, 3)]
     assert names == expected  # the model's own layer numbers
 
 
@@ -366,3 +372,16 @@ def test_a_model_of_ones_own_trains_its_moe_layer_through_fit(devices, tmp_path)
             optimizer=optax.adam(3e-3),
             data=data,
         )
+
+
+def test_the_router_entropy_is_one_when_even_and_zero_when_collapsed():
+    module, h = layer(MoeShape(4, 2, mlp_width=16)), inputs()
+    module.router_kernel[...] = jnp.zeros_like(module.router_kernel[...])  # every expert alike
+    _, even = jax.jit(lambda module, h: module(h))(module, h)
+    assert float(even["router_entropy"]) == pytest.approx(1.0, abs=1e-6)
+    # A router whose expert 0 outscores the rest by far for every token.
+    kernel = np.zeros(module.router_kernel[...].shape, np.float32)
+    module.router_kernel[...] = jnp.asarray(kernel)
+    module.router_kernel[...] = module.router_kernel[...].at[:, 0].set(50.0)
+    _, collapsed = jax.jit(lambda module, h: module(abs(h) + 1.0))(module, h)
+    assert float(collapsed["router_entropy"]) < 1e-3

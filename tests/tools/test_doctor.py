@@ -325,6 +325,8 @@ def every_check_firing(config_overrides):
         for record in records:
             record.update({"moe_layer_load/0": 1.1, "moe_layer_load/1": 3.0})
             record.update({"moe_layer_dropped/0": 0.0, "moe_layer_dropped/1": 0.2})
+        for step, record in enumerate(records):  # layer 1's router collapsing
+            record.update({"moe_layer_entropy/0": 0.9, "moe_layer_entropy/1": 0.9 - 0.2 * step})
     plan_result = {
         "param_count": 2 * 10**9,
         "flops_per_device": 1e12,
@@ -390,7 +392,8 @@ def test_every_fix_names_real_config_keys(config_overrides, tmp_path):
     expected = expected - {"memory-headroom"} | {"memory-near-limit"}
     # A mixture of experts does not pipeline; the MoE checks need a MoE's records.
     moe = ["model.experts=4"] if run.config.model.experts else []
-    expected -= {"pipeline-bubble"} if moe else {"expert-imbalance", "dropped-tokens"}
+    moe_checks = {"expert-imbalance", "dropped-tokens", "collapsing-router"}
+    expected -= {"pipeline-bubble"} if moe else moe_checks
     expected -= set() if run.config.mesh.contexts > 1 else {"context-bound"}
     # A loss not finite before any update, and no gradient at all, rule out the rest: they
     # fire alone (tests/tasks/test_own_model_mistakes.py). A loss that exploded, or does
@@ -414,6 +417,10 @@ def test_an_imbalanced_and_dropping_moe_layer_is_named(tmp_path):
     assert "`model.expert_capacity_factor=1.25`" in imbalance.fixes[2]  # dropless now
     assert drops.evidence.startswith("layer 1 drops 20% of its expert choices")
     assert drops.fixes[0].startswith("`model.expert_capacity_factor=0.5`")
+    collapsing = results["collapsing-router"]
+    assert collapsing.title == "the router of layer 1 is collapsing"
+    assert collapsing.evidence.startswith("layer 1's router entropy fell from 0.90 to 0.30")
+    assert "model.router_z_loss=0.001" in collapsing.fixes[1]
 
 
 @pytest.mark.parametrize(

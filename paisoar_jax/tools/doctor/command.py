@@ -91,6 +91,7 @@ CHECKS: tuple[Callable[[Run], Finding | None], ...] = (
     findings.recompiles,
     moe_findings.expert_imbalance,
     moe_findings.dropped_tokens,
+    moe_findings.collapsing_router,
     context_split.context_bound,
 )
 

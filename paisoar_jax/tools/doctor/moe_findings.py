@@ -1,19 +1,22 @@
-"""The doctor's checks of a mixture of experts: a layer's experts imbalanced, or dropping.
+"""The doctor's checks of a mixture of experts: imbalanced, dropping, a collapsing router.
 
-Both read the per-layer fields a MoE run logs (models/moe.py: moe_layer_load/L, the busiest
-expert's tokens over the mean expert's in layer L, and moe_layer_dropped/L, the share of
-that layer's choices its capacity dropped), as medians over the later half of the log steps:
-the router is still learning to balance in the first ones.
+They read the per-layer fields a MoE run logs (models/moe.py: moe_layer_load/L, the busiest
+expert's tokens over the mean expert's in layer L; moe_layer_dropped/L, the share of that
+layer's choices its capacity dropped; moe_layer_entropy/L, its router's entropy over its
+maximum), as medians over the later half of the log steps: the router is still learning to
+balance in the first ones.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from paisoar_jax.tools.doctor.findings import Finding, Run, percent
+from paisoar_jax.tools.doctor.findings import Finding, Run, lower_lr, percent
 
 LOAD_LIMIT = 2.0  # the busiest expert over twice the mean expert's tokens
 DROP_LIMIT = 0.03  # over 3% of a layer's choices dropped
+ENTROPY_LIMIT = 0.5  # a router's entropy under half its maximum (ln experts) ...
+ENTROPY_FALL = 0.1  # ... and fallen by more than this since the first log step
 
 
 def _layer_medians(run: Run, prefix: str) -> dict[int, float]:
@@ -46,23 +49,30 @@ def _stronger_balance(run: Run) -> str:
     )
 
 
+def _bias_balancing(run: Run) -> list[str]:
+    """DeepSeek-V3's balancing, where the run has none: the fix, or nothing."""
+    if run.config.model.router_bias_rate:
+        return []
+    return [
+        "`model.router_bias_rate=0.001`: DeepSeek-V3's balancing without a loss (a "
+        "per-expert bias moves the choices toward the even load, not the gradients)"
+    ]
+
+
 def expert_imbalance(run: Run) -> Finding | None:
     """A layer's busiest expert takes over twice the tokens of the mean expert."""
     found = _worst_over(run, "moe_layer_load", LOAD_LIMIT)
     if found is None:
         return None
     worst, load, layers = found
-    fixes = [_stronger_balance(run)]
-    if run.config.model.router_bias_rate == 0:
-        fixes.append(
-            "`model.router_bias_rate=0.001`: DeepSeek-V3's balancing without a loss (a "
-            "per-expert bias moves the choices toward the even load, not the gradients)"
-        )
+    fixes = [_stronger_balance(run), *_bias_balancing(run)]
     if run.config.model.expert_capacity_factor == 0:
+        capacity = "`model.expert_capacity_factor=1.25`"
+        if run.config.model.moe_impl == "dropless":
+            capacity = "`model.moe_impl=capacity model.expert_capacity_factor=1.25`"
         fixes.append(
-            "`model.expert_capacity_factor=1.25`: cap each expert's tokens, so the busiest "
-            "one no longer sets the layer's time (its overflow is dropped: watch "
-            "moe_dropped_fraction)"
+            f"{capacity}: cap each expert's tokens, so the busiest one no longer sets the "
+            "layer's time (its overflow is dropped: watch moe_dropped_fraction)"
         )
     evidence = (
         f"layer {worst}'s busiest expert takes {load:.1f}x the mean expert's tokens "
@@ -83,8 +93,8 @@ def dropped_tokens(run: Run) -> Finding | None:
         f"`model.expert_capacity_factor={max(2 * factor, factor + 0.5):g}`: more seats per "
         f"expert (now {factor:g})",
         _stronger_balance(run) + " and overflows less",
-        "`model.expert_capacity_factor=0`: drop nothing (each expert then computes every "
-        "token of the sequence: slower)",
+        "`model.moe_impl=dropless model.expert_capacity_factor=0`: drop nothing (grouped "
+        "matmuls over each expert's own tokens, models/dropless.py)",
     )
     evidence = (
         f"layer {worst} drops {percent(share)} of its expert choices (median of the later "
@@ -92,3 +102,38 @@ def dropped_tokens(run: Run) -> Finding | None:
     )
     title = f"layer {worst} drops tokens"
     return Finding("dropped-tokens", title, evidence, fixes)
+
+
+def collapsing_router(run: Run) -> Finding | None:
+    """A layer's router sends its tokens to fewer and fewer experts: its entropy falls."""
+    later = _layer_medians(run, "moe_layer_entropy")
+    first: dict[int, float] = {}
+    for record in run.records:
+        for key, value in record.items():
+            if key.startswith("moe_layer_entropy/") and value is not None:
+                first.setdefault(int(key.rsplit("/", 1)[1]), value)
+    collapsing = {
+        layer: value
+        for layer, value in later.items()
+        if value < ENTROPY_LIMIT and first[layer] - value > ENTROPY_FALL
+    }
+    if not collapsing:
+        return None
+    worst = min(collapsing, key=collapsing.get)
+    experts = run.config.model.experts
+    evidence = (
+        f"layer {worst}'s router entropy fell from {first[worst]:.2f} to {collapsing[worst]:.2f} "
+        f"of its maximum (ln {experts}; median of the later log steps; "
+        f"{len(collapsing)} of {len(later)} MoE layers under {ENTROPY_LIMIT:g}): each token "
+        "group goes to fewer and fewer experts"
+    )
+    fixes = [_stronger_balance(run)]
+    if run.config.model.router_z_loss == 0:
+        fixes.append(
+            "`model.router_z_loss=0.001`: keep the router's logits small (ST-MoE), so one "
+            "expert's score cannot run away"
+        )
+    fixes += _bias_balancing(run)
+    fixes.append(lower_lr(run, ": a router that collapses early often follows too large steps"))
+    title = f"the router of layer {worst} is collapsing"
+    return Finding("collapsing-router", title, evidence, tuple(fixes))
