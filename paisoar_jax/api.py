@@ -311,7 +311,7 @@ def load(
 
 def _zoo_factory(config: Config, path: str | pathlib.Path) -> Callable:
     """The factory of the zoo model `config` names, in the run's precision policy."""
-    from paisoar_jax.numerics.precision import get_policy
+    from paisoar_jax.numerics.precision import policy_of
     from paisoar_jax.tasks.zoo import build_model, check_model
 
     if isinstance(config.model, CustomModelConfig):
@@ -320,7 +320,7 @@ def _zoo_factory(config: Config, path: str | pathlib.Path) -> Callable:
             f"paisoar_jax.load({str(path)!r}, model=MyModel)"
         )
     check_model(config.model, config.mesh, config.train, config.precision.policy)
-    policy = get_policy(config.precision.policy)
+    policy = policy_of(config.precision)
     return lambda rngs: build_model(config.model, policy, "none", rngs)
 
 

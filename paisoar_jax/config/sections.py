@@ -117,8 +117,15 @@ class PrecisionConfig:
     """Mixed-precision policy: params stay fp32, compute runs in the policy's dtype."""
 
     # the compute dtype (params stay fp32): fp32; bf16; fp16 (with a dynamic loss scale);
-    # fp8 (bf16, the zoo blocks' matmuls in fp8 with delayed scaling)
+    # fp8 (bf16, the zoo blocks' matmuls in fp8, scaled as precision.fp8 says)
     policy: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    # policy=fp8's scales: delayed (each from the amax of the past 1024 steps: no extra pass),
+    # tensorwise (current: one per tensor, from its own amax) or rowwise (current: one per
+    # row of each matmul's operands along the axes it contracts)
+    fp8: Literal["delayed", "tensorwise", "rowwise"] = "delayed"
+    # policy=fp8: a matmul whose contracted or output size is under this stays in bf16 (fp8
+    # gains nothing on small matmuls; torchao measures the break-even near 1024); 0: none
+    fp8_min_size: int = 0
     loss_scale: str = "auto"  # auto (dynamic for fp16, else none) | dynamic | none | static:<v>
     initial_scale: float = 2.0**15  # the dynamic loss scale's first value
     growth_interval: int = 2000  # finite steps in a row before the scale doubles
@@ -132,6 +139,7 @@ class PrecisionConfig:
 
     def __post_init__(self):
         self.loss_scale_mode()
+        check_at_least("precision", self, {"fp8_min_size": 0})
 
     def loss_scale_mode(self) -> tuple[str, float]:
         """(mode, static value) of `loss_scale`: dynamic, static or none (auto resolved)."""

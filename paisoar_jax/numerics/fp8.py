@@ -1,4 +1,4 @@
-"""fp8 matmuls with delayed scaling (precision.policy=fp8), for Hopper-class GPUs.
+"""fp8 matmuls (precision.policy=fp8), for Hopper-class GPUs: delayed or current scaling.
 
 Each fp8 matmul quantizes its input and kernel to e4m3 and, in the backward pass, the
 incoming gradient to e5m2, each with a per-tensor scale. Delayed scaling (NVIDIA
@@ -14,9 +14,21 @@ The scales and histories are `Fp8Meta` variables: part of the train state's
 values as their "gradients" (the backward pass is where the gradient's amax is known); the
 train step (step.py) writes those over the old values instead of applying them. So each
 Fp8Dot must be called once per forward pass: two calls would sum their "gradients".
+
+Current scaling (precision.fp8=tensorwise or rowwise; `current_scaled`), torchao's and
+torchtitan's default: each operand is scaled from its own amax as it is quantized, one scale
+per tensor or one per row along the axes the matmul contracts, and each of the three GEMMs
+(forward, input gradient, weight gradient) quantizes its operands for its own contraction.
+It costs an amax pass over each operand and holds no state (the blocks keep their Fp8Meta,
+unused, so a checkpoint has one shape whatever the scaling). Each GEMM is a dot of fp8
+operands with fp32 accumulation, its scales multiplied in after; a matmul with a side under
+precision.fp8_min_size stays in the compute dtype.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +133,7 @@ def matmul(
     skips its fp8 matmuls and keeps their scaling state as it is.
     """
     kernel = policy.cast_to_compute(kernel)
-    if not policy.fp8:
+    if not policy.fp8 or _too_small(x, kernel, equation, policy.fp8_min_size):
         y = jnp.einsum(equation, x, kernel)
         return y if dots is None else _keep_meta(y, dots[name].meta())
     if dots is None:
@@ -135,7 +147,78 @@ def matmul(
             f"{equation}: an fp8 matmul contracts x's last axes with the kernel's first and "
             "keeps the other axes in order"
         )
+    if policy.fp8_scaling != "delayed":
+        y = current_scaled(x, kernel, contracting, policy.fp8_scaling == "rowwise")
+        return _keep_meta(y, dots[name].meta())
     return dots[name](x, kernel, contracting)
+
+
+def _too_small(x: jax.Array, kernel: jax.Array, equation: str, min_size: int) -> bool:
+    """Whether the matmul's contracted or output size is under `min_size` (0: never)."""
+    if not min_size:
+        return False
+    contracting = len(set(equation.split("->")[0].split(",")[0]) - set(equation.split("->")[1]))
+    contracted = math.prod(kernel.shape[:contracting])
+    return min(contracted, math.prod(kernel.shape[contracting:])) < min_size
+
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _scaled_dot(a, b, a_contracted, b_contracted, a_type, b_type, rowwise: bool):
+    """dot_general(a, b) over the given axes in fp8, each operand scaled from its amax now.
+
+    Rowwise: a scale per element of the axes a matmul keeps (each row of `a`, each column of
+    `b`), from the amax over the axes it contracts; else one per operand. The fp8 product
+    accumulates in fp32; the scales multiply the result.
+    """
+
+    def quantized(array, contracted, dtype):
+        axes = contracted if rowwise else tuple(range(array.ndim))
+        amax = jnp.max(jnp.abs(array.astype(jnp.float32)), axis=axes, keepdims=True)
+        scale = jnp.maximum(amax, 1e-12) / float(jnp.finfo(dtype).max)
+        quantized = (array.astype(jnp.float32) / scale).astype(dtype)
+        return quantized, jnp.squeeze(scale, axis=axes) if rowwise else scale.reshape(())
+
+    qa, scale_a = quantized(a, a_contracted, a_type)
+    qb, scale_b = quantized(b, b_contracted, b_type)
+    dims = ((a_contracted, b_contracted), ((), ()))
+    out = jax.lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+    if rowwise:  # the result's axes: a's kept, then b's kept
+        kept_b = b.ndim - len(b_contracted)
+        return out * scale_a.reshape(scale_a.shape + (1,) * kept_b) * scale_b
+    return out * (scale_a * scale_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def current_scaled(x: jax.Array, kernel: jax.Array, contracting: int, rowwise: bool):
+    """The product of x and kernel over x's last and its first `contracting` axes, current-scaled.
+
+    e4m3 operands forward; the gradient e5m2 in both backward GEMMs. In x's dtype.
+    """
+    x_axes = tuple(range(x.ndim - contracting, x.ndim))
+    out = _scaled_dot(x, kernel, x_axes, tuple(range(contracting)), E4M3, E4M3, rowwise)
+    return out.astype(x.dtype)
+
+
+def _current_scaled_forward(x, kernel, contracting, rowwise):
+    return current_scaled(x, kernel, contracting, rowwise), (x, kernel)
+
+
+def _current_scaled_backward(contracting, rowwise, residuals, d_out):
+    x, kernel = residuals
+    kept_x = x.ndim - contracting  # x's free axes lead d_out; the kernel's free ones follow
+    d_out_kernel_axes = tuple(range(kept_x, d_out.ndim))
+    kernel_free_axes = tuple(range(contracting, kernel.ndim))
+    # d_x = d_out . kernel over the kernel's free axes: x_free + x_contracted, x's order.
+    d_x = _scaled_dot(d_out, kernel, d_out_kernel_axes, kernel_free_axes, E5M2, E4M3, rowwise)
+    # d_kernel = x . d_out over x's free axes: x_contracted + kernel_free, the kernel's order.
+    free = tuple(range(kept_x))
+    d_kernel = _scaled_dot(x, d_out, free, free, E4M3, E5M2, rowwise)
+    return d_x.astype(x.dtype), d_kernel.astype(kernel.dtype)
+
+
+current_scaled.defvjp(_current_scaled_forward, _current_scaled_backward)
 
 
 def meta_mask(graphdef: nnx.GraphDef, params: dict, model_state: dict) -> dict:

@@ -67,9 +67,12 @@ class Policy:
     param_dtype: jnp.dtype = jnp.float32
     compute_dtype: jnp.dtype = jnp.float32
     output_dtype: jnp.dtype = jnp.float32
-    # The transformer blocks' matmuls in fp8 with delayed scaling (fp8.py); the rest of the
-    # math in compute_dtype.
+    # The transformer blocks' matmuls in fp8 (fp8.py); the rest of the math in compute_dtype.
     fp8: bool = False
+    # fp8's scales: delayed (from past steps' amax), tensorwise or rowwise (current, from the
+    # tensor being quantized); matmuls with a side under fp8_min_size stay in compute_dtype.
+    fp8_scaling: str = "delayed"
+    fp8_min_size: int = 0
 
     def cast_to_compute(self, x: jax.Array) -> jax.Array:
         """Casts a floating array to the compute dtype (integers pass unchanged)."""
@@ -89,6 +92,18 @@ def get_policy(name: str) -> Policy:
     if name not in PRESETS:
         raise UserError(f"precision.policy={name!r} is not one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def policy_of(precision_config) -> Policy:
+    """The policy a precision section asks for, its fp8 scaling included (a zoo model's)."""
+    policy = get_policy(precision_config.policy)
+    if not policy.fp8:
+        return policy
+    return dataclasses.replace(
+        policy,
+        fp8_scaling=precision_config.fp8,
+        fp8_min_size=precision_config.fp8_min_size,
+    )
 
 
 def fp32_function(function: Callable) -> Callable:

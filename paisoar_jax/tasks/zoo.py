@@ -31,7 +31,7 @@ from paisoar_jax.models.llama import Llama
 from paisoar_jax.models.resnet import ResNet
 from paisoar_jax.models.vgg import VGG
 from paisoar_jax.models.vit import ViT
-from paisoar_jax.numerics.precision import Policy, get_policy
+from paisoar_jax.numerics.precision import Policy, policy_of
 from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling, TaskSections
 from paisoar_jax.tasks.workload import Workload
 
@@ -136,7 +136,7 @@ def zoo_workload(config: Config) -> Workload:
     """The configured zoo model as a workload: its factory and its task (checked first)."""
     model, precision_policy = config.model, config.precision.policy
     check_model(model, config.mesh, config.train, precision_policy)
-    policy, remat_policy = get_policy(precision_policy), config.remat.policy
+    policy, remat_policy = policy_of(config.precision), config.remat.policy
 
     def create(rngs: nnx.Rngs) -> nnx.Module:
         return build_model(model, policy, remat_policy, rngs)

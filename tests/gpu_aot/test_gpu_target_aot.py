@@ -299,3 +299,16 @@ def test_dropless_experts_compile_to_grouped_matmuls_of_the_routed_rows_only():
         dropless_flops,
         routed,
     )
+
+
+def test_each_fp8_scaling_compiles_the_blocks_matmuls_to_fp8_gemms():
+    """gpt_1b's block matmuls: forward e4m3 x e4m3, both gradients with e5m2, every mode."""
+    shape = ["mesh.data=1", "mesh.fsdp=8", "model.layers=2", "precision.policy=fp8"]
+    counts = {}
+    for mode in ("delayed", "tensorwise", "rowwise"):
+        matmuls = target_plan("gpt_1b", *shape, f"precision.fp8={mode}")["target"]["matmuls"]
+        fp8 = {row["operands"]: row["count"] for row in matmuls if "f8" in row["operands"]}
+        assert "f8e4m3fn x f8e4m3fn" in fp8 and any("f8e5m2" in kind for kind in fp8), mode
+        counts[mode] = sum(fp8.values())
+    # The current modes run in fp8 the matmuls delayed scaling does (no more, no fewer).
+    assert counts["tensorwise"] == counts["rowwise"] == counts["delayed"], counts
