@@ -150,7 +150,10 @@ TOKENIZER_READERS = {
 
 def damage(path, how):
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"")
+    cut = len(data) // 2
+    if path.suffix == ".yaml":  # inside a key: a cut at a line's end is a shorter config
+        cut = data.rfind(b"\n", 0, cut) + 5  # ("  den" of "  dense_layers: 0")
+    path.write_bytes(data[:cut] if how == "truncated" else b"")
 
 
 def assert_one_line_naming(path, call):
