@@ -88,7 +88,8 @@ def dropless_losses(mesh, devices, impl="dropless"):
     initial, values, dropped = jax.device_get(state.params), [], []
     for batch in token_batches(3):
         state, metrics = train_step(state, batch)
-        values.append(float(metrics["loss"]))
+        # The gradient's norm beside the loss: Adam's step hides a gradient scaled whole.
+        values.append((float(metrics["loss"]), float(metrics["grad_norm"])))
         dropped.append(float(metrics["moe_dropped_fraction"]))
     assert dropped == [0.0] * 3
     return values, (initial, jax.device_get(state.params))
