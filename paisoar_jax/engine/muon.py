@@ -46,7 +46,7 @@ class NeedsAxes:
     PartitionSpecs of logical names and their shapes (trees of the parameters).
     """
 
-    build: Callable[[Any], optax.GradientTransformation]
+    build: Callable[[Any, Any], optax.GradientTransformation]
 
 
 def matrix_axes(names: tuple, ndim: int, leaf_name: str) -> MuonDimensionNumbers | None:
