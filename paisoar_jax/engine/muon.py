@@ -95,18 +95,8 @@ def build_muon(
         lr_schedule,
         beta=optim_config.muon_momentum,
         weight_decay=optim_config.weight_decay,
-        # (every leaf it sees is a matrix: the others are masked out of its half)
-        muon_weight_dimension_numbers=lambda params: _matrix_axes_of(params, axes_tree),
+        # (None where AdamW's half holds the parameter: masked out of Muon's)
+        muon_weight_dimension_numbers=axes_tree,
         consistent_rms=rms,
     )
     return optax.multi_transform({"muon": muon, "adamw": adamw}, labels)
-
-
-def _matrix_axes_of(params, axes_tree):
-    """`axes_tree` shaped as Muon's half of `params` sees it (AdamW's leaves masked out)."""
-    return jax.tree.map(
-        lambda axes, _: axes,
-        axes_tree,
-        params,
-        is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers),
-    )

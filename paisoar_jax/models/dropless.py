@@ -82,8 +82,7 @@ def _kernel_on_target(x_MxD, w_GxDxF, sizes_G):
     it traces the gradients: both happen with the target's device as the default. Triton's
     kernel: Mosaic GPU's picks its tiles by asking the process's own device.
     """
-    with jax.default_device(target_device()):
-        return _kernel(x_MxD, w_GxDxF, sizes_G, "triton")
+    return _kernel_on_target_forward(x_MxD, w_GxDxF, sizes_G)[0]
 
 
 def _kernel_on_target_forward(x_MxD, w_GxDxF, sizes_G):

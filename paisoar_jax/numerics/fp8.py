@@ -133,11 +133,23 @@ def matmul(
     skips its fp8 matmuls and keeps their scaling state as it is.
     """
     kernel = policy.cast_to_compute(kernel)
-    if not policy.fp8 or _too_small(x, kernel, equation, policy.fp8_min_size):
+    contracting = _contracting(equation) if policy.fp8 else 0
+    if not policy.fp8 or _too_small(kernel, contracting, policy.fp8_min_size):
         y = jnp.einsum(equation, x, kernel)
         return y if dots is None else _keep_meta(y, dots[name].meta())
     if dots is None:
         raise ValueError("this block was built without fp8 state: build it under the fp8 policy")
+    if policy.fp8_scaling != "delayed":
+        y = current_scaled(x, kernel, contracting, policy.fp8_scaling == "rowwise")
+        return _keep_meta(y, dots[name].meta())
+    return dots[name](x, kernel, contracting)
+
+
+def _contracting(equation: str) -> int:
+    """How many of x's last axes an fp8 matmul's equation contracts with the kernel's first.
+
+    The other axes must stay in order (x's, then the kernel's): a ValueError otherwise.
+    """
     inputs, output = equation.split("->")
     x_axes, kernel_axes = inputs.split(",")
     contracting = len(set(x_axes) - set(output))
@@ -147,17 +159,13 @@ def matmul(
             f"{equation}: an fp8 matmul contracts x's last axes with the kernel's first and "
             "keeps the other axes in order"
         )
-    if policy.fp8_scaling != "delayed":
-        y = current_scaled(x, kernel, contracting, policy.fp8_scaling == "rowwise")
-        return _keep_meta(y, dots[name].meta())
-    return dots[name](x, kernel, contracting)
+    return contracting
 
 
-def _too_small(x: jax.Array, kernel: jax.Array, equation: str, min_size: int) -> bool:
+def _too_small(kernel: jax.Array, contracting: int, min_size: int) -> bool:
     """Whether the matmul's contracted or output size is under `min_size` (0: never)."""
     if not min_size:
         return False
-    contracting = len(set(equation.split("->")[0].split(",")[0]) - set(equation.split("->")[1]))
     contracted = math.prod(kernel.shape[:contracting])
     return min(contracted, math.prod(kernel.shape[contracting:])) < min_size
 

@@ -19,15 +19,20 @@ ENTROPY_LIMIT = 0.5  # a router's entropy under half its maximum (ln experts) ..
 ENTROPY_FALL = 0.1  # ... and fallen by more than this since the first log step
 
 
-def _layer_medians(run: Run, prefix: str) -> dict[int, float]:
-    """{layer: the median of its `prefix/layer` field over the later half of the logs}."""
-    later = run.records[len(run.records) // 2 :]
+def _layer_values(records, prefix: str) -> dict[int, list[float]]:
+    """{layer: the values of its `prefix/layer` field in `records`, in order}."""
     values: dict[int, list[float]] = {}
-    for record in later:
+    for record in records:
         for key, value in record.items():
             if key.startswith(f"{prefix}/") and value is not None:
                 values.setdefault(int(key.rsplit("/", 1)[1]), []).append(value)
-    return {layer: statistics.median(found) for layer, found in values.items()}
+    return values
+
+
+def _layer_medians(run: Run, prefix: str) -> dict[int, float]:
+    """{layer: the median of its `prefix/layer` field over the later half of the logs}."""
+    later = _layer_values(run.records[len(run.records) // 2 :], prefix)
+    return {layer: statistics.median(found) for layer, found in later.items()}
 
 
 def _worst_over(run: Run, prefix: str, limit: float) -> tuple[int, float, str] | None:
@@ -107,11 +112,9 @@ def dropped_tokens(run: Run) -> Finding | None:
 def collapsing_router(run: Run) -> Finding | None:
     """A layer's router sends its tokens to fewer and fewer experts: its entropy falls."""
     later = _layer_medians(run, "moe_layer_entropy")
-    first: dict[int, float] = {}
-    for record in run.records:
-        for key, value in record.items():
-            if key.startswith("moe_layer_entropy/") and value is not None:
-                first.setdefault(int(key.rsplit("/", 1)[1]), value)
+    first = {
+        layer: found[0] for layer, found in _layer_values(run.records, "moe_layer_entropy").items()
+    }
     collapsing = {
         layer: value
         for layer, value in later.items()
