@@ -442,6 +442,36 @@ def trained_bpe(special_tokens: list[str]):
     return tokenizer
 
 
+def tiny_llama_import(root: pathlib.Path):
+    """A random Llama with a BPE tokenizer in root/hf, as transformers saves them, and its
+    import in root/imported; returns the (transformers) tokenizer."""
+    import torch
+    import transformers
+
+    from paisoar_jax.tools import hf
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=trained_bpe(["<|endoftext|>"]),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    hf.hf_import(root / "hf", root / "imported")
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def chat_tokenizer(tmp_path_factory):
     """A byte-level BPE tokenizer with ChatML's special tokens and template, as HF saves it."""

@@ -201,7 +201,8 @@ class DataConfig:
     cache_dir: str = ""
     # How a converted dataset's documents become windows (data/documents.py): stream (cut
     # anywhere, as pre-training reads), documents (whole ones packed, attention and positions
-    # per document) or padding (one per window)
+    # per document) or padding (one per window). Under train.objective=dpo a row holds one
+    # preference pair (stream, padding) or pairs packed (documents)
     packing: Literal["stream", "documents", "padding"] = "stream"
     # The targets the loss learns: all, or response (those `convert text --format
     # instruction|chat` marked: the prompt is context); the loss averages over them alone

@@ -25,6 +25,7 @@ SECTIONS = {
     "precision": (sections.PrecisionConfig,),
     "remat": (sections.RematConfig,),
     "lora": (sections.LoraConfig,),
+    "dpo": (sections.DpoConfig,),
     "sharding": (sections.ShardingConfig,),
     "checkpoint": (sections.CheckpointConfig,),
     "train": (sections.TrainConfig,),

@@ -25,11 +25,12 @@ from paisoar_jax.config.models import (
     VisionConfig,
 )
 from paisoar_jax.config.optim import OptimConfig
+from paisoar_jax.config.preference import DpoConfig
 from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
 
 # Sections of their own modules, parts of Config.
-__all__ = ["DataConfig", "LoraConfig", "MeshConfig", "RunConfig"]
+__all__ = ["DataConfig", "DpoConfig", "LoraConfig", "MeshConfig", "RunConfig"]
 
 
 # One mesh-axis entry of a sharding rule: a mesh axis (data, stage, fsdp, expert, context,
@@ -176,6 +177,9 @@ class TrainConfig:
     """Length, batch and cadence of the training loop."""
 
     steps: int = 400  # optimizer steps of the run (the schedule ends here)
+    # what the model learns: next_token (pre-training, SFT), or dpo: to prefer each chosen
+    # response of a preference dataset over its rejected one (the dpo section)
+    objective: Literal["next_token", "dpo"] = "next_token"
     global_batch: int = 16  # sequences per optimizer step, over all devices and micro-batches
     grad_accum: int = 1  # micro-batches per optimizer step, accumulated inside the step
     seed: int = 0  # seeds the initial weights, the data order and the step's random stream
@@ -297,6 +301,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -344,6 +349,33 @@ class Config:
         self._check_grad_comm()
         self._check_experts()
         self._check_context()
+        self._check_objective()
+
+    def _check_objective(self) -> None:
+        """train.objective against the model, the data and the dpo section."""
+        if self.train.objective == "next_token":
+            changed = [
+                key
+                for key in ("beta", "loss_type", "label_smoothing", "simpo_gamma")
+                if getattr(self.dpo, key) != getattr(DpoConfig, key)
+            ]
+            if changed:
+                raise UserError(
+                    f"dpo.{changed[0]} is set, but train.objective=next_token reads no dpo "
+                    f"section: set train.objective=dpo to train on preference pairs"
+                )
+            return
+        if not isinstance(self.model, LanguageModelConfig):
+            raise UserError(
+                f"train.objective={self.train.objective} trains the zoo's decoders (gpt, llama "
+                f"and their imports); model.name={self.model.name} is not one"
+            )
+        if not self.data.source.startswith(("arrayrecord:", "hf:")) or self.data.mixture:
+            raise UserError(
+                f"train.objective={self.train.objective} reads a preference dataset: convert "
+                f"your pairs with `python -m paisoar_jax.convert text --format preference` and "
+                f"set data.source=arrayrecord:DIR (data.source={self.data.source})"
+            )
 
     def _check_context(self) -> None:
         """Context parallelism (mesh.context > 1) against the model, its window and the mesh."""

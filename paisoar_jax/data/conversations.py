@@ -33,7 +33,7 @@ from typing import Any
 from paisoar_jax.errors import FLAG_NAMES, SettingNames, UserError
 from paisoar_jax.runtime.user_files import read_json, read_text
 
-FORMATS = ("text", "instruction", "chat")
+FORMATS = ("text", "instruction", "chat", "preference")  # preference: data/preferences.py
 Piece = tuple[str, bool]  # (text, learned: whether the loss counts its tokens)
 
 

@@ -191,6 +191,8 @@ class TokenRecords(ShardedRecords):
         self.record_tokens: int = self.manifest["record_tokens"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.has_loss_mask: bool = bool(self.manifest.get("loss_mask", False))
+        # convert --format preference: documents 2i and 2i + 1 are pair i (data/preferences.py)
+        self.preference_pairs: int = int(self.manifest.get("preference_pairs", 0))
         expected = -(-self.token_count // self.record_tokens)
         if len(self) != expected:
             raise UserError(

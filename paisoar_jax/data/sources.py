@@ -27,6 +27,7 @@ import numpy as np
 
 from paisoar_jax.config import DataConfig, LanguageModelConfig
 from paisoar_jax.data import documents
+from paisoar_jax.data.preferences import PreferenceWindows
 from paisoar_jax.data.records import (
     EOS_DECLARING_FILES,
     MANIFEST_NAME,
@@ -173,18 +174,18 @@ def open_token_records(
     packing = data_config.packing
     documents.check_loss_mask(records, data_config.loss_on)
     plan = None
+    if records.preference_pairs:  # rows of pairs, for train.objective=dpo
+        rows = len(PreferenceWindows.plan_for(records, seq_len, packing)) - 1
+        return tuple(
+            PreferenceWindows(records, seq_len, packing, *split)
+            for split in _splits(rows, data_config, records)
+        )
     if packing == "stream":
         windows = len(PackedWindows(records, seq_len))  # checks seq_len fits
     else:
         plan = documents.DocumentWindows.plan_for(records, seq_len, packing)
         windows = len(plan) - 1
-    eval_windows = round(windows * data_config.eval_fraction)
-    if data_config.eval_fraction > 0 and (eval_windows == 0 or eval_windows == windows):
-        raise UserError(
-            f"data.eval_fraction={data_config.eval_fraction} of {windows} windows of "
-            f"{records.directory} leaves an empty train or eval split"
-        )
-    splits = ((0, windows - eval_windows), (windows - eval_windows, windows))
+    splits = _splits(windows, data_config, records)
     if plan is not None:
         return tuple(
             documents.DocumentWindows(records, seq_len, packing, data_config.loss_on, plan, *split)
@@ -193,6 +194,17 @@ def open_token_records(
     if data_config.loss_on == "response":
         return tuple(documents.MaskedStreamWindows(records, seq_len, *split) for split in splits)
     return tuple(PackedWindows(records, seq_len, *split) for split in splits)
+
+
+def _splits(windows: int, data_config: DataConfig, records: TokenRecords) -> tuple:
+    """The (start, stop) of the train and eval windows: data.eval_fraction held out last."""
+    eval_windows = round(windows * data_config.eval_fraction)
+    if data_config.eval_fraction > 0 and (eval_windows == 0 or eval_windows == windows):
+        raise UserError(
+            f"data.eval_fraction={data_config.eval_fraction} of {windows} windows of "
+            f"{records.directory} leaves an empty train or eval split"
+        )
+    return ((0, windows - eval_windows), (windows - eval_windows, windows))
 
 
 def hf_cache_directory(

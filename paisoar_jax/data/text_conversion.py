@@ -15,6 +15,7 @@ config keys (`data.hf_field`), so each user reads the words they typed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -25,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from paisoar_jax import output
-from paisoar_jax.data import conversations, hf_datasets
-from paisoar_jax.data.tokenizing import load_tokenizer, tokenize
+from paisoar_jax.data import conversations, hf_datasets, preferences
+from paisoar_jax.data.tokenizing import Tokenizer, load_tokenizer, tokenize
 from paisoar_jax.data.writing import (
     DOCUMENT_INDEX,
     TOKEN_WRITER_OPTIONS,
@@ -79,6 +80,10 @@ def convert_text(conversion: TextConversion) -> str:
     files = expand_inputs(conversion.input, names) if conversion.input else []
     tokenizer = load_tokenizer(conversion.tokenizer, conversion.eos, names)
     template = None
+    if conversion.format == "preference" and tokenizer.model is not None:
+        # chat pairs render through the template; text pairs need none
+        with contextlib.suppress(UserError):
+            template = conversations.ChatTemplate(tokenizer.path, names)
     if conversion.format == "chat":
         if tokenizer.model is None:
             raise UserError(
@@ -93,15 +98,7 @@ def convert_text(conversion: TextConversion) -> str:
         stream_path, mask_path = staging / "stream.tmp", staging / "mask.tmp"
         starts, learned_count, token_count = [], 0, 0
         with open(stream_path, "wb") as stream, open(mask_path, "wb") as mask_stream:
-            for pieces, where in input_pieces(files, conversion, template):
-                parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
-                flags = [
-                    np.full(len(part), learned)
-                    for part, (_, learned) in zip(parts, pieces, strict=True)
-                ]
-                # The end-of-document token is learned after a learned piece (a response)
-                tokens = np.concatenate([*parts, [tokenizer.eos_id]])
-                mask = np.concatenate([*flags, [pieces[-1][1] or not masked]])
+            for tokens, mask in token_documents(files, conversion, tokenizer, template):
                 stream.write(tokens.astype(dtype).tobytes())
                 if masked:
                     mask_stream.write(mask.astype(np.uint8).tobytes())
@@ -135,12 +132,51 @@ def convert_text(conversion: TextConversion) -> str:
         manifest = tokens_manifest(staging, tokenizer, dtype, record_tokens, starts, shards)
         if masked:
             manifest |= {"loss_mask": True, "learned_tokens": learned_count}
+        if conversion.format == "preference":  # documents 2i, 2i + 1: pair i (preferences.py)
+            manifest |= {"preference_pairs": len(starts) // 2}
         write_manifest(staging, manifest)
     learned = f" ({learned_count} of them to learn)" if masked else ""
     return (
         f"wrote {len(starts)} documents, {token_count} tokens{learned} "
         f"in {len(shards)} shards to {conversion.output}"
     )
+
+
+def token_documents(
+    files: list[pathlib.Path], conversion: TextConversion, tokenizer: Tokenizer, template
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(token ids, learned) of every document, its end-of-document token included.
+
+    A preference record is two documents (data/preferences.py); any other record or file
+    one, its pieces tokenized one by one.
+    """
+    if conversion.format == "preference":
+        for record, where in input_records(files, conversion):
+            yield from preferences.preference_documents(record, tokenizer, template, where)
+        return
+    masked = conversion.format != "text"
+    for pieces, where in input_pieces(files, conversion, template):
+        parts = [tokenize(tokenizer, data, where) for data, _ in pieces]
+        flags = [
+            np.full(len(part), learned) for part, (_, learned) in zip(parts, pieces, strict=True)
+        ]
+        # The end-of-document token is learned after a learned piece (a response)
+        tokens = np.concatenate([*parts, [tokenizer.eos_id]])
+        yield tokens, np.concatenate([*flags, [pieces[-1][1] or not masked]])
+
+
+def input_records(
+    files: list[pathlib.Path], conversion: TextConversion
+) -> Iterator[tuple[Any, str]]:
+    """(record, where) of every record of the files or of the dataset."""
+    if conversion.from_hf is not None:
+        yield from hf_datasets.rows(conversion.from_hf, conversion.split, conversion.names)
+        return
+    for path in output.file_progress(files, "tokenizing", conversion.progress):
+        if path.suffix not in RECORD_SUFFIXES:
+            setting = conversion.names("format", conversion.format)
+            raise UserError(f"{setting} reads .jsonl or .parquet records, not {path}")
+        yield from _rows(path, None, conversion.names)
 
 
 def input_pieces(

@@ -94,7 +94,7 @@ def evaluate(
     batch_sharding = sharding.batch_sharding(mesh)
     totals: dict[str, np.float64] = {}
     pending = []
-    for host_batch, real_rows in _marked_batches(task, eval_source, train):
+    for host_batch, real_rows in marked_batches(task, eval_source, train):
         batch, real_B = global_batch(batch_sharding, (host_batch, real_rows))
         pending.append(eval_step(state.params, state.model_state, batch, real_B))
         if len(pending) == IN_FLIGHT:
@@ -134,7 +134,7 @@ def _add(totals: dict[str, np.float64], pending: list) -> None:
     pending.clear()
 
 
-def _marked_batches(task, source: Any, train: TrainConfig) -> Iterator[tuple[Any, np.ndarray]]:
+def marked_batches(task, source: Any, train: TrainConfig) -> Iterator[tuple[Any, np.ndarray]]:
     """Per eval batch: the rows this process reads, and which of them are the set's own."""
     slot, slots = sharding.input_slot()
     rows = train.global_batch // slots

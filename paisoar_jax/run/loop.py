@@ -44,6 +44,7 @@ from paisoar_jax.runtime import full_disk, heartbeat, preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.runtime.watchdog import Watchdog, timeout_for
+from paisoar_jax.tasks import reference
 from paisoar_jax.tasks.workload import Task, Workload
 from paisoar_jax.tasks.zoo import zoo_workload
 
@@ -149,6 +150,8 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
             summary = {"steps": start_step, "run_dir": str(run_dir), "resumed_from": start_step}
             summary |= {"first_loss": None, "final_loss": None, "eval_loss": None}
             return Finished(summary, state)
+        # DPO's reference log-probs ride with the rows, scored once at step 0
+        train_source, eval_sets = reference.attach(run, state, train_source, eval_sets, start_step)
         batches = open_input(run, train_source, restored)
         cleanup.callback(batches.close)
         loop = Loop(

@@ -51,7 +51,7 @@ from paisoar_jax.run.setup import Setup
 from paisoar_jax.runtime import preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
-from paisoar_jax.tasks import trained
+from paisoar_jax.tasks import reference, trained
 from paisoar_jax.tasks.workload import Workload
 
 
@@ -101,6 +101,11 @@ class Prepared:
         self._train_source, self._opened = train_source, opened
         with jax.set_mesh(run.mesh):
             self.state, self.start_step, opened.restored = starting_point(run, opened.checkpointer)
+            # DPO's reference log-probs ride with the rows, scored once at step 0
+            train_source, opened.eval_sets = reference.attach(
+                run, self.state, train_source, opened.eval_sets, self.start_step
+            )
+        self._train_source = train_source
         if jax.process_index() == 0:  # what load, export and the doctor read
             (run.run_dir / "config.yaml").write_text(config_text(run))
         self._batches: Any = None

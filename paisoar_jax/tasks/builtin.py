@@ -28,6 +28,7 @@ from paisoar_jax.config import DataConfig, LanguageModelConfig, TrainConfig, Vis
 from paisoar_jax.data import hf_sources, mixture
 from paisoar_jax.data import images as image_data
 from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
+from paisoar_jax.data.preferences import PreferenceWindows
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
 from paisoar_jax.engine.evaluation import EvalSet
@@ -62,6 +63,7 @@ class LanguageModelling:
     reports_perplexity = True  # eval adds exp(eval_loss), the perplexity per token
     config_note = ""  # nothing atop config.yaml: it says all that made the run
     metric_names: tuple[str, ...] = ()  # the fp32 scalars `loss` returns beside the loss
+    reads_pairs = False  # preference pairs (convert --format preference): tasks/preference.py
 
     def __init__(self, sections: TaskSections, model_class: type):
         self.model_config, self.data, self.train = sections.model, sections.data, sections.train
@@ -94,6 +96,11 @@ class LanguageModelling:
         for entry in data.eval_sets:
             source = self._open_eval(f"data.eval_sets[{entry.name}]", entry.source, entry.hf_split)
             sets.append(EvalSet(source, entry.every or eval_every, entry.name))
+        if isinstance(train, PreferenceWindows) and not self.reads_pairs:
+            raise UserError(
+                f"data.source={data.source} holds preference pairs: train on them with "
+                f"train.objective=dpo"
+            )
         return train, tuple(sets)
 
     def _open_eval(self, key: str, source: str, hf_split: str = "") -> Any:
@@ -164,7 +171,7 @@ class LanguageModelling:
         loss and reports each module's as mtp_loss/k.
         """
         del key  # no randomness (no dropout)
-        losses_BxT, learned_BxT, statistics, depths = _token_losses(model, batch, depths=True)
+        losses_BxT, learned_BxT, statistics, depths = token_losses(model, batch, depths=True)
         loss = _mean(losses_BxT, learned_BxT)
         metrics = {}
         if depths:
@@ -186,7 +193,7 @@ class LanguageModelling:
         The eval step weighs each row by its "weight", so eval_loss is the mean per learned
         token (what perplexity is of), however the targets spread over the rows.
         """
-        losses_BxT, learned_BxT, _, _ = _token_losses(model, batch)
+        losses_BxT, learned_BxT, _, _ = token_losses(model, batch)
         weight_B = learned_BxT.sum(axis=1)
         loss_B = jnp.sum(losses_BxT * learned_BxT, axis=1) / jnp.maximum(weight_B, 1)
         return {"loss": loss_B, "weight": weight_B}
@@ -341,7 +348,7 @@ def _mean(losses_BxT: jax.Array, learned_BxT: jax.Array) -> jax.Array:
     return jnp.sum(losses_BxT * learned_BxT) / jnp.maximum(learned_BxT.sum(), 1)
 
 
-def _token_losses(model, batch, depths: bool = False) -> tuple:
+def token_losses(model, batch, depths: bool = False) -> tuple:
     """(B, T) fp32 next-token cross-entropies, their weights, the router statistics, depths.
 
     The windows hold T + 1 tokens. The weights are 1 for a learned target, 0 for one the

@@ -33,6 +33,7 @@ from paisoar_jax.models.vgg import VGG
 from paisoar_jax.models.vit import ViT
 from paisoar_jax.numerics.precision import Policy, policy_of
 from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling, TaskSections
+from paisoar_jax.tasks.preference import PreferenceOptimisation
 from paisoar_jax.tasks.workload import Workload
 
 # The `model` section: a zoo model's settings, or model.name=custom's (fit's own model).
@@ -143,5 +144,8 @@ def zoo_workload(config: Config) -> Workload:
 
     zoo_entry = entry(resolve_model_config(model).name)
     sections = TaskSections(model, config.data, config.train, precision_policy)
-    task = zoo_entry.task_class(sections, zoo_entry.model_class)
+    if config.train.objective == "dpo":  # (Config checked the model is a decoder)
+        task = PreferenceOptimisation(sections, zoo_entry.model_class, config.dpo)
+    else:
+        task = zoo_entry.task_class(sections, zoo_entry.model_class)
     return Workload(model=create, task=task, follows_policy=True)

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         help="text: whole documents, all learned; instruction: prompt and response fields, "
         "the prompt masked from the loss; chat: messages rendered with the tokenizer's chat "
-        "template, the assistant turns learned",
+        "template, the assistant turns learned; preference: prompt, chosen and rejected "
+        "(text or messages), two documents a record, for train.objective=dpo",
     )
     text.add_argument("--prompt-field", default="prompt", help="--format instruction")
     text.add_argument("--response-field", default="response", help="--format instruction")

@@ -337,8 +337,8 @@ def test_an_uncaught_bad_input_in_a_script_is_one_line_and_exit_2(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "paisoar_jax.fit: error: unknown config key train.stepz (known: ema_decay, eval_batches,"
         " eval_every, global_batch, grad_accum, hang_timeout_s, log_every, memory_limit_gb, "
-        "peak_tflops, pipeline_microbatches, pipeline_repeats, profile_steps, sample_bytes, seed, "
-        "skip_spikes, steps)"
+        "objective, peak_tflops, pipeline_microbatches, pipeline_repeats, profile_steps, "
+        "sample_bytes, seed, skip_spikes, steps)"
     ]
     assert "not reached" not in result.stdout
 

@@ -13,7 +13,7 @@ from paisoar_jax.config import load_config
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 from paisoar_jax.parallel.context import balanced_order
-from paisoar_jax.tasks.builtin import _token_losses
+from paisoar_jax.tasks.builtin import token_losses
 
 LLAMA = ["model.name=llama", "model.kv_heads=2"]
 
@@ -136,11 +136,11 @@ def test_packed_documents_over_context_give_each_documents_own_losses(strategy, 
         "positions": np.broadcast_to(positions, (2, 32)),
     }
 
-    def token_losses(params, batch):
-        return _token_losses(nnx.merge(layout.graphdef, params, state.model_state), batch)[0]
+    def losses_of(params, batch):
+        return token_losses(nnx.merge(layout.graphdef, params, state.model_state), batch)[0]
 
     with jax.set_mesh(mesh):
-        packed = np.array(jax.jit(token_losses)(state.params, batch))
+        packed = np.array(jax.jit(losses_of)(state.params, batch))
     packed[:, balanced_order(32, 4)] = packed.copy()  # back from the balanced layout
     model = nnx.merge(layout.graphdef, jax.device_get(state.params), state.model_state)
     start = 0

@@ -1,0 +1,59 @@
+"""The `dpo` section: preference optimisation's settings (tasks/preference.py does the work).
+
+Read when train.objective=dpo: a dataset of preference pairs (`convert text --format
+preference`) trains the policy to prefer each chosen response over its rejected one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from paisoar_jax.errors import UserError
+
+# The loss types that need no reference model: they score the policy's own mean log-probs.
+REFERENCE_FREE = ("orpo", "simpo")
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation and its cousins (train.objective=dpo).
+
+    With r = beta x (log pi(y|x) - log ref(y|x)) each response's implicit reward, `sigmoid`
+    (DPO) minimises -log sigmoid(r_chosen - r_rejected); `ipo` the squared distance of the
+    per-token log-ratio margin from 1 / (2 beta); `hinge` max(0, 1 - margin). `orpo` and
+    `simpo` need no reference: ORPO adds beta x the log odds ratio's -log sigmoid to the
+    chosen response's mean cross-entropy, SimPO is the sigmoid loss on mean log-probs with a
+    target margin simpo_gamma. The reference is the model as the run starts (an import, or a
+    LoRA run's base), scored once over the train set before the first step.
+    """
+
+    # DPO's beta (IPO's tau, ORPO's lambda): how far the policy may move from the reference
+    beta: float = 0.1
+    # sigmoid (DPO), ipo, hinge; reference-free: orpo, simpo
+    loss_type: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = "sigmoid"
+    # sigmoid and simpo: the probability that a pair's preference is flipped (conservative
+    # DPO): the loss becomes (1 - e) x the loss + e x the loss of the pair reversed
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5  # simpo: the target margin of the mean log-probs, over beta
+
+    def __post_init__(self):
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise UserError(f"dpo.beta must be a positive number, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(
+                f"dpo.label_smoothing must be in [0, 0.5) (the chance a label is flipped), got "
+                f"{self.label_smoothing}"
+            )
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            raise UserError(
+                f"dpo.label_smoothing is for dpo.loss_type=sigmoid or simpo, not {self.loss_type}"
+            )
+        if not math.isfinite(self.simpo_gamma):
+            raise UserError(f"dpo.simpo_gamma must be a number, got {self.simpo_gamma}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares with a reference model's log-probs."""
+        return self.loss_type not in REFERENCE_FREE
