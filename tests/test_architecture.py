@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paisoar_jax"
 # tools/: modules of their own, and packages of several (each holding the modules named).
-TOOLS = {"bench", "overhead", "convert", "export", "generate", "scaling"}
+TOOLS = {"bench", "overhead", "convert", "export", "generate", "scaling", "evaluate"}
 TOOL_PACKAGES = {
     "plan": {"core", "command", "table", "reports", "variants", "fit_search", "context_split"}
     | {"hlo", "gpu_target", "gpu_kernels"},  # the compiled step's analysis, which bench reads too
@@ -39,6 +39,7 @@ COMMANDS = {
     "export",
     "launch",
     "generate",
+    "evaluate",
 }  # python -m paisoar_jax.X
 FRONT_DOORS = {"paisoar_jax", "paisoar_jax.api", "paisoar_jax.train"}
 FRONT_DOORS |= {f"paisoar_jax.{name}" for name in COMMANDS}  # entry points use either side

@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from paisoar_jax.checkpointing.weights import (
     TOKEN_IDS_FILE,
@@ -142,6 +144,7 @@ class Generator:
         )
         self._text: Text | None = None
         self._compiled: dict[tuple, Callable] = {}
+        self._scorer: Callable | None = None
 
     @one_line_errors("paisoar_jax.Generator")
     def complete(
@@ -237,6 +240,49 @@ class Generator:
                     results[index] = _until_stop(new_RxN[row, :made].tolist(), stop_at)
         return results
 
+    @one_line_errors("paisoar_jax.Generator")
+    def score(
+        self, sequences: Sequence[Sequence[int]], batch_size: int = 64
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each token's log-probability given the ones before it, and whether it was likeliest.
+
+        For a sequence of n tokens: two arrays of n - 1, for tokens 1 .. n - 1 (fp32
+        log-probabilities from fp32 logits, and the greedy flags), as a causal model scores
+        them in one forward pass. Sequences go in batches of up to `batch_size` rows, the
+        longest together, right-padded to a multiple of 16 tokens.
+
+        Args:
+            sequences: token ids, 2 to model.max_positions + 1 of each.
+            batch_size: the most sequences scored together.
+        """
+        sequences = [list(map(int, sequence)) for sequence in sequences]
+        for sequence in sequences:
+            if not 2 <= len(sequence) <= self.config.model.positions + 1:
+                raise UserError(
+                    f"a scored sequence needs 2 to {self.config.model.positions + 1} tokens, "
+                    f"got {len(sequence)}"
+                )
+        if self._scorer is None:
+            self._scorer = jax.jit(functools.partial(score_rows, graphdef=self.layout.graphdef))
+        order = sorted(range(len(sequences)), key=lambda index: -len(sequences[index]))
+        rows = -(-min(batch_size, max(len(sequences), 1)) // self.rows) * self.rows
+        results: list[Any] = [None] * len(sequences)
+        with jax.set_mesh(self.mesh):
+            for first in range(0, len(order), rows):
+                chosen = order[first : first + rows]
+                width = -(-len(sequences[chosen[0]]) // PROMPT_BUCKET) * PROMPT_BUCKET
+                tokens_RxL = np.zeros((rows, width), np.int32)
+                for row, index in enumerate(chosen):
+                    tokens_RxL[row, : len(sequences[index])] = sequences[index]
+                placed = jax.device_put(tokens_RxL, sharding.batch_sharding(self.mesh))
+                log_probs, greedy = jax.device_get(
+                    self._scorer(self.params, self.model_state, placed)
+                )
+                for row, index in enumerate(chosen):
+                    length = len(sequences[index]) - 1
+                    results[index] = (log_probs[row, :length], greedy[row, :length])
+        return results
+
     def _decoder(self, sampling: tuple, stop_at: tuple, max_new: int) -> Callable:
         """The jitted generation loop for these settings (jit keeps a compile per shape)."""
         settings = (sampling, stop_at, max_new)
@@ -283,6 +329,16 @@ class Generator:
             )
         if top_k > model.vocab_size:
             raise UserError(f"--top-k {top_k} is more than the vocabulary's {model.vocab_size}")
+
+
+def score_rows(params, model_state, tokens_RxL: jax.Array, graphdef) -> tuple:
+    """(log-probabilities, likeliest?) of tokens 1.. of each row, (R, L - 1) each."""
+    model = nnx.merge(graphdef, params, model_state)
+    logits_RxLxV = model(tokens_RxL[:, :-1]).astype(jnp.float32)
+    targets_RxL = tokens_RxL[:, 1:]
+    log_probs_RxLxV = jax.nn.log_softmax(logits_RxLxV)
+    taken_RxL = jnp.take_along_axis(log_probs_RxLxV, targets_RxL[..., None], axis=-1)[..., 0]
+    return taken_RxL, logits_RxLxV.argmax(axis=-1) == targets_RxL
 
 
 def _left_padded(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -353,6 +409,10 @@ class Text:
         tokenize=True) gives them: the template's text (with its own BOS, if it has one)
         tokenized without adding special tokens.
         """
+        return self.model.encode(self.chat_text(messages), add_special_tokens=False).ids
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A chat as the tokenizer's chat template renders it."""
         if self.model is None:
             raise UserError("a chat needs a tokenizer with a chat template, not bytes")
         if self._template is None:
@@ -365,8 +425,7 @@ class Text:
                     f"{self.found.parent} has no chat template (no chat_template.jinja, none in "
                     f"tokenizer_config.json): give the prompt as text"
                 ) from None
-        text = self._template.render(list(messages), add_generation_prompt=True)
-        return self.model.encode(text, add_special_tokens=False).ids
+        return self._template.render(list(messages), add_generation_prompt=add_generation_prompt)
 
     def decode(self, tokens: list[int]) -> str:
         """The text of `tokens`."""

@@ -244,8 +244,12 @@ def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
     load in AutoTokenizer with no eos or pad: they are named from the model's token ids
     (config.json's), the eos from the usual end-of-text names where none is given, and
     pad falls back to eos (what fine-tuning scripts set, as no token of ours is padding).
+    A BOS is named only for a bare tokenizer.json: a tokenizer_config.json without one
+    says the tokenizer has none (config.json's bos_token_id is then transformers' default,
+    and naming it would put it before every context lm-eval scores).
     """
     path = output / "tokenizer_config.json"
+    bare = not path.is_file()
     settings = read_json(path) if path.is_file() else {}
     tokenizer = read_json(output / "tokenizer.json")
     vocabulary = dict(tokenizer.get("model", {}).get("vocab") or {})
@@ -257,7 +261,7 @@ def _complete_tokenizer_config(output: pathlib.Path, token_ids: dict) -> None:
     eos = named.get("content") if isinstance(named, dict) else named
     eos = eos or names.get(eos_id) or next((name for name in EOS_NAMES if name in vocabulary), None)
     wanted = {
-        "bos_token": names.get(token_ids.get("bos_token_id")),
+        "bos_token": names.get(token_ids.get("bos_token_id")) if bare else None,
         "eos_token": eos,
         "pad_token": names.get(token_ids.get("pad_token_id")) or eos,
     }

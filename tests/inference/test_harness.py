@@ -1,0 +1,143 @@
+"""lm-evaluation-harness on our models (inference/harness.py, tools/evaluate.py).
+
+A tiny random Llama is imported, trained two steps and exported to transformers' format;
+lm-eval's own `hf` model on the export and our `paisoar_jax` model on the run answer three
+local tasks (a multiple choice, a rolling perplexity, a generation): the same accuracies,
+perplexities and generated texts.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import WORDS, run_module, tiny_llama_import
+
+import paisoar_jax
+from paisoar_jax.tools import hf
+
+TASKS = ("tiny_choice", "tiny_text", "tiny_gen")
+
+
+def write_tasks(directory):
+    """Three lm-eval task YAMLs over local JSON lines, in `directory`."""
+    rng = np.random.default_rng(0)
+
+    def words(count):
+        return " ".join(rng.choice(WORDS, count))
+
+    rows = {
+        "choice": [
+            {
+                "question": words(5) + ":",
+                "choices": [" " + words(int(rng.integers(1, 4))) for _ in range(3)],
+                "answer": int(rng.integers(0, 3)),
+            }
+            for _ in range(12)
+        ],
+        "text": [{"text": words(int(rng.integers(10, 60)))} for _ in range(6)],
+        "gen": [{"question": words(4), "answer": " x"} for _ in range(6)],
+    }
+    for name, records in rows.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    shared = "dataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+    specifics = {
+        "choice": 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+        "text": 'output_type: loglikelihood_rolling\ndoc_to_text: ""\n'
+        'doc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
+        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+        "gen": 'output_type: generate_until\ndoc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["zzz"]\n'
+        "  max_gen_toks: 6\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+    }
+    for name, specific in specifics.items():
+        data = f"    test: {directory / name}.jsonl\n"
+        (directory / f"tiny_{name}.yaml").write_text(f"task: tiny_{name}\n{shared}{data}{specific}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(root, our run, its export to transformers' format, the task folder)."""
+    root = tmp_path_factory.mktemp("harness")
+    tiny_llama_import(root)
+    paisoar_jax.fit(
+        str(root / "imported" / "config.yaml"),
+        [
+            "train.steps=2",
+            "train.global_batch=8",
+            "model.seq_len=32",
+            "data.source=synthetic",
+            "train.eval_every=0",
+            "optim.lr=1e-2",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"run.dir={root / 'run'}",
+        ],
+    )
+    hf.hf_export(root / "run", root / "export")
+    (root / "tasks").mkdir()
+    write_tasks(root / "tasks")
+    return root
+
+
+def test_our_model_answers_as_lm_evals_hf_model_on_the_export(trained):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from paisoar_jax.tools.evaluate import evaluate
+
+    manager = TaskManager(include_path=str(trained / "tasks"))
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={trained / 'export'},dtype=float32",
+        tasks=list(TASKS),
+        task_manager=manager,
+        device="cpu",
+        batch_size=4,
+        log_samples=True,
+    )
+    ours = evaluate(trained / "run", TASKS, include_path=str(trained / "tasks"), batch_size=4)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_choice"][metric] == theirs["results"]["tiny_choice"][metric]
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["tiny_text"][metric] == pytest.approx(
+            theirs["results"]["tiny_text"][metric], rel=1e-5
+        )
+    # Greedy generations: the same texts (lm-eval logs them per sample).
+    generated = lm_eval.simple_evaluate(
+        model="paisoar_jax",
+        model_args=f"path={trained / 'run'}",
+        tasks=["tiny_gen"],
+        task_manager=manager,
+        log_samples=True,
+    )
+    texts = [sample["resps"] for sample in generated["samples"]["tiny_gen"]]
+    assert texts == [sample["resps"] for sample in theirs["samples"]["tiny_gen"]]
+    assert any(text[0][0] for text in texts)  # not all empty
+
+
+def test_the_command_line_evaluates_a_run_and_records_it(trained, tmp_path):
+    result = run_module(
+        "evaluate",
+        trained / "run",
+        "--tasks",
+        "tiny_choice",
+        "--include-path",
+        trained / "tasks",
+        "--limit",
+        "4",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tiny_choice" in result.stdout and "acc" in result.stdout
+    [record] = [json.loads(line) for line in (trained / "run" / "harness.jsonl").open()]
+    assert record["tasks"] == ["tiny_choice"] and record["config"]["limit"] == 4
+    assert 0 <= record["results"]["tiny_choice"]["acc,none"] <= 1
+    unknown = run_module("evaluate", trained / "run", "--tasks", "no_such_task", cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert (
+        unknown.stderr.strip()
+        .splitlines()[-1]
+        .startswith("paisoar_jax.evaluate: error: lm-eval has no task 'no_such_task'")
+    )
