@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from paisoar_jax.config.models import LanguageModelConfig
 from paisoar_jax.errors import UserError
 
 # The loss types that need no reference model: they score the policy's own mean log-probs.
@@ -57,3 +58,40 @@ class DpoConfig:
     def needs_reference(self) -> bool:
         """Whether the loss compares with a reference model's log-probs."""
         return self.loss_type not in REFERENCE_FREE
+
+
+def check_objective(config) -> None:
+    """train.objective and the harness evals against the model, the data, the dpo section.
+
+    `config`: a Config (its cross-section checks call this).
+    """
+    if config.train.harness_every and (
+        not isinstance(config.model, LanguageModelConfig) or config.mesh.stages > 1
+    ):
+        raise UserError(
+            "train.harness_every evaluates the zoo's decoders (gpt, llama and their imports) "
+            "on meshes without pipeline stages (generation runs the stack whole)"
+        )
+    if config.train.objective == "next_token":
+        changed = [
+            key
+            for key in ("beta", "loss_type", "label_smoothing", "simpo_gamma")
+            if getattr(config.dpo, key) != getattr(DpoConfig, key)
+        ]
+        if changed:
+            raise UserError(
+                f"dpo.{changed[0]} is set, but train.objective=next_token reads no dpo "
+                f"section: set train.objective=dpo to train on preference pairs"
+            )
+        return
+    if not isinstance(config.model, LanguageModelConfig):
+        raise UserError(
+            f"train.objective={config.train.objective} trains the zoo's decoders (gpt, llama "
+            f"and their imports); model.name={config.model.name} is not one"
+        )
+    if not config.data.source.startswith(("arrayrecord:", "hf:")) or config.data.mixture:
+        raise UserError(
+            f"train.objective={config.train.objective} reads a preference dataset: convert "
+            f"your pairs with `python -m paisoar_jax.convert text --format preference` and "
+            f"set data.source=arrayrecord:DIR (data.source={config.data.source})"
+        )

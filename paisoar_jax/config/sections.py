@@ -25,7 +25,7 @@ from paisoar_jax.config.models import (
     VisionConfig,
 )
 from paisoar_jax.config.optim import OptimConfig
-from paisoar_jax.config.preference import DpoConfig
+from paisoar_jax.config.preference import DpoConfig, check_objective
 from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
 
@@ -208,9 +208,20 @@ class TrainConfig:
     # Skip the update of a step whose loss exceeds the mean of the last 128 steps' losses by
     # this many standard deviations (engine/spikes.py; counted as skipped_spikes); 0: off
     skip_spikes: float = 0.0
+    # Steps between lm-evaluation-harness evals of the weights as they are (and at the last
+    # step; metrics eval_harness_<task>/<metric>, lines in harness.jsonl); 0: none
+    harness_every: int = 0
+    harness_tasks: tuple[str, ...] = ()  # the harness's task names (hellaswag, a YAML's)
+    harness_limit: float = 0.0  # the first N of each task's requests (< 1: a share); 0: all
+    harness_include_path: str = ""  # a folder of task YAMLs of one's own
 
     def __post_init__(self):
-        check_finite_non_negative("train", self, ("skip_spikes",))
+        check_finite_non_negative("train", self, ("skip_spikes", "harness_limit"))
+        if bool(self.harness_every) != bool(self.harness_tasks):
+            raise UserError(
+                "train.harness_every and train.harness_tasks go together: the tasks to "
+                "evaluate and how often (train.harness_every=0 turns it off)"
+            )
         if not 0 <= self.ema_decay < 1:
             raise UserError(
                 f"train.ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}"
@@ -349,33 +360,7 @@ class Config:
         self._check_grad_comm()
         self._check_experts()
         self._check_context()
-        self._check_objective()
-
-    def _check_objective(self) -> None:
-        """train.objective against the model, the data and the dpo section."""
-        if self.train.objective == "next_token":
-            changed = [
-                key
-                for key in ("beta", "loss_type", "label_smoothing", "simpo_gamma")
-                if getattr(self.dpo, key) != getattr(DpoConfig, key)
-            ]
-            if changed:
-                raise UserError(
-                    f"dpo.{changed[0]} is set, but train.objective=next_token reads no dpo "
-                    f"section: set train.objective=dpo to train on preference pairs"
-                )
-            return
-        if not isinstance(self.model, LanguageModelConfig):
-            raise UserError(
-                f"train.objective={self.train.objective} trains the zoo's decoders (gpt, llama "
-                f"and their imports); model.name={self.model.name} is not one"
-            )
-        if not self.data.source.startswith(("arrayrecord:", "hf:")) or self.data.mixture:
-            raise UserError(
-                f"train.objective={self.train.objective} reads a preference dataset: convert "
-                f"your pairs with `python -m paisoar_jax.convert text --format preference` and "
-                f"set data.source=arrayrecord:DIR (data.source={self.data.source})"
-            )
+        check_objective(self)
 
     def _check_context(self) -> None:
         """Context parallelism (mesh.context > 1) against the model, its window and the mesh."""

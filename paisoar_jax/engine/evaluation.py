@@ -55,6 +55,20 @@ class EvalSet:
         return bool(self.every) and (step % self.every == 0 or is_last)
 
 
+@dataclasses.dataclass(frozen=True)
+class HarnessTasks:
+    """lm-evaluation-harness tasks as an eval set's source (train.harness_every).
+
+    Evaluated on the weights as they are (inference/harness.py evaluate_state); their
+    metrics are eval_harness_<task>/<metric>.
+    """
+
+    tasks: tuple[str, ...]
+    limit: float = 0.0  # the first N requests of each task (a fraction if < 1); 0: all
+    include_path: str = ""  # a folder of task YAMLs of one's own
+    batch_size: int = 64
+
+
 def check_metric_names(eval_sets: tuple[EvalSet, ...], task: Any) -> None:
     """Refuses eval sets whose metrics would share a name, before the first step.
 

@@ -146,6 +146,24 @@ class Generator:
         self._compiled: dict[tuple, Callable] = {}
         self._scorer: Callable | None = None
 
+    @classmethod
+    def of_run(cls, run: Any, state: Any) -> Generator:
+        """A Generator over a training run's weights as they are, placed as the run's.
+
+        `run`: the run's Setup; `state`: its TrainState (read, never changed). The
+        tokenizer and end ids are the run's (found as for its saved steps).
+        """
+        generator = cls.__new__(cls)
+        generator.config = config = config_from_dict(run.record)
+        generator.mesh, generator.layout = run.mesh, run.layout
+        generator.rows = sharding.batch_shards(run.mesh)
+        generator.params, generator.model_state = state.params, state.model_state or {}
+        init_from, places = config.checkpoint.init_from, (pathlib.Path(run.run_dir),)
+        generator.tokenizer_file = kept_file("tokenizer.json", init_from, *places)
+        generator.end_ids = end_of_sequence_ids(init_from, places, generator.tokenizer_file)
+        generator._text, generator._compiled, generator._scorer = None, {}, None
+        return generator
+
     @one_line_errors("paisoar_jax.Generator")
     def complete(
         self, prompts: Sequence[str | list[dict]], max_new: int = 64, **settings: Any

@@ -23,19 +23,24 @@ RUN --tasks ...` is the short form (tools/evaluate.py).
 
 from __future__ import annotations
 
+import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from paisoar_jax.engine.evaluation import HarnessTasks
 from paisoar_jax.errors import UserError
 from paisoar_jax.inference.generator import Generator, Text
 from paisoar_jax.runtime.user_files import read_json
 
 NAME = "paisoar_jax"  # the harness's name for this model: --model paisoar_jax
+RESULTS_FILE = "harness.jsonl"  # a run's evaluations, one JSON line each
 
 
 @register_model(NAME)
@@ -194,3 +199,81 @@ def _declared_token_id(tokenizer_file: pathlib.Path | None, text: Text, name: st
     token = read_json(config_path).get(name) if config_path.is_file() else None
     token = token.get("content") if isinstance(token, dict) else token
     return text.model.token_to_id(token) if isinstance(token, str) else None
+
+
+def evaluate(
+    source: str | pathlib.Path,
+    tasks: Sequence[str],
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    batch_size: int = 64,
+    include_path: str | None = None,
+    apply_chat_template: bool = False,
+    model: HarnessModel | None = None,
+) -> dict[str, Any]:
+    """lm-eval's results of `tasks` on a run, a checkpoint step or an export.
+
+    `model`: a HarnessModel already placed (the training loop's); else one of `source`.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    model = model or HarnessModel(str(source), batch_size=batch_size)
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [task for task in tasks if not manager.match_tasks([task])]
+    if unknown:
+        raise UserError(
+            f"lm-eval has no task {unknown[0]!r} (`python -m paisoar_jax.evaluate ls tasks` "
+            f"lists them; an include path adds your own YAMLs)"
+        )
+    return lm_eval.simple_evaluate(
+        model=model,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        apply_chat_template=apply_chat_template,
+        log_samples=False,
+    )
+
+
+def results_record(weights: str, tasks: Sequence[str], results: dict[str, Any]) -> dict:
+    """The line harness.jsonl gets: each task's metrics (numbers only), and the settings."""
+    scores = {
+        task: {
+            metric: value
+            for metric, value in metrics.items()
+            if isinstance(value, int | float) and metric != "alias"
+        }
+        for task, metrics in results["results"].items()
+    }
+    settings = {key: results["config"].get(key) for key in ("limit", "num_fewshot", "batch_size")}
+    return {"weights": weights, "tasks": list(tasks), "results": scores, "config": settings}
+
+
+def evaluate_state(run: Any, state: Any, harness: HarnessTasks, step: int) -> dict[str, float]:
+    """The harness's tasks on a training run's weights as they are (train.harness_every).
+
+    Returns {"<task>/<metric>": value} (lm-eval's ",none" filter dropped); the whole
+    results go to the run's harness.jsonl as a line with the step.
+    """
+    generator = Generator.of_run(run, state)
+    model = HarnessModel(generator=generator, batch_size=harness.batch_size)
+    results = evaluate(
+        run.run_dir,
+        harness.tasks,
+        limit=harness.limit or None,
+        include_path=harness.include_path or None,
+        model=model,
+    )
+    record = results_record(str(run.run_dir), harness.tasks, results) | {"step": step}
+    if jax.process_index() == 0:
+        with open(pathlib.Path(run.run_dir) / RESULTS_FILE, "a") as file:
+            file.write(json.dumps(record) + "\n")
+    return {
+        f"{task}/{metric.removesuffix(',none')}": float(value)
+        for task, metrics in record["results"].items()
+        for metric, value in metrics.items()
+        if not metric.endswith("_stderr,none")
+    }

@@ -19,7 +19,7 @@ import jax
 from paisoar_jax import output
 from paisoar_jax.checkpointing.checkpoint import Checkpointer
 from paisoar_jax.engine.compilation import CompiledStep
-from paisoar_jax.engine.evaluation import EvalSet, evaluate
+from paisoar_jax.engine.evaluation import EvalSet, HarnessTasks, evaluate
 from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics import loss_scale
@@ -195,7 +195,12 @@ def evaluate_sets(
     """
     shown = {}
     for one in eval_sets:
-        results = evaluate(eval_step, state, one.source, run.task, run.train, run.mesh, step)
+        if isinstance(one.source, HarnessTasks):  # lm-eval's tasks on the weights as they are
+            from paisoar_jax.inference.harness import evaluate_state
+
+            results = evaluate_state(run, state, one.source, step)
+        else:
+            results = evaluate(eval_step, state, one.source, run.task, run.train, run.mesh, step)
         shown |= {f"{one.prefix}{name}": value for name, value in results.items()}
     if jax.process_index() == 0:
         line = f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items())

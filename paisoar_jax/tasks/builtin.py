@@ -31,7 +31,7 @@ from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.preferences import PreferenceWindows
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
-from paisoar_jax.engine.evaluation import EvalSet
+from paisoar_jax.engine.evaluation import EvalSet, HarnessTasks
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, mtp, resolve_model_config
 from paisoar_jax.models.chunked_loss import chunk_count, chunked_cross_entropy
@@ -96,6 +96,13 @@ class LanguageModelling:
         for entry in data.eval_sets:
             source = self._open_eval(f"data.eval_sets[{entry.name}]", entry.source, entry.hf_split)
             sets.append(EvalSet(source, entry.every or eval_every, entry.name))
+        if self.train.harness_every:  # lm-eval's tasks, on the eval cadence's machinery
+            harness = HarnessTasks(
+                self.train.harness_tasks,
+                self.train.harness_limit,
+                self.train.harness_include_path,
+            )
+            sets.append(EvalSet(harness, self.train.harness_every, "harness"))
         if isinstance(train, PreferenceWindows) and not self.reads_pairs:
             raise UserError(
                 f"data.source={data.source} holds preference pairs: train on them with "

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paisoar_jax import output
+from paisoar_jax.data.preferences import PreferenceWindows
 from paisoar_jax.data.prefetch import global_batch
 from paisoar_jax.engine.evaluation import EvalSet, marked_batches
 from paisoar_jax.engine.step import params_for_compute
@@ -62,7 +63,11 @@ def attach(
     if not (isinstance(task, PreferenceOptimisation) and task.needs_reference):
         return train_source, eval_sets
     # the sets that are evaluated (a set never due is never read)
-    evaluated = {f"eval_{i}": s.source for i, s in enumerate(eval_sets) if s.every}
+    evaluated = {
+        f"eval_{i}": s.source
+        for i, s in enumerate(eval_sets)
+        if s.every and isinstance(s.source, PreferenceWindows)  # (not harness tasks)
+    }
     sources = {"train": train_source} | evaluated
     path = pathlib.Path(run.run_dir) / FILE_NAME
     if path.is_file():

@@ -23,7 +23,6 @@ import json
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from paisoar_jax import output
 from paisoar_jax.cli import exit_status
@@ -31,64 +30,6 @@ from paisoar_jax.errors import UserError
 
 PROGRAM = "paisoar_jax.evaluate"
 LM_EVAL_COMMANDS = ("run", "ls", "validate")  # lm-eval's own subcommands
-RESULTS_FILE = "harness.jsonl"
-
-
-def evaluate(
-    source: str | pathlib.Path,
-    tasks: Sequence[str],
-    *,
-    num_fewshot: int | None = None,
-    limit: float | None = None,
-    batch_size: int = 64,
-    include_path: str | None = None,
-    apply_chat_template: bool = False,
-    model: Any = None,
-) -> dict[str, Any]:
-    """lm-eval's results of `tasks` on a run, a checkpoint step or an export.
-
-    `model`: a HarnessModel already placed (the training loop's); else one of `source`.
-    """
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-
-        from paisoar_jax.inference.harness import HarnessModel
-    except ImportError:
-        raise UserError(
-            "evaluation runs lm-evaluation-harness: pip install 'paisoar-jax[eval]'"
-        ) from None
-    model = model or HarnessModel(str(source), batch_size=batch_size)
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    unknown = [task for task in tasks if not manager.match_tasks([task])]
-    if unknown:
-        raise UserError(
-            f"lm-eval has no task {unknown[0]!r} (`python -m paisoar_jax.evaluate ls tasks` "
-            f"lists them; --include-path DIR adds your own YAMLs)"
-        )
-    return lm_eval.simple_evaluate(
-        model=model,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        apply_chat_template=apply_chat_template,
-        log_samples=False,
-    )
-
-
-def results_record(weights: str, tasks: Sequence[str], results: dict[str, Any]) -> dict:
-    """The line harness.jsonl gets: each task's metrics (numbers only), and the settings."""
-    scores = {
-        task: {
-            metric: value
-            for metric, value in metrics.items()
-            if isinstance(value, int | float) and metric != "alias"
-        }
-        for task, metrics in results["results"].items()
-    }
-    settings = {key: results["config"].get(key) for key in ("limit", "num_fewshot", "batch_size")}
-    return {"weights": weights, "tasks": list(tasks), "results": scores, "config": settings}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,8 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def work() -> None:
-        from lm_eval.utils import make_table
+        try:
+            from lm_eval.utils import make_table
 
+            from paisoar_jax.inference.harness import RESULTS_FILE, evaluate, results_record
+        except ImportError:
+            raise UserError(
+                "evaluation runs lm-evaluation-harness: pip install 'paisoar-jax[eval]'"
+            ) from None
         tasks = [task for task in args.tasks.split(",") if task]
         results = evaluate(
             args.source,

@@ -336,7 +336,8 @@ def test_an_uncaught_bad_input_in_a_script_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "paisoar_jax.fit: error: unknown config key train.stepz (known: ema_decay, eval_batches,"
-        " eval_every, global_batch, grad_accum, hang_timeout_s, log_every, memory_limit_gb, "
+        " eval_every, global_batch, grad_accum, hang_timeout_s, harness_every, "
+        "harness_include_path, harness_limit, harness_tasks, log_every, memory_limit_gb, "
         "objective, peak_tflops, pipeline_microbatches, pipeline_repeats, profile_steps, "
         "sample_bytes, seed, skip_spikes, steps)"
     ]

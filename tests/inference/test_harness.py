@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import WORDS, run_module, tiny_llama_import
+from conftest import WORDS, run_module, run_records, tiny_llama_import
 
 import paisoar_jax
 from paisoar_jax.tools import hf
@@ -61,6 +61,8 @@ def trained(tmp_path_factory):
     """(root, our run, its export to transformers' format, the task folder)."""
     root = tmp_path_factory.mktemp("harness")
     tiny_llama_import(root)
+    (root / "tasks").mkdir()
+    write_tasks(root / "tasks")
     paisoar_jax.fit(
         str(root / "imported" / "config.yaml"),
         [
@@ -73,11 +75,13 @@ def trained(tmp_path_factory):
             "run.progress=false",
             "run.tensorboard=false",
             f"run.dir={root / 'run'}",
+            # the harness during training: its choice task at the last step
+            "train.harness_every=2",
+            "train.harness_tasks=[tiny_choice]",
+            f"train.harness_include_path={root / 'tasks'}",
         ],
     )
     hf.hf_export(root / "run", root / "export")
-    (root / "tasks").mkdir()
-    write_tasks(root / "tasks")
     return root
 
 
@@ -85,7 +89,7 @@ def test_our_model_answers_as_lm_evals_hf_model_on_the_export(trained):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from paisoar_jax.tools.evaluate import evaluate
+    from paisoar_jax.inference.harness import evaluate
 
     manager = TaskManager(include_path=str(trained / "tasks"))
     theirs = lm_eval.simple_evaluate(
@@ -100,6 +104,12 @@ def test_our_model_answers_as_lm_evals_hf_model_on_the_export(trained):
     ours = evaluate(trained / "run", TASKS, include_path=str(trained / "tasks"), batch_size=4)
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["tiny_choice"][metric] == theirs["results"]["tiny_choice"][metric]
+    # train.harness_every: the same task on the weights as they were at the last step.
+    [record] = [r for r in run_records(trained / "run") if "eval_harness_tiny_choice/acc" in r]
+    assert record["step"] == 2
+    assert record["eval_harness_tiny_choice/acc"] == theirs["results"]["tiny_choice"]["acc,none"]
+    [line] = [json.loads(text) for text in (trained / "run" / "harness.jsonl").open()]
+    assert line["step"] == 2 and line["tasks"] == ["tiny_choice"]
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert ours["results"]["tiny_text"][metric] == pytest.approx(
             theirs["results"]["tiny_text"][metric], rel=1e-5
@@ -131,7 +141,7 @@ def test_the_command_line_evaluates_a_run_and_records_it(trained, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tiny_choice" in result.stdout and "acc" in result.stdout
-    [record] = [json.loads(line) for line in (trained / "run" / "harness.jsonl").open()]
+    *_, record = [json.loads(line) for line in (trained / "run" / "harness.jsonl").open()]
     assert record["tasks"] == ["tiny_choice"] and record["config"]["limit"] == 4
     assert 0 <= record["results"]["tiny_choice"]["acc,none"] <= 1
     unknown = run_module("evaluate", trained / "run", "--tasks", "no_such_task", cwd=tmp_path)
@@ -141,3 +151,21 @@ def test_the_command_line_evaluates_a_run_and_records_it(trained, tmp_path):
         .splitlines()[-1]
         .startswith("paisoar_jax.evaluate: error: lm-eval has no task 'no_such_task'")
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.harness_every=10"], "train.harness_every and train.harness_tasks go together"),
+        (
+            ["train.harness_every=10", "train.harness_tasks=[x]", "model.name=resnet"],
+            "train.harness_every evaluates the zoo's decoders",
+        ),
+    ],
+)
+def test_bad_harness_settings_are_one_line(overrides, message):
+    from paisoar_jax.config import load_config
+    from paisoar_jax.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)

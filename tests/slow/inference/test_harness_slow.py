@@ -17,7 +17,7 @@ def test_the_evaluation_page_runs(trained, tmp_path):  # noqa: F811
     include = f"--include-path {trained / 'tasks'}"
     [short] = command_lines(doc_block("evaluate-run"))
     run_line(short.replace("hellaswag,arc_easy", f"tiny_choice,tiny_text {include}"), tmp_path)
-    [record] = [json.loads(line) for line in (tmp_path / "runs" / "sft" / "harness.jsonl").open()]
+    *_, record = [json.loads(line) for line in (tmp_path / "runs" / "sft" / "harness.jsonl").open()]
     assert record["tasks"] == ["tiny_choice", "tiny_text"]
     assert record["results"]["tiny_text"]["word_perplexity,none"] > 1
     [lm_eval_line] = command_lines(doc_block("evaluate-lm-eval"))
@@ -37,3 +37,11 @@ def test_the_evaluation_page_runs(trained, tmp_path):  # noqa: F811
     finally:
         os.chdir(previous)
     assert 0 <= names["results"]["results"]["tiny_choice"]["acc,none"] <= 1
+    [during] = command_lines(doc_block("harness-during-training"))
+    shutil.copytree(trained / "imported", tmp_path / "imported")
+    during = during.replace("[hellaswag]", "[tiny_text]").replace("=500", "=2")
+    quick = ["train.steps=2", "train.global_batch=8", "model.seq_len=32", "data.source=synthetic"]
+    quick += [f"train.harness_include_path={trained / 'tasks'}", "train.eval_every=0"]
+    run_line(during.replace("runs/sft", "runs/during"), tmp_path, quick)
+    records = [json.loads(line) for line in (tmp_path / "runs" / "during" / "metrics.jsonl").open()]
+    assert records[-1]["eval_harness_tiny_text/word_perplexity"] > 1
