@@ -16,9 +16,12 @@ template's own markup) or as a response (the loss learns it):
 
 A chat is cut into pieces by rendering it turn by turn: the text up to assistant turn i with
 the generation prompt, then the text through turn i, each a prefix of the next. A template
-that rewrites earlier turns as the chat goes on (some drop earlier reasoning) cannot be cut
-so, and is refused naming the record. Each piece is tokenized on its own: templates put
-special tokens at the boundaries, so the tokens equal the whole text's
+that rewrites earlier turns as the chat goes on (Qwen3's drops the <think> reasoning of
+turns before the last question) cannot be cut so: such a chat becomes one document per
+assistant turn, each the conversation up to that turn as the template renders it then,
+with that turn alone learned (as the model sees it when it writes that turn). Each piece
+is tokenized on its own: templates put special tokens at the boundaries, so the tokens
+equal the whole text's
 (tests/data/test_conversations.py checks them against transformers' apply_chat_template).
 """
 
@@ -157,6 +160,29 @@ class ChatTemplate:
         except Exception as error:
             raise UserError(f"{where}: the chat template fails on it: {error}") from None
 
+    def documents(self, record: Any, messages_field: str, where: str) -> list[list[Piece]]:
+        """The chat as one document of pieces, or one per assistant turn.
+
+        One per turn when its template rewrites earlier turns (see the module docstring).
+        """
+        try:
+            return [self.pieces(record, messages_field, where)]
+        except _RewritesEarlierTurnsError:
+            messages = record[messages_field]
+        documents = []
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:index], True, where)
+            through = self.render(messages[: index + 1], False, where)
+            if not through.startswith(prompt):
+                raise UserError(
+                    f"{where}: the chat template renders turn {index} differently from the "
+                    f"prompt it renders before it, so its prompt cannot be masked"
+                )
+            documents.append([(prompt, False), (through[len(prompt) :], True)])
+        return documents
+
     def pieces(self, record: Any, messages_field: str, where: str) -> list[Piece]:
         """The chat cut into context and learned (assistant) pieces, turn by turn."""
         messages = record.get(messages_field) if isinstance(record, dict) else None
@@ -175,18 +201,19 @@ class ChatTemplate:
             through = self.render(messages[: index + 1], False, where)
             for before, after in ((done, prompt), (prompt, through)):
                 if not after.startswith(before):
-                    raise UserError(
-                        f"{where}: the chat template renders turn {index} in a way that "
-                        f"changes the turns before it, so its prompt cannot be masked"
-                    )
+                    raise _RewritesEarlierTurnsError()
             pieces += [(prompt[len(done) :], False), (through[len(prompt) :], True)]
             done = through
         whole = self.render(messages, False, where)
         if not any(learned for _, learned in pieces):
             raise UserError(f"{where}: the chat has no assistant turn to learn")
         if not whole.startswith(done):
-            raise UserError(f"{where}: the chat template renders the whole chat differently")
+            raise _RewritesEarlierTurnsError()
         return [*pieces, (whole[len(done) :], False)]
+
+
+class _RewritesEarlierTurnsError(Exception):
+    """A chat's template renders its earlier turns differently as it goes on."""
 
 
 def _generation_tags(jinja2) -> type:

@@ -205,18 +205,23 @@ def document_pieces(path: pathlib.Path, conversion: TextConversion, template) ->
 
 
 def record_pieces(records: Iterator, conversion: TextConversion, template) -> Iterator:
-    """([(UTF-8 bytes, learned), ...], where) of each (record, where), by the format."""
+    """([(UTF-8 bytes, learned), ...], where) of each document of each (record, where).
+
+    A record is one document; a chat whose template rewrites its earlier turns, one per
+    assistant turn (conversations.ChatTemplate.documents).
+    """
     names = conversion.names
     for record, where in records:
         if conversion.format == "text":
             text = conversations.text_field(record, conversion.field, where, names("field"))
-            pieces = [(text, True)]
+            documents = [[(text, True)]]
         elif conversion.format == "instruction":
             fields = (conversion.prompt_field, conversion.response_field)
-            pieces = conversations.instruction_pieces(record, fields, where, names)
+            documents = [conversations.instruction_pieces(record, fields, where, names)]
         else:
-            pieces = template.pieces(record, conversion.messages_field, where)
-        yield [(text.encode("utf-8"), learned) for text, learned in pieces], where
+            documents = template.documents(record, conversion.messages_field, where)
+        for pieces in documents:
+            yield [(text.encode("utf-8"), learned) for text, learned in pieces], where
 
 
 def documents(

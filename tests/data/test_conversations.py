@@ -120,3 +120,48 @@ def test_chat_errors_name_the_record(chat_tokenizer, tmp_path, capsys):
         == 2
     )
     assert "reads .jsonl or .parquet records" in capsys.readouterr().err
+
+
+# A Qwen3-like template: an assistant turn before the last user turn loses its reasoning.
+REASONING_TEMPLATE = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set text = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last %}"
+    "{% set text = text.split('</think>')[-1] %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ text }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_splits_at_each_answer(tmp_path):
+    """Each assistant turn a document of its own: transformers' tokens of the chat up to it,
+    that turn learned (before: refused)."""
+    from conftest import trained_bpe
+
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=trained_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
+        eos_token="<|endoftext|>",
+    )
+    fast.chat_template = REASONING_TEMPLATE
+    fast.save_pretrained(tmp_path / "tokenizer")
+    chat = [
+        {"role": "user", "content": "what is two plus three"},
+        {"role": "assistant", "content": "<think>two and three</think> five"},
+        {"role": "user", "content": "how are you"},
+        {"role": "assistant", "content": "<think>the cat</think> hello"},
+    ]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": chat}])
+    arguments = ["--tokenizer", tmp_path / "tokenizer", "--format", "chat"]
+    assert run_convert("text", "--input", source, "--output", tmp_path / "data", *arguments) == 0
+    documents = documents_of(tmp_path / "data")
+    assert len(documents) == 2
+    for turn, (tokens, mask) in zip((1, 3), documents, strict=True):
+        whole = fast.apply_chat_template(chat[: turn + 1], return_dict=True)["input_ids"]
+        prompt = fast.apply_chat_template(
+            chat[:turn], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        assert tokens[:-1].tolist() == whole
+        assert np.flatnonzero(mask[:-1]).tolist() == list(range(len(prompt), len(whole)))
+    # the second answer's context holds the first without its reasoning
+    assert "two and three" not in fast.decode(documents[1][0])

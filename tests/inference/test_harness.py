@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import WORDS, run_module, run_records, tiny_llama_import
+from conftest import WORDS, run_records, tiny_llama_import
 
 import paisoar_jax
 from paisoar_jax.tools import hf
@@ -127,27 +127,21 @@ def test_our_model_answers_as_lm_evals_hf_model_on_the_export(trained):
     assert any(text[0][0] for text in texts)  # not all empty
 
 
-def test_the_command_line_evaluates_a_run_and_records_it(trained, tmp_path):
-    result = run_module(
-        "evaluate",
-        trained / "run",
-        "--tasks",
-        "tiny_choice",
-        "--include-path",
-        trained / "tasks",
-        "--limit",
-        "4",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "tiny_choice" in result.stdout and "acc" in result.stdout
+def test_the_command_line_evaluates_a_run_and_records_it(trained, capsys):
+    """The short form in this process (the slow tier runs the page's commands as a user)."""
+    from paisoar_jax.tools.evaluate import main
+
+    arguments = [str(trained / "run"), "--include-path", str(trained / "tasks")]
+    assert main([*arguments, "--tasks", "tiny_choice", "--limit", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "tiny_choice" in printed and "acc" in printed
     *_, record = [json.loads(line) for line in (trained / "run" / "harness.jsonl").open()]
     assert record["tasks"] == ["tiny_choice"] and record["config"]["limit"] == 4
     assert 0 <= record["results"]["tiny_choice"]["acc,none"] <= 1
-    unknown = run_module("evaluate", trained / "run", "--tasks", "no_such_task", cwd=tmp_path)
-    assert unknown.returncode == 2
+    assert main([*arguments, "--tasks", "no_such_task"]) == 2
     assert (
-        unknown.stderr.strip()
+        capsys.readouterr()
+        .err.strip()
         .splitlines()[-1]
         .startswith("paisoar_jax.evaluate: error: lm-eval has no task 'no_such_task'")
     )

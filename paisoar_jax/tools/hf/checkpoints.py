@@ -209,13 +209,18 @@ def hf_export(source: pathlib.Path, output: pathlib.Path, form: str = "model") -
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
-    for name in KEPT_FILES:
+    _copy_kept(config, source, output, KEPT_FILES, token_ids)
+    return f"exported {where} as a Hugging Face {family_of(model).architecture} -> {output}"
+
+
+def _copy_kept(config: Config, source, output: pathlib.Path, names, token_ids: dict) -> None:
+    """The import's kept files (tokenizer, generation settings) copied beside the export."""
+    for name in names:
         found = kept_file(name, config.checkpoint.init_from, source)
         if found is not None:
             shutil.copyfile(found, output / name)
     if (output / "tokenizer.json").is_file():
         _complete_tokenizer_config(output, token_ids)
-    return f"exported {where} as a Hugging Face {family_of(model).architecture} -> {output}"
 
 
 def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, where) -> str:
@@ -230,6 +235,10 @@ def _export_adapter(config: Config, flat: dict, source, output: pathlib.Path, wh
     output.mkdir(parents=True, exist_ok=True)
     (output / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
+    # The tokenizer beside the adapter, as TRL's and PEFT's trainers save it.
+    kept = kept_file(TOKEN_IDS_FILE, config.checkpoint.init_from, source)
+    tokenizer_files = [name for name in KEPT_FILES if name != "generation_config.json"]
+    _copy_kept(config, source, output, tokenizer_files, read_json(kept) if kept else {})
     count = sum(array.size for array in tensors.values())
     return (
         f"exported the LoRA adapters of {where} ({describe_params(count)}, rank "

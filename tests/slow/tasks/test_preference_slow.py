@@ -4,9 +4,11 @@ import json
 import os
 
 import numpy as np
+import pytest
 from conftest import WORDS, run_records, tiny_llama_import
 from doc_blocks import command_lines, doc_block
 from test_doc_blocks_slow import run_line
+from test_preference import dpo_run, imported  # noqa: F401 (the module fixture)
 
 TINY_RUN = [
     "train.steps=3",
@@ -52,3 +54,31 @@ def test_the_dpo_page_runs(tmp_path):
     finally:
         os.chdir(previous)
     assert names["result"].steps == 3 and abs(names["result"].first_loss - np.log(2)) < 1e-6
+
+
+def test_meshes_accumulation_and_packing_give_the_same_steps(imported):  # noqa: F811
+    """fsdp x tensor x data with 2 micro-batches and pairs packed: the losses of data=8."""
+    root, _, _ = imported
+    plain = dpo_run(root, "plain")
+    sharded = dpo_run(
+        root,
+        "sharded",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "train.grad_accum=2",
+    )
+    for mine, reference in zip(sharded, plain, strict=True):
+        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    # Packed: the 8 pairs two a row of 32 tokens, attention within each pair's documents.
+    packed = dpo_run(
+        root,
+        "packed",
+        "data.packing=documents",
+        "model.seq_len=32",
+        "train.global_batch=4",
+        "mesh.data=4",
+        "mesh.tensor=2",
+    )
+    for mine, reference in zip(packed, plain, strict=True):
+        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
