@@ -26,6 +26,7 @@ SECTIONS = {
     "remat": (sections.RematConfig,),
     "lora": (sections.LoraConfig,),
     "dpo": (sections.DpoConfig,),
+    "grpo": (sections.GrpoConfig,),
     "sharding": (sections.ShardingConfig,),
     "checkpoint": (sections.CheckpointConfig,),
     "train": (sections.TrainConfig,),

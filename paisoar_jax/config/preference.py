@@ -6,6 +6,7 @@ preference`) trains the policy to prefer each chosen response over its rejected 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -72,23 +73,40 @@ def check_objective(config) -> None:
             "train.harness_every evaluates the zoo's decoders (gpt, llama and their imports) "
             "on meshes without pipeline stages (generation runs the stack whole)"
         )
-    if config.train.objective == "next_token":
+    for section, objective in (("dpo", "dpo"), ("grpo", "grpo")):
+        settings = getattr(config, section)
         changed = [
-            key
-            for key in ("beta", "loss_type", "label_smoothing", "simpo_gamma")
-            if getattr(config.dpo, key) != getattr(DpoConfig, key)
+            field.name
+            for field in dataclasses.fields(settings)
+            if getattr(settings, field.name) != field.default
         ]
-        if changed:
+        if changed and config.train.objective != objective:
             raise UserError(
-                f"dpo.{changed[0]} is set, but train.objective=next_token reads no dpo "
-                f"section: set train.objective=dpo to train on preference pairs"
+                f"{section}.{changed[0]} is set, but train.objective="
+                f"{config.train.objective} reads no {section} section: set "
+                f"train.objective={objective}"
             )
+    if config.train.objective == "next_token":
         return
     if not isinstance(config.model, LanguageModelConfig):
         raise UserError(
             f"train.objective={config.train.objective} trains the zoo's decoders (gpt, llama "
             f"and their imports); model.name={config.model.name} is not one"
         )
+    if config.train.objective == "grpo":
+        if not config.data.source.endswith(".jsonl") or config.data.mixture:
+            raise UserError(
+                f"train.objective=grpo reads prompts from a JSON Lines file (data.source="
+                f"prompts.jsonl, records with a prompt field), not {config.data.source}"
+            )
+        if not config.grpo.rewards:
+            raise UserError("train.objective=grpo needs grpo.rewards=[module:function, ...]")
+        if config.train.global_batch % config.grpo.generations:
+            raise UserError(
+                f"train.global_batch={config.train.global_batch} counts answers: a multiple "
+                f"of grpo.generations={config.grpo.generations}"
+            )
+        return
     if not config.data.source.startswith(("arrayrecord:", "hf:")) or config.data.mixture:
         raise UserError(
             f"train.objective={config.train.objective} reads a preference dataset: convert "

@@ -26,11 +26,12 @@ from paisoar_jax.config.models import (
 )
 from paisoar_jax.config.optim import OptimConfig
 from paisoar_jax.config.preference import DpoConfig, check_objective
+from paisoar_jax.config.reinforcement import GrpoConfig
 from paisoar_jax.config.run import RunConfig
 from paisoar_jax.errors import UserError
 
 # Sections of their own modules, parts of Config.
-__all__ = ["DataConfig", "DpoConfig", "LoraConfig", "MeshConfig", "RunConfig"]
+__all__ = ["DataConfig", "DpoConfig", "GrpoConfig", "LoraConfig", "MeshConfig", "RunConfig"]
 
 
 # One mesh-axis entry of a sharding rule: a mesh axis (data, stage, fsdp, expert, context,
@@ -177,9 +178,10 @@ class TrainConfig:
     """Length, batch and cadence of the training loop."""
 
     steps: int = 400  # optimizer steps of the run (the schedule ends here)
-    # what the model learns: next_token (pre-training, SFT), or dpo: to prefer each chosen
-    # response of a preference dataset over its rejected one (the dpo section)
-    objective: Literal["next_token", "dpo"] = "next_token"
+    # what the model learns: next_token (pre-training, SFT); dpo: to prefer each chosen
+    # response of a preference dataset over its rejected one (the dpo section); grpo: the
+    # answers to prompts that reward functions score higher (the grpo section)
+    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     global_batch: int = 16  # sequences per optimizer step, over all devices and micro-batches
     grad_accum: int = 1  # micro-batches per optimizer step, accumulated inside the step
     seed: int = 0  # seeds the initial weights, the data order and the step's random stream
@@ -313,6 +315,7 @@ class Config:
     remat: RematConfig = field(default_factory=RematConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

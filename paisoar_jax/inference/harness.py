@@ -36,7 +36,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from paisoar_jax.engine.evaluation import HarnessTasks
 from paisoar_jax.errors import UserError
-from paisoar_jax.inference.generator import Generator, Text
+from paisoar_jax.inference.generator import Generator
+from paisoar_jax.inference.text import Text
 from paisoar_jax.runtime.user_files import read_json
 
 NAME = "paisoar_jax"  # the harness's name for this model: --model paisoar_jax

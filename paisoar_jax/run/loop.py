@@ -27,7 +27,7 @@ from paisoar_jax.engine.compilation import CompiledStep, one_step_at_a_time, rea
 from paisoar_jax.engine.evaluation import EvalSet, check_metric_names
 from paisoar_jax.engine.state import TrainState
 from paisoar_jax.errors import HangError, UserError
-from paisoar_jax.observe.monitor import IntervalTimer
+from paisoar_jax.inference.generator import Generator
 from paisoar_jax.run import oom, run_records
 from paisoar_jax.run.resume import (
     batch_change_note,
@@ -45,6 +45,7 @@ from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.runtime.watchdog import Watchdog, timeout_for
 from paisoar_jax.tasks import reference
+from paisoar_jax.tasks.policy import PolicyOptimisation
 from paisoar_jax.tasks.workload import Task, Workload
 from paisoar_jax.tasks.zoo import zoo_workload
 
@@ -106,6 +107,8 @@ def run(config: Config, workload: Workload | None = None) -> Finished:
 def open_sources(task: Task, global_batch: int) -> tuple[Any, tuple[EvalSet, ...]]:
     """The task's train source and eval sets, checked (a global batch of train data, ...)."""
     train_source, eval_sets = task.open_sources()
+    if isinstance(task, PolicyOptimisation):  # a step draws a prompt per group of answers
+        global_batch //= task.settings.generations
     check_splits(task, train_source, eval_sets, global_batch)
     return train_source, eval_sets
 
@@ -210,6 +213,7 @@ class Loop:
     limit_bytes: int | None  # what one device may hold, for the out-of-memory report
     instruments: run_records.Instruments = dataclasses.field(init=False)
     saver: Saver = dataclasses.field(init=False)
+    generators: tuple | None = None  # a policy task's (live, reference): _generators
     # (step, its loss and grad_norm on the device) since the step before the last log step:
     # where a non-finite loss began, read only when one is logged (_blame_the_batch).
     recent: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
@@ -223,7 +227,7 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
     """
     run, batches, watchdog, start_step = loop.run, loop.batches, loop.watchdog, loop.start_step
     steps = run.train.steps
-    first_batch = next(batches)
+    first_batch = _next_batch(loop, state, start_step + 1)
     train_step, eval_step = _compile(loop, state, first_batch)
     run_records.say_compiled(run, train_step.compile_s, start_step)
     instruments = run_records.instruments(run, state, start_step, loop.resumed_batch)
@@ -236,7 +240,7 @@ def _run_loop(loop: Loop, state) -> tuple[dict[str, Any], Any, Any]:
     for step in range(start_step + 1, steps + 1):
         is_first = step == start_step + 1
         with watchdog.waiting_in("data"):
-            batch = first_batch if is_first else _next_batch(batches, instruments.timer)
+            batch = first_batch if is_first else _next_batch(loop, state, step)
         with watchdog.waiting_in("step"):
             state, metrics = _run_step(loop, train_step, state, batch, step)
         if is_first:  # before any update: a nan comes from the batch or the loss
@@ -327,12 +331,32 @@ def _compile(loop: Loop, state, first_batch) -> tuple[CompiledStep, Any]:
     return train_step, readable_errors_of(run.jit_eval_step())
 
 
-def _next_batch(batches, timer: IntervalTimer):
-    """The next batch; the time waited counts as data wait."""
+def _next_batch(loop: Loop, state, step: int):
+    """Step `step`'s batch; the time waited counts as data wait (from the second step).
+
+    A policy task's batch is its prompts: the rows are its rollout on `state`'s weights.
+    """
     wait_start = time.perf_counter()
-    batch = next(batches)
-    timer.wait_s += time.perf_counter() - wait_start
+    batch = next(loop.batches)
+    if hasattr(loop, "instruments"):  # (made once the first step's batch has compiled)
+        loop.instruments.timer.wait_s += time.perf_counter() - wait_start
+    if isinstance(loop.run.task, PolicyOptimisation):
+        batch = loop.run.task.rollout(loop.run, batch, step, *_generators(loop, state))
     return batch
+
+
+def _generators(loop: Loop, state) -> tuple:
+    """A policy task's generator over the weights as they are, and its reference's (or None).
+
+    Made once (their compiles are kept); the live one reads `state`'s weights each step.
+    """
+    if loop.generators is None:
+        task = loop.run.task
+        reference = Generator(task.init_from) if task.settings.beta else None
+        loop.generators = (Generator.of_run(loop.run, state), reference)
+    live, reference = loop.generators
+    live.params, live.model_state = state.params, state.model_state or {}
+    return live, reference
 
 
 def _run_step(loop: Loop, train_step: CompiledStep, state, batch, step: int):

@@ -52,6 +52,7 @@ from paisoar_jax.runtime import preemption
 from paisoar_jax.runtime.preemption import StopRequest
 from paisoar_jax.runtime.run_lock import RunLock
 from paisoar_jax.tasks import reference, trained
+from paisoar_jax.tasks.policy import PolicyOptimisation
 from paisoar_jax.tasks.workload import Workload
 
 
@@ -358,6 +359,11 @@ def prepare_run(
 
     `train_source`, `eval_sets`: the task's (loop.open_sources opened and checked them).
     """
+    if isinstance(workload.task, PolicyOptimisation):
+        raise UserError(
+            "train.objective=grpo trains through fit and the command line: a loop of one's "
+            "own over prepare does not make its rollouts yet"
+        )
     stop = StopRequest(speaks=jax.process_index() == 0).__enter__()
     lock = RunLock(run.run_dir)
     try:

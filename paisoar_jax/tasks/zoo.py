@@ -33,6 +33,7 @@ from paisoar_jax.models.vgg import VGG
 from paisoar_jax.models.vit import ViT
 from paisoar_jax.numerics.precision import Policy, policy_of
 from paisoar_jax.tasks.builtin import ImageClassification, LanguageModelling, TaskSections
+from paisoar_jax.tasks.policy import PolicyOptimisation
 from paisoar_jax.tasks.preference import PreferenceOptimisation
 from paisoar_jax.tasks.workload import Workload
 
@@ -146,6 +147,9 @@ def zoo_workload(config: Config) -> Workload:
     sections = TaskSections(model, config.data, config.train, precision_policy)
     if config.train.objective == "dpo":  # (Config checked the model is a decoder)
         task = PreferenceOptimisation(sections, zoo_entry.model_class, config.dpo)
+    elif config.train.objective == "grpo":
+        init_from = config.checkpoint.init_from
+        task = PolicyOptimisation(sections, zoo_entry.model_class, config.grpo, init_from)
     else:
         task = zoo_entry.task_class(sections, zoo_entry.model_class)
     return Workload(model=create, task=task, follows_policy=True)

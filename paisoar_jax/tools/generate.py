@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from paisoar_jax import output
 from paisoar_jax.cli import exit_status
 from paisoar_jax.errors import UserError
-from paisoar_jax.inference.generator import Generator, Text
+from paisoar_jax.inference.generator import Generator
+from paisoar_jax.inference.text import Text
 
 PROGRAM = "paisoar_jax.generate"
 

@@ -19,7 +19,8 @@ from paisoar_jax.config import dump_yaml, load_config
 from paisoar_jax.data.conversations import ChatTemplate, json_rows
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.errors import UserError
-from paisoar_jax.inference.generator import Text, end_of_sequence_ids
+from paisoar_jax.inference.generator import end_of_sequence_ids
+from paisoar_jax.inference.text import Text
 from paisoar_jax.runtime.user_files import open_tokenizer
 from paisoar_jax.tools.hf.peft import read_adapter_settings, read_adapter_tensors
 from paisoar_jax.tools.hf.reader import SafetensorsReader

@@ -1,0 +1,180 @@
+"""GRPO (tasks/policy.py): its loss against a reference written here, its advantages, a
+resumed run, and bad settings.
+
+The recipe that learns a verifiable task (examples/grpo_copy.py) runs in the slow tier.
+"""
+
+import dataclasses
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, run_records, train
+from flax import nnx
+
+import paisoar_jax
+from paisoar_jax.config import load_config
+from paisoar_jax.errors import UserError
+from paisoar_jax.run.setup import setup
+from paisoar_jax.tasks.policy import group_advantages
+from paisoar_jax.tasks.zoo import zoo_workload
+
+
+def copies_the_letter(prompts, completions, letter, **unused):
+    """The recipe's reward: the share of the answer's characters that are the letter."""
+    return [
+        sum(c == want for c in text) / max(len(text), 1)
+        for text, want in zip(completions, letter, strict=True)
+    ]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    records = [{"prompt": f"{letter * 4}=", "letter": letter} for letter in "abcd" * 4]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def grpo_settings(prompts, *extra):
+    module = sys.modules[__name__].__name__
+    return [
+        *TINY,
+        "train.objective=grpo",
+        f"data.source={prompts}",
+        f"grpo.rewards=[{module}:copies_the_letter]",
+        "grpo.generations=4",
+        "grpo.max_new=6",
+        "train.global_batch=32",
+        "train.log_every=1",
+        "optim.lr=3e-3",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
+    """A fixed batch of answers, advantages and reference log-probs, beta = 0.1."""
+    config = load_config(None, grpo_settings(prompts, f"grpo.loss_type={loss_type}"))
+    run = setup(config, zoo_workload(config), jax.devices()[:1])
+    # (a run's beta > 0 reads checkpoint.init_from's reference; here the batch holds it)
+    run.task.settings = dataclasses.replace(run.task.settings, beta=0.1)
+    model = nnx.merge(
+        run.layout.graphdef, *nnx.split(run.layout.create_model(), nnx.Param, ...)[1:]
+    )
+    rng = np.random.default_rng(0)
+    B, T = 6, 32
+    tokens = rng.integers(0, 256, (B, T + 1)).astype(np.int32)
+    learned = np.zeros((B, T), bool)
+    for row, (start, length) in enumerate(
+        zip(rng.integers(2, 8, B), rng.integers(1, 7, B), strict=True)
+    ):
+        learned[row, start : start + length] = True
+    batch = {
+        "tokens": tokens,
+        "loss_mask": learned,
+        "advantages": rng.normal(size=B).astype(np.float32),
+        "reference": -rng.uniform(4, 7, (B, T)).astype(np.float32),
+        "figures": np.zeros((B, 5), np.float32),
+    }
+    loss, metrics = run.task.loss(model, batch, jax.random.key(0))
+    logits = np.asarray(model(tokens[:, :-1]), np.float64)
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    taken = np.take_along_axis(log_probs, tokens[:, 1:, None], -1)[..., 0]
+    delta = batch["reference"] - taken
+    kl = np.exp(delta) - delta - 1
+    per_token = -batch["advantages"][:, None] + 0.1 * kl  # the ratio is 1 where it is drawn
+    if loss_type == "dapo":
+        expected = (per_token * learned).sum() / learned.sum()
+    elif loss_type == "grpo":
+        expected = ((per_token * learned).sum(1) / learned.sum(1)).mean()
+    else:
+        expected = (per_token * learned).sum() / (B * 6)
+    assert float(loss) == pytest.approx(expected, rel=1e-4)
+    assert float(metrics["kl"]) == pytest.approx((kl * learned).sum() / learned.sum(), rel=1e-4)
+    assert float(metrics["clip_ratio/region_mean"]) == 0.0
+
+
+def test_advantages_are_rewards_less_their_groups_mean_over_its_spread():
+    rewards = np.array([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
+    advantages, spread = group_advantages(rewards, 4, scale=True)
+    first = rewards[:4] - rewards[:4].mean()
+    assert np.allclose(advantages[:4], first / (np.std(rewards[:4], ddof=1) + 1e-4))
+    assert np.all(advantages[4:] == 0) and spread[1] == 0
+    unscaled, _ = group_advantages(rewards, 4, scale=False)
+    assert np.allclose(unscaled[:4], first)
+
+
+def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_path):
+    """Answers are drawn with a key of (seed, step): cut at step 2, the run goes on the same."""
+    settings = grpo_settings(prompts, "checkpoint.every=2")
+    whole = train(load_config(None, [*settings, "train.steps=4", f"run.dir={tmp_path / 'a'}"]))
+    train(load_config(None, [*settings, "train.steps=2", f"run.dir={tmp_path / 'b'}"]))
+    train(load_config(None, [*settings, "train.steps=4", f"run.dir={tmp_path / 'b'}"]))
+    names = ("loss", "reward", "reward_std", "rewards/copies_the_letter/mean", "kl")
+    uncut, cut = run_records(tmp_path / "a"), run_records(tmp_path / "b")
+    assert [[r[n] for n in names] for r in cut] == [[r[n] for n in names] for r in uncut]
+    assert whole["steps"] == 4 and all(0 <= r["reward"] <= 1 for r in uncut)
+    assert all(r["completions/mean_length"] == 6 and r["generation_s"] > 0 for r in uncut)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["grpo.rewards=[]"], "train.objective=grpo needs grpo.rewards"),
+        (["train.global_batch=18"], "counts answers: a multiple of grpo.generations=4"),
+        (["train.global_batch=16"], "4 prompts a step do not split over the 8 batch shards"),
+        (["grpo.rewards=[no_such_module:f]"], "grpo.rewards: cannot import no_such_module"),
+        (["grpo.generations=1"], "grpo.generations must be at least 2"),
+        (["grpo.beta=0.1"], "grpo.beta > 0 compares with the reference weights"),
+        (["grpo.max_new=40"], "leaves no room for a prompt"),
+    ],
+)
+def test_bad_settings_are_one_line(prompts, tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message):
+        train(load_config(None, [*grpo_settings(prompts, *overrides), f"run.dir={tmp_path}"]))
+
+
+def short_answers(prompts, completions, **unused):
+    """A reward for brevity (the imported model's tokenizer speaks words)."""
+    return [1.0 / (1 + len(text)) for text in completions]
+
+
+def test_an_import_trains_with_a_kl_penalty_to_its_own_weights(tmp_path):
+    """grpo.beta > 0: the reference is checkpoint.init_from's; KL is 0 at the first step."""
+    from conftest import tiny_llama_import
+
+    tiny_llama_import(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"the cat {w}"}) + "\n" for w in "ab" * 8))
+    module = sys.modules[__name__].__name__
+    result = paisoar_jax.fit(
+        str(tmp_path / "imported" / "config.yaml"),
+        [
+            "train.objective=grpo",
+            f"data.source={prompts}",
+            f"grpo.rewards=[{module}:short_answers]",
+            "grpo.generations=4",
+            "grpo.max_new=4",
+            "grpo.beta=0.1",
+            "train.global_batch=32",
+            "train.steps=2",
+            "train.log_every=1",
+            "model.seq_len=24",
+            "optim.lr=1e-2",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
+    first, second = run_records(tmp_path / "run")
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 0
+    assert result.steps == 2
