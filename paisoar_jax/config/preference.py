@@ -94,10 +94,12 @@ def check_objective(config) -> None:
             f"and their imports); model.name={config.model.name} is not one"
         )
     if config.train.objective == "grpo":
-        if not config.data.source.endswith(".jsonl") or config.data.mixture:
+        source = config.data.source
+        if not (source.endswith(".jsonl") or source.startswith("hf:")) or config.data.mixture:
             raise UserError(
                 f"train.objective=grpo reads prompts from a JSON Lines file (data.source="
-                f"prompts.jsonl, records with a prompt field), not {config.data.source}"
+                f"prompts.jsonl) or a datasets dataset saved to disk (data.source=hf:DIR, its "
+                f"data.hf_split), records with a prompt field; not {source}"
             )
         if not config.grpo.rewards:
             raise UserError("train.objective=grpo needs grpo.rewards=[module:function, ...]")

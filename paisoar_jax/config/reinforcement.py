@@ -30,6 +30,9 @@ class GrpoConfig:
     max_new: int = 32  # the most tokens an answer has
     temperature: float = 1.0  # sampling temperature of the answers
     top_p: float = 1.0  # sampling's nucleus
+    # texts that end an answer where they first appear (kept in it, as TRL's generation
+    # keeps them); the end-of-sequence token always ends one
+    stop: tuple[str, ...] = ()
     # reward functions, "module:function" (importable from the working directory): each is
     # called as f(prompts, completions, **the prompt records' other fields) -> [float]
     rewards: tuple[str, ...] = ()

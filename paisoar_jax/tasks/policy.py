@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,25 +35,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from paisoar_jax.config import GrpoConfig
+from paisoar_jax.data import hf_datasets
 from paisoar_jax.data.conversations import json_rows
 from paisoar_jax.data.pipeline import batch_dataset
 from paisoar_jax.engine.evaluation import EvalSet
-from paisoar_jax.errors import UserError
+from paisoar_jax.errors import SettingNames, UserError
 from paisoar_jax.inference.text import Text
 from paisoar_jax.parallel import sharding
 from paisoar_jax.tasks.builtin import LanguageModelling, TaskSections, token_losses
 
+# How errors name the dataset's settings: the run's keys
+HF_NAMES = SettingNames({"from_hf": "data.source=hf:", "split": "data.hf_split"}, "=")
+
 
 class PromptRows:
-    """The prompts of a JSON Lines file, tokenized, each right-padded to `width`.
+    """The prompts of (record, where) pairs, tokenized, each right-padded to `width`.
 
     Each row also holds its length and index; the records' other fields are the reward
     functions' keywords.
     """
 
-    def __init__(self, path: pathlib.Path, text: Text, width: int):
+    def __init__(self, records: Iterator[tuple[Any, str]], text: Text, width: int):
         self.records, self.tokens = [], []
-        for record, where in json_rows(path):
+        for record, where in records:
             prompt = record.get("prompt") if isinstance(record, dict) else None
             if isinstance(prompt, str):
                 ids = text.encode(prompt)
@@ -98,6 +103,7 @@ class PolicyOptimisation(LanguageModelling):
         names = [name.split(":")[1] for name in settings.rewards]
         self.figure_names = (
             *(f"rewards/{name}/mean" for name in names),
+            *(f"rewards/{name}/std" for name in names),
             "reward",
             "reward_std",
             "completions/mean_length",
@@ -126,7 +132,13 @@ class PolicyOptimisation(LanguageModelling):
                 f"grpo.max_new={self.settings.max_new} leaves no room for a prompt in "
                 f"model.seq_len + 1 = {self.model_config.seq_len + 1} tokens"
             )
-        self.prompts = PromptRows(pathlib.Path(self.data.source), self.text, width)
+        source = self.data.source
+        records = (
+            hf_datasets.rows(pathlib.Path(source[3:]), self.data.hf_split, HF_NAMES)
+            if source.startswith("hf:")
+            else json_rows(pathlib.Path(source))
+        )
+        self.prompts = PromptRows(records, self.text, width)
         return self.prompts, ()
 
     def host_batches(self, source, *, global_batch: int, seed: int, train: bool, workers=0):
@@ -226,6 +238,7 @@ class PolicyOptimisation(LanguageModelling):
             batch_size=len(prompts),
         )
         generation_s = time.perf_counter() - start
+        answers = [self._until_stop(answer, generator.end_ids) for answer in answers]
         texts = [self.text.decode([t for t in a if t not in generator.end_ids]) for a in answers]
         rewards_RxF = self._rewards(order, texts)
         rewards_R = rewards_RxF @ self.weights
@@ -235,6 +248,7 @@ class PolicyOptimisation(LanguageModelling):
         figures = np.concatenate(
             [
                 rewards_RxF,
+                np.broadcast_to(rewards_RxF.std(axis=0), rewards_RxF.shape),
                 rewards_R[:, None],
                 np.full((len(prompts), 1), spread_P.mean()),
                 lengths[:, None],
@@ -249,6 +263,16 @@ class PolicyOptimisation(LanguageModelling):
             ]
             rows["reference"] = _row_log_probs(reference, rows["tokens"], used)
         return jax.device_put(rows, sharding.batch_sharding(run.mesh))
+
+    def _until_stop(self, answer: list[int], end_ids) -> list[int]:
+        """The answer through the first token whose text completes one of grpo.stop."""
+        if not self.settings.stop:
+            return answer
+        for count in range(1, len(answer) + 1):
+            text = self.text.decode([t for t in answer[:count] if t not in end_ids])
+            if any(stop in text for stop in self.settings.stop):
+                return answer[:count]
+        return answer
 
     def _rewards(self, order: list[int], texts: list[str]) -> np.ndarray:
         """(answers, functions) rewards: each function called once on every answer."""

@@ -79,7 +79,7 @@ def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
         "loss_mask": learned,
         "advantages": rng.normal(size=B).astype(np.float32),
         "reference": -rng.uniform(4, 7, (B, T)).astype(np.float32),
-        "figures": np.zeros((B, 5), np.float32),
+        "figures": np.zeros((B, len(run.task.figure_names)), np.float32),
     }
     loss, metrics = run.task.loss(model, batch, jax.random.key(0))
     logits = np.asarray(model(tokens[:, :-1]), np.float64)
