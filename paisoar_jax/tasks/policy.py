@@ -98,8 +98,8 @@ class PolicyOptimisation(LanguageModelling):
     ):
         super().__init__(sections, model_class)
         self.settings, self.init_from = settings, init_from
-        self.rewards = [_reward_function(name) for name in settings.rewards]
-        self.weights = np.asarray(settings.reward_weights or [1.0] * len(self.rewards))
+        self.rewards: list = []  # imported by open_sources: generating from a run needs none
+        self.weights = np.asarray(settings.reward_weights or [1.0] * len(settings.rewards))
         names = [name.split(":")[1] for name in settings.rewards]
         self.figure_names = (
             *(f"rewards/{name}/mean" for name in names),
@@ -121,6 +121,7 @@ class PolicyOptimisation(LanguageModelling):
         """The prompts (no eval sets: the rewards of each step are its measure)."""
         if jax.process_count() > 1:
             raise UserError("train.objective=grpo runs in one process for now")
+        self.rewards = [_reward_function(name) for name in self.settings.rewards]
         init = pathlib.Path(self.init_from) if self.init_from else None
         tokenizer = (
             init / "tokenizer.json" if init and (init / "tokenizer.json").is_file() else None
@@ -201,7 +202,13 @@ class PolicyOptimisation(LanguageModelling):
         return {"objective": "grpo", "generations": self.settings.generations}
 
     def prepare(self, layout, global_batch: int) -> None:
-        """The step's prompts must split over the batch shards, as its rows do."""
+        """The step's prompts must split over the batch shards, as its rows do.
+
+        Checked for training alone (its prompts opened): a generator placed over other
+        devices reads the run's weights without them.
+        """
+        if self.prompts is None:
+            return
         mesh = jax.tree.leaves(layout.shardings.params)[0].mesh
         prompts, shards = global_batch // self.settings.generations, sharding.batch_shards(mesh)
         if prompts % shards:

@@ -124,6 +124,8 @@ def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_pa
     assert [[r[n] for n in names] for r in cut] == [[r[n] for n in names] for r in uncut]
     assert whole["steps"] == 4 and all(0 <= r["reward"] <= 1 for r in uncut)
     assert all(r["completions/mean_length"] == 6 and r["generation_s"] > 0 for r in uncut)
+    [answer] = paisoar_jax.Generator(tmp_path / "a").generate([[97, 97, 97, 97, 61]], max_new=3)
+    assert len(answer) == 3  # a GRPO run generates as any run
 
 
 @pytest.mark.parametrize(
@@ -139,6 +141,8 @@ def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_pa
     ],
 )
 def test_bad_settings_are_one_line(prompts, tmp_path, overrides, message):
+    zoo_workload(load_config(None, grpo_settings(prompts, "grpo.rewards=[no_such_module:f]")))
+    # (the rewards are imported for training alone: generating from a run needs none)
     with pytest.raises(UserError, match=message):
         train(load_config(None, [*grpo_settings(prompts, *overrides), f"run.dir={tmp_path}"]))
 
