@@ -103,10 +103,16 @@ def check_objective(config) -> None:
             )
         if not config.grpo.rewards:
             raise UserError("train.objective=grpo needs grpo.rewards=[module:function, ...]")
-        if config.train.global_batch % config.grpo.generations:
+        if config.mesh.stages > 1 or config.mesh.contexts > 1:
             raise UserError(
-                f"train.global_batch={config.train.global_batch} counts answers: a multiple "
-                f"of grpo.generations={config.grpo.generations}"
+                "train.objective=grpo generates with the stack whole and sequences unsplit: "
+                "mesh.stage and mesh.context must be 1"
+            )
+        evals = config.train.harness_every or config.data.eval_sets or config.data.eval_source
+        if evals:
+            raise UserError(
+                "train.objective=grpo measures each step by its rewards: it reads no eval sets "
+                "(data.eval_source, data.eval_sets, train.harness_every)"
             )
         return
     if not config.data.source.startswith(("arrayrecord:", "hf:")) or config.data.mixture:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
+from paisoar_jax import output
 from paisoar_jax.data.documents import PAD_ID, plan_windows
 from paisoar_jax.data.records import TokenRecords
 from paisoar_jax.data.tokenizing import Tokenizer
@@ -120,7 +122,15 @@ class PreferenceWindows:
         lengths = np.diff(starts)
         if len(lengths) % 2:
             raise UserError(f"{records.directory} is not a preference dataset (odd documents)")
-        pair_lengths = np.minimum(np.maximum(lengths[0::2], lengths[1::2]), seq_len + 1)
+        longest = np.maximum(lengths[0::2], lengths[1::2])
+        cut = int((longest > seq_len + 1).sum())
+        if cut and jax.process_index() == 0:  # a response cut away entirely trains nothing
+            output.warning(
+                f"{cut} of {len(longest)} preference pairs of {records.directory} are longer "
+                f"than model.seq_len + 1 = {seq_len + 1} tokens: each side is cut to its first "
+                f"{seq_len + 1} (the longest has {longest.max()})"
+            )
+        pair_lengths = np.minimum(longest, seq_len + 1)
         return plan_windows(pair_lengths, seq_len + 1, one_per_window=packing != "documents")
 
     @property

@@ -69,6 +69,25 @@ class HarnessTasks:
     batch_size: int = 64
 
 
+def check_harness(harness: HarnessTasks) -> None:
+    """Refuses, before the first step, harness evals that could not run later in the run."""
+    if jax.process_count() > 1:
+        raise UserError("train.harness_every evaluates in one process for now")
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError(
+            "train.harness_every runs lm-evaluation-harness: pip install 'paisoar-jax[eval]'"
+        ) from None
+    manager = TaskManager(include_path=harness.include_path or None)
+    unknown = [task for task in harness.tasks if not manager.match_tasks([task])]
+    if unknown:
+        raise UserError(
+            f"train.harness_tasks: lm-eval has no task {unknown[0]!r} (train.harness_include_path"
+            f" adds a folder of your own YAMLs)"
+        )
+
+
 def check_metric_names(eval_sets: tuple[EvalSet, ...], task: Any) -> None:
     """Refuses eval sets whose metrics would share a name, before the first step.
 

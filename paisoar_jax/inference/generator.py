@@ -290,6 +290,7 @@ class Generator:
             for first in range(0, len(order), rows):
                 chosen = order[first : first + rows]
                 width = -(-len(sequences[chosen[0]]) // PROMPT_BUCKET) * PROMPT_BUCKET
+                width = min(width, self.config.model.positions + 1)  # (learned positions)
                 tokens_RxL = np.zeros((rows, width), np.int32)
                 for row, index in enumerate(chosen):
                     tokens_RxL[row, : len(sequences[index])] = sequences[index]

@@ -42,6 +42,7 @@ from paisoar_jax.runtime.user_files import read_json
 
 NAME = "paisoar_jax"  # the harness's name for this model: --model paisoar_jax
 RESULTS_FILE = "harness.jsonl"  # a run's evaluations, one JSON line each
+_LIVE: dict[int, tuple[Any, Generator]] = {}  # a training run's generator (evaluate_state)
 
 
 @register_model(NAME)
@@ -259,7 +260,11 @@ def evaluate_state(run: Any, state: Any, harness: HarnessTasks, step: int) -> di
     Returns {"<task>/<metric>": value} (lm-eval's ",none" filter dropped); the whole
     results go to the run's harness.jsonl as a line with the step.
     """
-    generator = Generator.of_run(run, state)
+    held = _LIVE.get(id(run))
+    if held is None or held[0] is not run:  # one per run: its compiles are kept
+        held = _LIVE[id(run)] = (run, Generator.of_run(run, state))
+    generator = held[1]
+    generator.params, generator.model_state = state.params, state.model_state or {}
     model = HarnessModel(generator=generator, batch_size=harness.batch_size)
     results = evaluate(
         run.run_dir,

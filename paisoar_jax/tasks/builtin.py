@@ -31,7 +31,7 @@ from paisoar_jax.data.pipeline import GlobalBatches, batch_dataset
 from paisoar_jax.data.preferences import PreferenceWindows
 from paisoar_jax.data.small_images import SYNTHETIC_EVAL_LENGTH, SyntheticImages, open_digits
 from paisoar_jax.data.sources import open_source
-from paisoar_jax.engine.evaluation import EvalSet, HarnessTasks
+from paisoar_jax.engine.evaluation import EvalSet, HarnessTasks, check_harness
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe, mtp, resolve_model_config
 from paisoar_jax.models.chunked_loss import chunk_count, chunked_cross_entropy
@@ -102,6 +102,7 @@ class LanguageModelling:
                 self.train.harness_limit,
                 self.train.harness_include_path,
             )
+            check_harness(harness)
             sets.append(EvalSet(harness, self.train.harness_every, "harness"))
         if isinstance(train, PreferenceWindows) and not self.reads_pairs:
             raise UserError(

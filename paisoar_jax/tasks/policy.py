@@ -121,6 +121,11 @@ class PolicyOptimisation(LanguageModelling):
         """The prompts (no eval sets: the rewards of each step are its measure)."""
         if jax.process_count() > 1:
             raise UserError("train.objective=grpo runs in one process for now")
+        if self.train.global_batch % self.settings.generations:
+            raise UserError(
+                f"train.global_batch={self.train.global_batch} counts answers: a multiple of "
+                f"grpo.generations={self.settings.generations}"
+            )
         self.rewards = [_reward_function(name) for name in self.settings.rewards]
         init = pathlib.Path(self.init_from) if self.init_from else None
         tokenizer = (

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from paisoar_jax.config import DpoConfig
 from paisoar_jax.data.preferences import PreferenceWindows
-from paisoar_jax.engine.evaluation import EvalSet
+from paisoar_jax.engine.evaluation import EvalSet, HarnessTasks
 from paisoar_jax.errors import UserError
 from paisoar_jax.models import moe
 from paisoar_jax.parallel.context import balanced_order
@@ -65,14 +65,15 @@ class PreferenceOptimisation(LanguageModelling):
     def open_sources(self) -> tuple[Any, tuple[EvalSet, ...]]:
         """The train and eval rows of pairs: each source must be a preference dataset."""
         train, eval_sets = super().open_sources()
-        for name, source in (("data.source", train), *_named(eval_sets)):
+        row_sets = [one for one in eval_sets if not isinstance(one.source, HarnessTasks)]
+        for name, source in (("data.source", train), *_named(row_sets)):
             if not isinstance(source, PreferenceWindows):
                 raise UserError(
                     f"train.objective=dpo reads preference pairs, and {name} holds none: "
                     f"convert them with `python -m paisoar_jax.convert text --format "
                     f"preference`"
                 )
-        sources = [train, *(eval_set.source for eval_set in eval_sets)]
+        sources = [train, *(eval_set.source for eval_set in row_sets)]
         self.pairs_per_row = max(source.pairs_per_row for source in sources)
         return train, eval_sets
 

@@ -163,3 +163,43 @@ def test_bad_harness_settings_are_one_line(overrides, message):
 
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
+
+
+def test_harness_evals_are_checked_before_the_first_step(tmp_path):
+    """An unknown task is one line at the start, not hours in; DPO runs take them too."""
+    from conftest import TINY, train
+
+    from paisoar_jax.config import load_config
+    from paisoar_jax.errors import UserError
+    from paisoar_jax.tasks.zoo import zoo_workload
+
+    harness = ["train.harness_every=2", f"run.dir={tmp_path / 'run'}", "train.steps=2"]
+    with pytest.raises(UserError, match="train.harness_tasks: lm-eval has no task 'no_such'"):
+        train(load_config(None, [*TINY, *harness, "train.harness_tasks=[no_such]"]))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" for _ in range(4)
+        )
+    )
+    from paisoar_jax.data.text_conversion import TextConversion, convert_text
+
+    convert_text(
+        TextConversion(
+            output=tmp_path / "pairs", input=(str(pairs),), format="preference", progress=False
+        )
+    )
+    config = load_config(
+        None,
+        [
+            *TINY,
+            *harness,
+            "train.harness_tasks=[arc_easy]",
+            "train.objective=dpo",
+            f"data.source=arrayrecord:{tmp_path / 'pairs'}",
+            "data.eval_fraction=0",
+            "train.eval_every=0",
+        ],
+    )
+    _, eval_sets = zoo_workload(config).task.open_sources()
+    assert [one.name for one in eval_sets] == ["", "harness"]

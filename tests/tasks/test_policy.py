@@ -124,8 +124,12 @@ def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_pa
     assert [[r[n] for n in names] for r in cut] == [[r[n] for n in names] for r in uncut]
     assert whole["steps"] == 4 and all(0 <= r["reward"] <= 1 for r in uncut)
     assert all(r["completions/mean_length"] == 6 and r["generation_s"] > 0 for r in uncut)
-    [answer] = paisoar_jax.Generator(tmp_path / "a").generate([[97, 97, 97, 97, 61]], max_new=3)
-    assert len(answer) == 3  # a GRPO run generates as any run
+    # a GRPO run generates as any run, on devices its groups do not divide
+    generator = paisoar_jax.Generator(tmp_path / "a", devices=jax.devices()[:1])
+    [answer] = generator.generate([[97, 97, 97, 97, 61]], max_new=3)
+    assert len(answer) == 3
+    [(log_probs, _)] = generator.score([list(range(33))])  # all 32 learned positions
+    assert log_probs.shape == (32,) and np.all(log_probs < 0)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +141,8 @@ def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_pa
         (["grpo.rewards=[no_such_module:f]"], "grpo.rewards: cannot import no_such_module"),
         (["grpo.generations=1"], "grpo.generations must be at least 2"),
         (["grpo.beta=0.1"], "grpo.beta > 0 compares with the reference weights"),
+        (["train.harness_every=2", "train.harness_tasks=[x]"], "it reads no eval sets"),
+        (["mesh.context=2", "mesh.data=4"], "mesh.stage and mesh.context must be 1"),
         (["grpo.max_new=40"], "leaves no room for a prompt"),
     ],
 )
