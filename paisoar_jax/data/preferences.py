@@ -109,10 +109,18 @@ def _common_prefix(first: np.ndarray, second: np.ndarray) -> int:
 class PreferenceWindows:
     """Rows of preference pairs of a converted dataset (see the module docstring)."""
 
-    def __init__(self, records: TokenRecords, seq_len: int, packing: str, start: int, stop: int):
+    def __init__(
+        self,
+        records: TokenRecords,
+        seq_len: int,
+        packing: str,
+        plan: np.ndarray,
+        start: int,
+        stop: int,
+    ):
+        # `plan`: plan_for's, made once for the dataset's train and eval rows
         self.records, self.seq_len, self.packing = records, seq_len, packing
-        self.plan = self.plan_for(records, seq_len, packing)
-        self.start, self.stop = start, stop
+        self.plan, self.start, self.stop = plan, start, stop
         self.starts = np.append(records.document_starts(), records.token_count)
 
     @staticmethod

@@ -175,10 +175,10 @@ def open_token_records(
     documents.check_loss_mask(records, data_config.loss_on)
     plan = None
     if records.preference_pairs:  # rows of pairs, for train.objective=dpo
-        rows = len(PreferenceWindows.plan_for(records, seq_len, packing)) - 1
+        plan = PreferenceWindows.plan_for(records, seq_len, packing)
         return tuple(
-            PreferenceWindows(records, seq_len, packing, *split)
-            for split in _splits(rows, data_config, records)
+            PreferenceWindows(records, seq_len, packing, plan, *split)
+            for split in _splits(len(plan) - 1, data_config, records)
         )
     if packing == "stream":
         windows = len(PackedWindows(records, seq_len))  # checks seq_len fits

@@ -50,22 +50,35 @@ def preference_records(count, seed=1):
     ]
 
 
+def convert_pairs(records, output, tokenizer):
+    """`convert text --format preference` of `records`, written beside `output` first."""
+    source = output.with_suffix(".jsonl")
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    convert_text(
+        TextConversion(
+            output=output,
+            input=(str(source),),
+            format="preference",
+            tokenizer=str(tokenizer),
+            progress=False,
+        )
+    )
+
+
+def pair_rows(directory, seq_len):
+    """Every row of a converted preference dataset, one pair a row."""
+    records = TokenRecords(directory)
+    plan = PreferenceWindows.plan_for(records, seq_len, "padding")
+    return PreferenceWindows(records, seq_len, "padding", plan, 0, len(plan) - 1)
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(root: its hf/, imported/ and converted pairs/; the records; the tokenizer)."""
     root = tmp_path_factory.mktemp("dpo")
     tokenizer = tiny_llama_import(root)
     records = preference_records(PAIRS)
-    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    convert_text(
-        TextConversion(
-            output=root / "pairs",
-            input=(str(root / "pairs.jsonl"),),
-            format="preference",
-            tokenizer=str(root / "hf"),
-            progress=False,
-        )
-    )
+    convert_pairs(records, root / "pairs", root / "hf")
     return root, records, tokenizer
 
 
@@ -95,7 +108,7 @@ def dpo_run(root, name, *overrides):
 
 def float64_dpo(root, beta=0.1):
     """An independent DPO in float64 on transformers' model: (loss, margin mean) per step."""
-    windows = PreferenceWindows(TokenRecords(root / "pairs"), SEQ_LEN, "padding", 0, PAIRS)
+    windows = pair_rows(root / "pairs", SEQ_LEN)
     rows = [windows[index] for index in range(PAIRS)]
     tokens = torch.tensor(np.stack([row["tokens"] for row in rows]).reshape(2 * PAIRS, -1))
     mask = torch.tensor(np.stack([row["loss_mask"] for row in rows]).reshape(2 * PAIRS, -1))
@@ -235,7 +248,7 @@ def test_each_loss_type_follows_its_formula(loss_type):
 def test_conversion_tokenizes_as_trl_does(imported, chat_tokenizer, tmp_path):
     """Text pairs as tokenizer(prompt + response + EOS); chats through the template."""
     root, records, tokenizer = imported
-    windows = PreferenceWindows(TokenRecords(root / "pairs"), 64, "padding", 0, PAIRS)
+    windows = pair_rows(root / "pairs", 64)
     for index, record in enumerate(records):
         prompt = tokenizer(record["prompt"])["input_ids"]
         row = windows[index]
@@ -259,18 +272,9 @@ def test_conversion_tokenizes_as_trl_does(imported, chat_tokenizer, tmp_path):
             if index % 2
             else {"chosen": prompt + chosen, "rejected": prompt + rejected}
         )
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    convert_text(
-        TextConversion(
-            output=tmp_path / "chat_pairs",
-            input=(str(tmp_path / "chats.jsonl"),),
-            format="preference",
-            tokenizer=str(chat_tokenizer),
-            progress=False,
-        )
-    )
+    convert_pairs(pairs, tmp_path / "chat_pairs", chat_tokenizer)
     chat = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
-    windows = PreferenceWindows(TokenRecords(tmp_path / "chat_pairs"), 128, "padding", 0, 4)
+    windows = pair_rows(tmp_path / "chat_pairs", 128)
     for index, chat_record in enumerate(chats):
         messages = chat_record["messages"]
         prompt = chat.apply_chat_template(
