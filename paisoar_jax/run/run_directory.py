@@ -36,6 +36,12 @@ def vanished(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None) -> list
     """
     candidates = [run_dir] + ([checkpoint_dir] if checkpoint_dir is not None else [])
     gone = [directory for directory in candidates if not directory.is_dir()]
+    # A save in flight when the directory went makes its own path again (Orbax creates its
+    # temporary directory with parents), so the run directory can be back without what the
+    # run wrote there: process 0, which wrote config.yaml, also asks for that file.
+    if run_dir not in gone and jax.process_index() == 0:
+        if not (run_dir / CONFIG_NAME).exists():
+            gone.insert(0, run_dir)
     if jax.process_count() > 1:
         flags = np.array([directory in gone for directory in candidates], np.int32)
         agreed = np.asarray(multihost_utils.process_allgather(flags)).max(axis=0)

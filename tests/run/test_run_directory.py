@@ -8,6 +8,8 @@ import time
 
 from conftest import PYTHON, TINY, subprocess_env
 
+from paisoar_jax.run.run_directory import vanished
+
 RUN = [*TINY, "train.steps=150", "train.log_every=5", "train.eval_every=0", "checkpoint.every=20"]
 
 
@@ -48,6 +50,18 @@ def test_a_deleted_run_directory_is_made_again_and_the_run_finishes_resumable(tm
     assert 150 in [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 150 and records[0]["step"] > 25
+
+
+def test_a_run_directory_made_again_by_a_save_in_flight_still_counts_as_vanished(tmp_path):
+    """Before: Orbax's save of step 20, in flight when the directory went, made its path again
+    (checkpoints/20.orbax-checkpoint-tmp/...), so the run wrote on into deleted files unsaid."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "20.orbax-checkpoint-tmp").mkdir(parents=True)
+    assert vanished(run_dir, run_dir / "checkpoints") == [run_dir]
+    (run_dir / "config.yaml").write_text("train: {}\n")
+    assert vanished(run_dir, run_dir / "checkpoints") == []
+    assert vanished(run_dir, None) == []
+    assert vanished(tmp_path / "elsewhere", None) == [tmp_path / "elsewhere"]
 
 
 def test_a_run_directory_that_cannot_be_made_again_is_saved_elsewhere_in_one_line(tmp_path):
