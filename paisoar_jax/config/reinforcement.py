@@ -23,7 +23,8 @@ class GrpoConfig:
     1 - epsilon, 1 + epsilon_high) x A) + beta x KL(policy || reference) (the k3
     estimator), summed over answer tokens and divided as loss_type says: dapo by the
     batch's answer tokens, grpo by each answer's tokens then the answers, dr_grpo by the
-    answers x max_new.
+    answers x max_new. With iterations > 1 each generation's answers are learned from for
+    that many steps, the ratio taken to the log-probabilities of the policy that drew them.
     """
 
     generations: int = 8  # answers per prompt (the group); train.global_batch counts answers
@@ -43,6 +44,10 @@ class GrpoConfig:
     epsilon_high: float = 0.0  # the ratio's clip above 1 (0: epsilon; DAPO's clip-higher)
     # the KL penalty to the reference (the weights of checkpoint.init_from); 0: none
     beta: float = 0.0
+    # optimisation steps on each generation's answers (TRL's num_iterations): the prompts
+    # are read and answered every `iterations` steps; from the second step on, the ratio
+    # is to the policy that drew the answers (scored when drawn) and the clip holds it
+    iterations: int = 1
 
     def __post_init__(self):
         if self.generations < 2:
@@ -50,6 +55,8 @@ class GrpoConfig:
                 f"grpo.generations must be at least 2 (a group needs answers to compare), got "
                 f"{self.generations}"
             )
+        if self.iterations < 1:
+            raise UserError(f"grpo.iterations must be at least 1, got {self.iterations}")
         if self.max_new < 1:
             raise UserError(f"grpo.max_new must be at least 1, got {self.max_new}")
         for key in ("temperature", "epsilon", "epsilon_high", "beta"):

@@ -140,6 +140,8 @@ def _run(run: Setup, train_source, eval_sets, stop: StopRequest, checkpoint_dir)
         watchdog = Watchdog(hang_timeout_s, who, lambda: stop.request(HANG_STOP))
         cleanup.enter_context(watchdog)
         state, start_step, restored = starting_point(run, checkpointer)
+        if isinstance(run.task, PolicyOptimisation):  # the rows it learns from next, if held
+            run.task.hold(restored.meta.get("held_rows") if restored else None)
         if is_main:  # only now: a run refused above must not overwrite the config it had
             (run_dir / "config.yaml").write_text(config_text(run))
             for note in _resume_notes(run, restored):
@@ -334,14 +336,18 @@ def _compile(loop: Loop, state, first_batch) -> tuple[CompiledStep, Any]:
 def _next_batch(loop: Loop, state, step: int):
     """Step `step`'s batch; the time waited counts as data wait (from the second step).
 
-    A policy task's batch is its prompts: the rows are its rollout on `state`'s weights.
+    A policy task's batch is its prompts: the rows are its rollout on `state`'s weights, or
+    the rows it holds from an earlier step's.
     """
+    task = loop.run.task
+    if isinstance(task, PolicyOptimisation) and task.reuses(step):  # grpo.iterations > 1
+        return task.held_rows(loop.run)
     wait_start = time.perf_counter()
     batch = next(loop.batches)
     if hasattr(loop, "instruments"):  # (made once the first step's batch has compiled)
         loop.instruments.timer.wait_s += time.perf_counter() - wait_start
-    if isinstance(loop.run.task, PolicyOptimisation):
-        batch = loop.run.task.rollout(loop.run, batch, step, *_generators(loop, state))
+    if isinstance(task, PolicyOptimisation):
+        batch = task.rollout(loop.run, batch, step, *_generators(loop, state))
     return batch
 
 

@@ -33,6 +33,7 @@ from paisoar_jax.errors import DivergenceError, UserError
 from paisoar_jax.numerics.loss_scale import all_finite
 from paisoar_jax.parallel import sharding
 from paisoar_jax.run.setup import Setup
+from paisoar_jax.tasks.policy import PolicyOptimisation
 from paisoar_jax.tasks.workload import Task
 
 
@@ -287,5 +288,7 @@ def save(checkpointer: Checkpointer, step: int, state: Any, batches: Any, run: S
         "version": __version__,
         "config": run.record,
     }
+    if isinstance(run.task, PolicyOptimisation):  # grpo.iterations > 1: the rows held
+        meta["held_rows"] = run.task.held_record(step)
     signature = input_signature(run.data, run.train, run.task)
     checkpointer.save(step, state, batches.consumed_state(), meta, signature)

@@ -15,16 +15,22 @@ The step's input is a batch of prompts (a JSON Lines file: {"prompt": text or me
        host's figures (rewards per function, length, generation time) for the metrics.
 
 The loss per answer token is the clipped surrogate -min(r A, clip(r, 1 - e, 1 + e_high) A)
-with r the probability ratio to the policy that drew the answer (1 in value, its gradient
-that of the log-probability: one update per generation), plus beta x the k3 estimate of
-KL(policy || reference); config/reinforcement.py says how loss_type averages it. Metrics
-carry TRL's names: reward, reward_std, rewards/<function>/mean, kl, clip_ratio/region_mean,
-completions/mean_length, and generation_s (seconds generating, beside step_time_s).
+with r the probability ratio to the policy that drew the answer, plus beta x the k3 estimate
+of KL(policy || reference); config/reinforcement.py says how loss_type averages it. With
+grpo.iterations=1 r is 1 in value, its gradient that of the log-probability. With more, a
+generation's rows are held and learned from for that many steps (no prompts are read in
+between), r taken to their log-probs under the policy that drew them, scored when drawn; a
+checkpoint saved in between keeps the held rows, so a resumed run learns from what the
+uninterrupted one did. Metrics carry TRL's names: reward, reward_std,
+rewards/<function>/mean, kl, clip_ratio/region_mean, completions/mean_length, and
+generation_s (seconds generating, beside step_time_s; 0 on a step of held rows).
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
 import pathlib
 import time
 from collections.abc import Iterator
@@ -111,6 +117,9 @@ class PolicyOptimisation(LanguageModelling):
         )
         self.metric_names = (*self.figure_names, "kl", "clip_ratio/region_mean")
         self.prompts: PromptRows | None = None
+        # (the step that drew them, their rows on the host): the answers learned from until
+        # grpo.iterations steps have (see the module docstring)
+        self.held: tuple[int, dict[str, np.ndarray]] | None = None
         if settings.beta and not init_from:
             raise UserError(
                 "grpo.beta > 0 compares with the reference weights of checkpoint.init_from (an "
@@ -163,6 +172,8 @@ class PolicyOptimisation(LanguageModelling):
         }
         if self.settings.beta:
             shape["reference"] = jax.ShapeDtypeStruct((B, T), jnp.float32)
+        if self.settings.iterations > 1:
+            shape["old"] = jax.ShapeDtypeStruct((B, T), jnp.float32)
         return shape
 
     def loss(self, model, batch, key: jax.Array) -> tuple[jax.Array, dict]:
@@ -171,7 +182,9 @@ class PolicyOptimisation(LanguageModelling):
         settings = self.settings
         losses_BxT, learned_BxT, _, _ = token_losses(model, batch)
         log_probs_BxT = -losses_BxT
-        ratio_BxT = jnp.exp(log_probs_BxT - jax.lax.stop_gradient(log_probs_BxT))
+        # the policy that drew the answers: scored when drawn, or this one (iterations=1)
+        old_BxT = batch["old"] if "old" in batch else jax.lax.stop_gradient(log_probs_BxT)
+        ratio_BxT = jnp.exp(log_probs_BxT - old_BxT)
         advantages_Bx1 = batch["advantages"][:, None]
         high = settings.epsilon_high or settings.epsilon
         clipped_BxT = jnp.clip(ratio_BxT, 1 - settings.epsilon, 1 + high)
@@ -269,12 +282,38 @@ class PolicyOptimisation(LanguageModelling):
             axis=1,
         ).astype(np.float32)
         rows |= {"advantages": advantages_R, "figures": figures}
+        used = [len(prompt) + len(answer) for prompt, answer in zip(prompts, answers, strict=True)]
         if settings.beta:
-            used = [
-                len(prompt) + len(answer) for prompt, answer in zip(prompts, answers, strict=True)
-            ]
             rows["reference"] = _row_log_probs(reference, rows["tokens"], used)
+        if settings.iterations > 1:  # the later steps' ratios are to the policy drawing now
+            rows["old"] = _row_log_probs(generator, rows["tokens"], used)
+            self.held = (step, rows)
         return jax.device_put(rows, sharding.batch_sharding(run.mesh))
+
+    def reuses(self, step: int) -> bool:
+        """Whether step `step` learns from held rows (grpo.iterations > 1): no prompts read."""
+        return self.held is not None and step < self.held[0] + self.settings.iterations
+
+    def held_rows(self, run: Any) -> dict:
+        """The held rows again, on the devices (their generation's time counted once)."""
+        rows = dict(self.held[1])
+        rows["figures"] = rows["figures"].copy()
+        rows["figures"][:, self.figure_names.index("generation_s")] = 0.0
+        return jax.device_put(rows, sharding.batch_sharding(run.mesh))
+
+    def held_record(self, step: int) -> dict | None:
+        """What a checkpoint of step `step` keeps of the held rows (None: the next step draws)."""
+        if not self.reuses(step + 1):
+            return None
+        encoded = {name: _encoded(array) for name, array in self.held[1].items()}
+        return {"step": self.held[0], "rows": encoded}
+
+    def hold(self, record: dict | None) -> None:
+        """Takes back the rows `held_record` saved (None: nothing held)."""
+        if record is None:
+            self.held = None
+            return
+        self.held = (int(record["step"]), {k: _decoded(v) for k, v in record["rows"].items()})
 
     def _until_stop(self, answer: list[int], end_ids) -> list[int]:
         """The answer through the first token whose text completes one of grpo.stop."""
@@ -325,6 +364,18 @@ def _row_log_probs(reference: Any, tokens: np.ndarray, used: list[int]) -> np.nd
     for row, (row_log_probs, _) in enumerate(scored):
         log_probs[row, : len(row_log_probs)] = row_log_probs
     return log_probs
+
+
+def _encoded(array: np.ndarray) -> str:
+    """An array as text for a checkpoint's JSON (exact: .npy bytes in base64)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decoded(text: str) -> np.ndarray:
+    """The array `_encoded` wrote."""
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
 
 
 def group_advantages(rewards_R: np.ndarray, group: int, scale: bool) -> tuple:

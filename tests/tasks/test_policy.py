@@ -56,9 +56,15 @@ def grpo_settings(prompts, *extra):
     ]
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
-    """A fixed batch of answers, advantages and reference log-probs, beta = 0.1."""
+@pytest.mark.parametrize(
+    "loss_type, drawn", [("dapo", "now"), ("grpo", "now"), ("dr_grpo", "now"), ("dapo", "before")]
+)
+def test_the_loss_equals_a_reference_written_here(prompts, loss_type, drawn):
+    """A fixed batch of answers, advantages and reference log-probs, beta = 0.1.
+
+    drawn="before": the answers were drawn by an earlier policy (grpo.iterations > 1), whose
+    log-probs the batch holds: the ratio is not 1 and the clip holds it.
+    """
     config = load_config(None, grpo_settings(prompts, f"grpo.loss_type={loss_type}"))
     run = setup(config, zoo_workload(config), jax.devices()[:1])
     # (a run's beta > 0 reads checkpoint.init_from's reference; here the batch holds it)
@@ -81,7 +87,6 @@ def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
         "reference": -rng.uniform(4, 7, (B, T)).astype(np.float32),
         "figures": np.zeros((B, len(run.task.figure_names)), np.float32),
     }
-    loss, metrics = run.task.loss(model, batch, jax.random.key(0))
     logits = np.asarray(model(tokens[:, :-1]), np.float64)
     log_probs = (
         logits
@@ -89,9 +94,16 @@ def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
         - logits.max(-1, keepdims=True)
     )
     taken = np.take_along_axis(log_probs, tokens[:, 1:, None], -1)[..., 0]
+    ratio = np.ones((B, T))  # drawn by the policy learning now
+    if drawn == "before":
+        batch["old"] = (taken + rng.uniform(-0.4, 0.4, (B, T))).astype(np.float32)
+        ratio = np.exp(taken - batch["old"])
+    loss, metrics = run.task.loss(model, batch, jax.random.key(0))
     delta = batch["reference"] - taken
     kl = np.exp(delta) - delta - 1
-    per_token = -batch["advantages"][:, None] + 0.1 * kl  # the ratio is 1 where it is drawn
+    advantages = batch["advantages"][:, None]
+    clipped = np.clip(ratio, 0.8, 1.2)
+    per_token = -np.minimum(ratio * advantages, clipped * advantages) + 0.1 * kl
     if loss_type == "dapo":
         expected = (per_token * learned).sum() / learned.sum()
     elif loss_type == "grpo":
@@ -100,7 +112,9 @@ def test_the_loss_equals_a_reference_written_here(prompts, loss_type):
         expected = (per_token * learned).sum() / (B * 6)
     assert float(loss) == pytest.approx(expected, rel=1e-4)
     assert float(metrics["kl"]) == pytest.approx((kl * learned).sum() / learned.sum(), rel=1e-4)
-    assert float(metrics["clip_ratio/region_mean"]) == 0.0
+    clip_share = ((ratio != clipped) * learned).sum() / learned.sum()
+    assert float(metrics["clip_ratio/region_mean"]) == pytest.approx(clip_share, abs=1e-6)
+    assert (clip_share > 0.2) == (drawn == "before")
 
 
 def test_advantages_are_rewards_less_their_groups_mean_over_its_spread():
@@ -114,16 +128,28 @@ def test_advantages_are_rewards_less_their_groups_mean_over_its_spread():
 
 
 def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_path):
-    """Answers are drawn with a key of (seed, step): cut at step 2, the run goes on the same."""
-    settings = grpo_settings(prompts, "checkpoint.every=2")
+    """Answers are drawn with a key of (seed, step), each learned from for 2 steps
+    (grpo.iterations=2): cut at step 3, between a generation's two steps, the run goes on
+    with the rows its checkpoint held and learns as the uninterrupted one."""
+    settings = grpo_settings(prompts, "grpo.iterations=2", "checkpoint.every=3")
     whole = train(load_config(None, [*settings, "train.steps=4", f"run.dir={tmp_path / 'a'}"]))
-    train(load_config(None, [*settings, "train.steps=2", f"run.dir={tmp_path / 'b'}"]))
+    train(load_config(None, [*settings, "train.steps=3", f"run.dir={tmp_path / 'b'}"]))
     train(load_config(None, [*settings, "train.steps=4", f"run.dir={tmp_path / 'b'}"]))
     names = ("loss", "reward", "reward_std", "rewards/copies_the_letter/mean", "kl")
+    names += ("clip_ratio/region_mean",)
     uncut, cut = run_records(tmp_path / "a"), run_records(tmp_path / "b")
     assert [[r[n] for n in names] for r in cut] == [[r[n] for n in names] for r in uncut]
     assert whole["steps"] == 4 and all(0 <= r["reward"] <= 1 for r in uncut)
-    assert all(r["completions/mean_length"] == 6 and r["generation_s"] > 0 for r in uncut)
+    assert all(r["completions/mean_length"] == 6 for r in uncut)
+    # steps 1 and 3 draw; 2 and 4 learn from the same answers again, moved by one update
+    assert [r["generation_s"] > 0 for r in uncut] == [True, False, True, False]
+    assert uncut[0]["reward"] == uncut[1]["reward"] and uncut[2]["reward"] == uncut[3]["reward"]
+    assert uncut[1]["loss"] != uncut[0]["loss"]
+    held = json.loads((tmp_path / "b/checkpoints/3/meta/metadata").read_text())["held_rows"]
+    assert held["step"] == 3 and set(held["rows"]) >= {"tokens", "advantages", "old"}
+    last = json.loads((tmp_path / "a/checkpoints/4/meta/metadata").read_text())
+    assert last["held_rows"] is None  # step 5 would draw
+    assert last["data_position"]["examples"] == 16  # prompts read at steps 1 and 3: 2 x 8
     # a GRPO run generates as any run, on devices its groups do not divide
     generator = paisoar_jax.Generator(tmp_path / "a", devices=jax.devices()[:1])
     [answer] = generator.generate([[97, 97, 97, 97, 61]], max_new=3)
@@ -144,6 +170,7 @@ def test_a_resumed_run_draws_and_learns_as_the_uninterrupted_one(prompts, tmp_pa
         (["train.harness_every=2", "train.harness_tasks=[x]"], "it reads no eval sets"),
         (["mesh.context=2", "mesh.data=4"], "mesh.stage and mesh.context must be 1"),
         (["grpo.max_new=40"], "leaves no room for a prompt"),
+        (["grpo.iterations=0"], "grpo.iterations must be at least 1"),
     ],
 )
 def test_bad_settings_are_one_line(prompts, tmp_path, overrides, message):
