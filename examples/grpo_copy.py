@@ -54,8 +54,8 @@ def main(overrides):
         "run.dir=runs/grpo_copy",
         *overrides,
     ]
-    paisoar_jax.fit(None, settings)
-    for line in pathlib.Path("runs/grpo_copy/metrics.jsonl").read_text().splitlines():
+    result = paisoar_jax.fit(None, settings)
+    for line in (result.run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         print(f"step {record['step']}: mean reward {record['reward']:.3f}")
 
