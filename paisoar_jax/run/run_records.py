@@ -28,6 +28,7 @@ from paisoar_jax.observe.monitor import IntervalTimer, StepProfiler, check_healt
 from paisoar_jax.parallel import sharding
 from paisoar_jax.run import oom
 from paisoar_jax.run.setup import Setup
+from paisoar_jax.runtime import ray_train
 from paisoar_jax.tasks.workload import Task
 
 
@@ -211,6 +212,7 @@ def evaluate_sets(
 def write_record(record: dict[str, Any], task: Task, instruments: Instruments) -> None:
     """Writes the record, shows its loss and rate on the bar, and starts the next interval."""
     instruments.writer.write(record)
+    ray_train.report(record)  # inside a Ray Train worker: Ray hears of it too
     rate = f"{record[instruments.timer.throughput_key]:,.0f}"
     postfix = {"loss": f"{record['loss']:.3f}", task.rate_name: rate}
     instruments.progress.set_postfix(postfix, refresh=False)  # drawn at the bar's own pace

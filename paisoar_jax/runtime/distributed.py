@@ -1,16 +1,9 @@
 """Multi-process start-up: `jax.distributed.initialize` from the config or the environment.
 
-Where the settings come from, first match wins:
-
-    config     distributed.coordinator, .num_processes, .process_id (all three set)
-    launcher   PAISOAR_COORDINATOR, PAISOAR_NUM_PROCESSES, PAISOAR_PROCESS_ID
-               (set by `python -m paisoar_jax.launch`)
-    SLURM      srun's SLURM_* variables, read by jax's own cluster detection (not when
-               mpirun started the process inside an allocation: then Open MPI's ranks count)
-    Open MPI   mpirun's OMPI_* variables, read by jax's own detection (Open MPI 4); for
-               Open MPI 5 the ranks are mapped here and the coordinator must be given
-    torchrun   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (also PyTorchJob)
-    single     none of them: one process, jax.distributed is not started
+The config's distributed.coordinator, .num_processes and .process_id (all three set) come
+first; else the first environment of runtime/environments.py's table that matches (the
+launcher, SLURM, Open MPI, torchrun, Kubeflow, JobSet, an indexed Job, SkyPilot, Ray
+Train); none: one process, jax.distributed is not started.
 
 Config fields that are set override the environment's value for that field.
 PAISOAR_COORDINATOR on its own overrides the coordinator of any source;
@@ -31,29 +24,29 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from paisoar_jax import output
 from paisoar_jax.config import DistributedConfig
 from paisoar_jax.errors import USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.runtime import chatter, heartbeat
-
-COORDINATOR = "PAISOAR_COORDINATOR"
-NUM_PROCESSES = "PAISOAR_NUM_PROCESSES"
-PROCESS_ID = "PAISOAR_PROCESS_ID"
-CPU_DEVICES = "PAISOAR_CPU_DEVICES"
-LOCAL_DEVICE_IDS = "PAISOAR_LOCAL_DEVICE_IDS"
-TIMEOUT = "PAISOAR_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300
-# The variables jax's SlurmCluster needs; srun sets them all (a bare sbatch script does not).
-SLURM_VARIABLES = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
+from paisoar_jax.runtime.environments import (
+    COORDINATOR,
+    CPU_DEVICES,
+    DEFAULT_TIMEOUT_S,
+    LOCAL_DEVICE_IDS,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    SOURCES,
+    TIMEOUT,
+    Plan,
+    device_ids,
+    integer,
 )
-OPENMPI_4_URI = "OMPI_MCA_orte_hnp_uri"
+
+__all__ = ["COORDINATOR", "CPU_DEVICES", "LOCAL_DEVICE_IDS", "NUM_PROCESSES", "PROCESS_ID"]
+__all__ += ["TIMEOUT", "Plan", "initialize", "joined", "resolve", "split_address"]
+
 # jax's timeout must outlast ours, so that our one-line error comes before its abort.
 JAX_TIMEOUT_MARGIN_S = 30
 # Every rank of a script that used jax before fit (or initialize) says this: status 2, and
@@ -63,149 +56,6 @@ JAX_USED_FIRST = (
     "built eagerly); call paisoar_jax.initialize() at the top of the script, before anything "
     "touches jax"
 )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What jax.distributed.initialize gets, and where each part came from."""
-
-    source: str  # config | launcher | SLURM | Open MPI | torchrun | single
-    num_processes: int
-    process_id: int
-    coordinator: str | None = None  # None: jax's cluster detection picks it
-    coordinator_origin: str = ""  # for messages: "from PAISOAR_COORDINATOR"
-    local_device_ids: tuple[int, ...] | None = None
-    cluster_detection: str = "deactivate"  # jax's cluster_detection_method
-    cpu_devices: int | None = None
-    timeout_s: int = DEFAULT_TIMEOUT_S
-
-    @property
-    def multi_process(self) -> bool:
-        """Whether jax.distributed must be started at all."""
-        return self.num_processes > 1
-
-
-def _integer(environ: Mapping[str, str], name: str) -> int:
-    """An integer environment variable, or one line naming it."""
-    text = environ[name]
-    try:
-        return int(text)
-    except ValueError:
-        raise UserError(f"{name}={text!r} is not an integer") from None
-
-
-def _device_ids(text: str, name: str) -> tuple[int, ...] | None:
-    """`0,1,3` -> (0, 1, 3); empty -> None."""
-    if not text.strip():
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise UserError(f"{name}={text!r} is not a comma-separated list of device ids") from None
-
-
-def _launcher_plan(environ: Mapping[str, str]) -> Plan | None:
-    """PAISOAR_* variables (python -m paisoar_jax.launch, or set by hand)."""
-    if NUM_PROCESSES not in environ and PROCESS_ID not in environ:
-        return None
-    for name in (NUM_PROCESSES, PROCESS_ID):
-        if name not in environ:
-            other = PROCESS_ID if name == NUM_PROCESSES else NUM_PROCESSES
-            raise UserError(f"{other} is set but {name} is missing")
-    return Plan(
-        "launcher",
-        _integer(environ, NUM_PROCESSES),
-        _integer(environ, PROCESS_ID),
-        environ.get(COORDINATOR),
-        f"from {COORDINATOR}",
-        _device_ids(environ.get(LOCAL_DEVICE_IDS, ""), LOCAL_DEVICE_IDS),
-    )
-
-
-def _slurm_plan(environ: Mapping[str, str]) -> Plan | None:
-    """An srun step: jax reads the coordinator (first node) and the ranks itself."""
-    if not all(name in environ for name in SLURM_VARIABLES):
-        _say_outside_srun(environ)
-        return None
-    if "OMPI_COMM_WORLD_RANK" in environ:
-        # mpirun inside an allocation starts its daemons with srun: their SLURM_* variables
-        # count nodes, not ranks, and the ranks are Open MPI's (jax checks Open MPI first too).
-        return None
-    return Plan(
-        "SLURM",
-        _integer(environ, "SLURM_NTASKS"),
-        _integer(environ, "SLURM_PROCID"),
-        coordinator_origin="chosen by jax from SLURM_STEP_NODELIST and SLURM_JOB_ID",
-        local_device_ids=None,
-        cluster_detection="slurm",
-    )
-
-
-def _say_outside_srun(environ: Mapping[str, str]) -> None:
-    """A shell in an allocation (salloc, sbatch's own script) has SLURM_NTASKS without a rank.
-
-    jax's own detection would start a job of SLURM_NTASKS processes there and wait for
-    peers that never come (jax#30073); this process trains alone, and says so once.
-    """
-    tasks = environ.get("SLURM_NTASKS", "1")
-    if "SLURM_JOB_ID" not in environ or "SLURM_PROCID" in environ or tasks in ("", "1"):
-        return
-    if "OMPI_COMM_WORLD_SIZE" in environ or "WORLD_SIZE" in environ:
-        return  # mpirun or torchrun inside the allocation: they give the ranks
-    output.note(
-        f"inside SLURM job {environ['SLURM_JOB_ID']} but not started by srun (no "
-        f"SLURM_PROCID): one process trains here; `srun python -m ...` starts the job's "
-        f"{tasks} tasks"
-    )
-
-
-def _openmpi_plan(environ: Mapping[str, str]) -> Plan | None:
-    """mpirun: jax detects Open MPI 4; Open MPI 5 needs the coordinator given."""
-    if "OMPI_COMM_WORLD_SIZE" not in environ or "OMPI_COMM_WORLD_RANK" not in environ:
-        return None
-    plan = Plan(
-        "Open MPI",
-        _integer(environ, "OMPI_COMM_WORLD_SIZE"),
-        _integer(environ, "OMPI_COMM_WORLD_RANK"),
-        coordinator_origin=f"chosen by jax from {OPENMPI_4_URI}",
-        cluster_detection="ompi",
-    )
-    if OPENMPI_4_URI in environ:
-        return plan
-    # Open MPI 5 has no URI to take a coordinator from: map the ranks here instead (one
-    # device per process when several share a node, as jax does for Open MPI 4).
-    local_size = int(environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    local_rank = int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    return replace(
-        plan,
-        coordinator_origin="",
-        cluster_detection="deactivate",
-        local_device_ids=(local_rank,) if local_size > 1 else None,
-    )
-
-
-def _torchrun_plan(environ: Mapping[str, str]) -> Plan | None:
-    """The torchrun / PyTorchJob variables, mapped here (jax has no detector for them)."""
-    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-    if not all(name in environ for name in names):
-        return None
-    port = _integer(environ, "MASTER_PORT")
-    origin = "from MASTER_ADDR and MASTER_PORT"
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        # torchrun's agent already listens on MASTER_PORT (its rendezvous store).
-        port, origin = port + 1, "from MASTER_ADDR and MASTER_PORT + 1"
-    if "JAX_COORDINATOR_PORT" in environ:
-        port, origin = _integer(environ, "JAX_COORDINATOR_PORT"), "from JAX_COORDINATOR_PORT"
-    local_size = int(environ.get("LOCAL_WORLD_SIZE", "1"))
-    local_rank = int(environ.get("LOCAL_RANK", "0"))
-    return Plan(
-        "torchrun",
-        _integer(environ, "WORLD_SIZE"),
-        _integer(environ, "RANK"),
-        f"{environ['MASTER_ADDR']}:{port}",
-        origin,
-        (local_rank,) if local_size > 1 else None,
-    )
 
 
 def resolve(settings: DistributedConfig, environ: Mapping[str, str]) -> Plan:
@@ -218,8 +68,7 @@ def resolve(settings: DistributedConfig, environ: Mapping[str, str]) -> Plan:
     if None not in explicit.values():
         plan = Plan("config", **explicit, coordinator_origin="from distributed.coordinator")
     else:
-        detectors = (_launcher_plan, _slurm_plan, _openmpi_plan, _torchrun_plan)
-        plan = next(filter(None, (detect(environ) for detect in detectors)), None)
+        plan = next(filter(None, (detect(environ) for detect in SOURCES)), None)
         if plan is None:
             plan = Plan("single", 1, 0)
             given = [f"distributed.{key}" for key, value in explicit.items() if value is not None]
@@ -227,7 +76,7 @@ def resolve(settings: DistributedConfig, environ: Mapping[str, str]) -> Plan:
                 wanted = [f"distributed.{key}" for key, value in explicit.items() if value is None]
                 raise UserError(
                     f"{', '.join(given)} set but {' and '.join(wanted)} missing, and no "
-                    "launcher, SLURM, Open MPI or torchrun environment provides them"
+                    "launcher, cluster or cloud environment provides them"
                 )
         if COORDINATOR in environ and plan.source != "launcher":
             plan = replace(plan, coordinator=environ[COORDINATOR])
@@ -236,14 +85,14 @@ def resolve(settings: DistributedConfig, environ: Mapping[str, str]) -> Plan:
         if "coordinator" in overrides:
             overrides["coordinator_origin"] = "from distributed.coordinator"
         plan = replace(plan, **overrides)
-    local_ids = _device_ids(settings.local_device_ids, "distributed.local_device_ids")
+    local_ids = device_ids(settings.local_device_ids, "distributed.local_device_ids")
     timeout_s = settings.timeout_s or (
-        _integer(environ, TIMEOUT) if TIMEOUT in environ else DEFAULT_TIMEOUT_S
+        integer(environ, TIMEOUT) if TIMEOUT in environ else DEFAULT_TIMEOUT_S
     )
     plan = replace(
         plan,
         local_device_ids=local_ids or plan.local_device_ids,
-        cpu_devices=_integer(environ, CPU_DEVICES) if CPU_DEVICES in environ else None,
+        cpu_devices=integer(environ, CPU_DEVICES) if CPU_DEVICES in environ else None,
         timeout_s=timeout_s,
     )
     _check(plan)
@@ -264,7 +113,7 @@ def _check(plan: Plan) -> None:
         raise UserError(f"{CPU_DEVICES} must be >= 1, got {plan.cpu_devices}")
     if not plan.multi_process:
         return
-    if plan.coordinator is None and plan.cluster_detection == "deactivate":
+    if plan.coordinator is None and plan.cluster_detection == "deactivate" and not plan.joined:
         raise UserError(
             f"{plan.source} gives {plan.num_processes} processes but no coordinator address: "
             f"set distributed.coordinator=HOST:PORT or {COORDINATOR} (a free port on the "

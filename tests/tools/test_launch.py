@@ -306,6 +306,20 @@ def test_child_environments_give_ranks_and_devices():
     assert launch.local_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
 
 
+def test_a_skypilot_node_gives_the_launcher_its_nodes_rank_and_coordinator():
+    sky = {
+        "SKYPILOT_NODE_RANK": "1",
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.8",
+    }
+    args = launch.parse_arguments(["--nproc", "8"], {**sky, "JAX_COORDINATOR_PORT": "7000"})
+    assert (args.nnodes, args.node_rank, args.coordinator) == (2, 1, "10.0.0.7:7000")
+    given = launch.parse_arguments(["--nproc", "8", "--coordinator", "head:1"], sky)
+    assert given.coordinator == "head:1"  # what is given wins
+    alone = launch.parse_arguments(["--nproc", "8"], {})
+    assert (alone.nnodes, alone.node_rank, alone.coordinator) == (1, 0, None)
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+
+from paisoar_jax.errors import UserError
+from paisoar_jax.runtime import environments
 
 PROGRAM = "paisoar_jax.launch"
 USAGE = f"python -m {PROGRAM} --nproc N [options] --\n       [train arguments | python SCRIPT ARGS]"
 DESCRIPTION = "N processes of paisoar_jax.train, or of a script of your own, joined as one job."
 
 
-def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
-    """Launcher options before `--`, the child's arguments after it."""
+def parse_arguments(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Launcher options before `--`, the child's arguments after it.
+
+    On a node of a SkyPilot task, its variables give --nnodes, --node-rank and
+    --coordinator (the first of SKYPILOT_NODE_IPS) where they are not given.
+    """
     argv = list(argv)
     child_arguments = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
@@ -24,8 +34,10 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         help="CPU: simulated devices per process (default: jax's); GPU: GPUs per process "
         "(default: the node's GPUs / nproc)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    parser.add_argument(
+        "--nnodes", type=int, default=None, help="nodes, one launcher each (default: 1)"
+    )
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
     parser.add_argument(
         "--coordinator",
         default=None,
@@ -64,6 +76,10 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(own)
     args.arguments = args.arguments + child_arguments
+    try:
+        _nodes_from_skypilot(args, os.environ if environ is None else environ)
+    except UserError as error:
+        parser.error(str(error))
     for name in ("nproc", "nnodes", "timeout"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -76,3 +92,12 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     if args.max_restarts < 0 or not 0 <= args.restart_backoff < float("inf"):
         parser.error("--max-restarts and --restart-backoff must be >= 0")
     return args
+
+
+def _nodes_from_skypilot(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """--nnodes, --node-rank and --coordinator not given: a SkyPilot node's, else 1 node."""
+    nodes = environments.skypilot_nodes(environ)
+    count, rank, coordinator = nodes[:3] if nodes else (1, 0, None)
+    args.nnodes = count if args.nnodes is None else args.nnodes
+    args.node_rank = rank if args.node_rank is None else args.node_rank
+    args.coordinator = args.coordinator or coordinator

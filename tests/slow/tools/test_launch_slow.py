@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -235,3 +236,32 @@ def test_scope_dcn_keeps_the_exchange_inside_each_host_in_fp32(tmp_path):
     train_one(tmp_path / "one", "mesh.data=8", "train.steps=3")
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert two == pytest.approx(one, rel=1e-3)
+
+
+def test_two_launchers_given_skypilots_variables_train_like_one_process(one_process_run, tmp_path):
+    """A SkyPilot task's `run:` on 2 nodes, here both on 127.0.0.1: the launcher takes
+    --nnodes, --node-rank and the coordinator (the first node's address) from them."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    launchers = []
+    for rank in (0, 1):
+        env = subprocess_env() | {
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "JAX_COORDINATOR_PORT": str(port),
+        }
+        command = [PYTHON, "-m", "paisoar_jax.launch", "--nproc", "1", "--devices-per-proc", "4"]
+        command += ["--", *RUN, "mesh.dcn_data=2", "train.steps=5", f"run.dir={run_dir}"]
+        launchers.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    assert "2 processes (launcher), coordinator 127.0.0.1:" in outputs[0], outputs[0]
+    assert_same_losses(run_dir, one_process_run)
