@@ -158,6 +158,7 @@ def test_a_config_keys_anchor_shows_its_row(browser, site_url):
         "/tutorials/own-model/",
         "/how-to/meshes/",
         "/how-to/multi-process/",
+        "/how-to/cloud/",
         "/reference/config/",
         "/reference/api/",
         "/reference/glossary/",
