@@ -16,9 +16,10 @@ that Ray restarts after a failure (FailureConfig) resumes from the newest checkp
 from __future__ import annotations
 
 import pathlib
-import socket
 import sys
 from typing import Any
+
+from paisoar_jax.runtime.ports import free_port
 
 RUN_NAME = "run"  # the run directory's name inside the Ray Train run's storage
 
@@ -53,9 +54,11 @@ def world() -> dict[str, Any] | None:
     from ray.train.collective import broadcast_from_rank_zero
 
     address = broadcast_from_rank_zero(_free_address() if rank == 0 else None)
-    origin = "picked by Ray Train's rank 0 and broadcast to the workers"
-    return {"num_processes": size, "process_id": rank, "coordinator": address} | {
-        "coordinator_origin": origin
+    return {
+        "num_processes": size,
+        "process_id": rank,
+        "coordinator": address,
+        "coordinator_origin": "picked by Ray Train's rank 0 and broadcast to the workers",
     }
 
 
@@ -63,10 +66,7 @@ def _free_address() -> str:
     """HOST:PORT of a port free now on this node (rank 0's), for the coordinator."""
     import ray.util
 
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    return f"{ray.util.get_node_ip_address()}:{port}"
+    return f"{ray.util.get_node_ip_address()}:{free_port('')}"
 
 
 def report(record: dict[str, Any]) -> None:

@@ -6,7 +6,6 @@ import io
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 
@@ -20,6 +19,7 @@ from paisoar_jax.data.sources import open_source
 from paisoar_jax.errors import UserError
 from paisoar_jax.parallel import sharding
 from paisoar_jax.runtime import heartbeat
+from paisoar_jax.runtime.ports import free_port
 from paisoar_jax.tools.launch import command as launch
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 
@@ -230,14 +230,8 @@ def test_a_failing_log_file_is_dropped_and_output_keeps_flowing(tmp_path):
     assert (tmp_path / "logs" / "rank-0.log").read_bytes() == b"one\n"
 
 
-def unused_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_an_unreachable_coordinator_is_one_clear_line():
-    port = unused_port()
+    port = free_port()
     start = time.monotonic()
     result = run_launcher(
         "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
@@ -263,7 +257,7 @@ def test_peers_that_never_join_are_one_clear_line(tmp_path):
             PYTHON,
             "-m",
             "paisoar_jax.train",
-            f"distributed.coordinator=127.0.0.1:{unused_port()}",
+            f"distributed.coordinator=127.0.0.1:{free_port()}",
             "distributed.num_processes=2",
             "distributed.process_id=0",
             "distributed.timeout_s=2",

@@ -37,7 +37,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field, replace
 
 from paisoar_jax.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from paisoar_jax.runtime import distributed, heartbeat, preemption
+from paisoar_jax.runtime.ports import free_port
 from paisoar_jax.tools.launch.arguments import parse_arguments
 from paisoar_jax.tools.launch.rank_output import Output, RankLog, copy_lines
 from paisoar_jax.tools.launch.restarts import Ending, SignalLog, run_with_restarts
@@ -57,13 +57,6 @@ TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 USER_ERROR_WAIT_S = 3.0  # how long the others may take to report a bad input themselves
 STALE_S = 10.0  # beats missed this long mark a rank as the stalled one when a peer fails
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the coordinator binds it a moment later)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def local_gpu_count(environ: Mapping[str, str]) -> int:

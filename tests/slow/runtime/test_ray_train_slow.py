@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,6 +20,7 @@ import ray  # noqa: E402  (the test extra installs it)
 from conftest import PYTHON, REPO, RESUMABLE, run_records, train
 
 from paisoar_jax.config import load_config
+from paisoar_jax.runtime.ports import free_port
 
 SETTINGS = [*RESUMABLE, "train.steps=10", "checkpoint.every=4"]
 
@@ -28,9 +28,7 @@ SETTINGS = [*RESUMABLE, "train.steps=10", "checkpoint.every=4"]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """The address of a local Ray cluster whose workers see 4 CPU devices each."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="", PAISOAR_CPU_DEVICES="4")
     # the workers unpickle this module's functions by name
     paths = [REPO, REPO / "tests", pathlib.Path(__file__).parent, env.get("PYTHONPATH", "")]

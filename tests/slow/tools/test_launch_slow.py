@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 
@@ -32,6 +31,7 @@ from test_launch import (  # noqa: F401 (fixtures)
     wait_for_text,
 )
 
+from paisoar_jax.runtime.ports import free_port
 from paisoar_jax.tools.plan import hlo
 
 
@@ -241,9 +241,7 @@ def test_scope_dcn_keeps_the_exchange_inside_each_host_in_fp32(tmp_path):
 def test_two_launchers_given_skypilots_variables_train_like_one_process(one_process_run, tmp_path):
     """A SkyPilot task's `run:` on 2 nodes, here both on 127.0.0.1: the launcher takes
     --nnodes, --node-rank and the coordinator (the first node's address) from them."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     run_dir = tmp_path / "run"
     launchers = []
     for rank in (0, 1):
